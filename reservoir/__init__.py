@@ -1,0 +1,71 @@
+"""reservoir: place work on compute nodes with a fanout reservation protocol.
+
+A requestor broadcasts a reservation request on utilisation-tiered topics; every node that
+can take it reserves the resources and answers; the requestor awards a winner and releases
+the rest; unclaimed reservations expire. The node is the source of truth, so concurrent
+requestors never double-book it. See README.md and DESIGN.md.
+"""
+
+from reservoir.audit import AuditFailed, AuditReport, NodeSnapshot, audit
+from reservoir.broker import Broker, BrokerError, Delivery, Endpoint, UnsupportedBroker
+from reservoir.clock import (
+    Clock,
+    FakeClock,
+    Scheduler,
+    SystemClock,
+    ThreadScheduler,
+    VirtualScheduler,
+)
+from reservoir.node_agent import NodeAgent
+from reservoir.protocol.ledger import Allocation, Inventory
+from reservoir.protocol.messages import GroupSpec, NumaSpec
+from reservoir.protocol.placement import (
+    Explanation,
+    PlacedAllocation,
+    Placement,
+    PlacementError,
+    PlacementRequest,
+    PlacementTimeout,
+)
+from reservoir.protocol.tiers import TierLadder
+from reservoir.requestor import FreeIncomplete, Requestor, RequestorClosed
+from reservoir.settings import Settings
+from reservoir.store import SqliteStore, StateError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Allocation",
+    "AuditFailed",
+    "AuditReport",
+    "Broker",
+    "BrokerError",
+    "Clock",
+    "Delivery",
+    "Endpoint",
+    "Explanation",
+    "FakeClock",
+    "FreeIncomplete",
+    "GroupSpec",
+    "Inventory",
+    "NodeAgent",
+    "NodeSnapshot",
+    "NumaSpec",
+    "PlacedAllocation",
+    "Placement",
+    "PlacementError",
+    "PlacementRequest",
+    "PlacementTimeout",
+    "Requestor",
+    "RequestorClosed",
+    "Scheduler",
+    "Settings",
+    "SqliteStore",
+    "StateError",
+    "SystemClock",
+    "ThreadScheduler",
+    "TierLadder",
+    "UnsupportedBroker",
+    "VirtualScheduler",
+    "audit",
+]

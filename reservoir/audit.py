@@ -1,0 +1,139 @@
+"""The invariant audit every protocol test and every demo run ends with.
+
+It looks at what the *nodes* hold, independently of what requestors believe, and reports:
+
+- **overcommitted**: a node where allocations plus live reservations exceed capacity for
+  some resource class;
+- **leaked reservations**: a reservation still held after its deadline;
+- **duplicate placements**: a request id holding more instances across all nodes than it
+  asked for, or a placement a requestor returned that the nodes do not hold;
+- **orphaned allocations** (informational): allocations no returned placement accounts
+  for, e.g. a placement abandoned when a ``Free`` was lost. Only meaningful when every
+  placement of the run is passed in.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from reservoir.protocol.ledger import Allocation, Ledger, Reservation, ResourceUsage
+from reservoir.protocol.placement import Placement
+
+__all__ = ["AuditFailed", "AuditReport", "NodeSnapshot", "audit"]
+
+
+@dataclass(frozen=True)
+class NodeSnapshot:
+    """A node's ledger at one moment of its clock."""
+
+    name: str
+    taken_at: float
+    utilisation: float
+    tier: int
+    usages: Mapping[str, ResourceUsage]
+    allocations: tuple[Allocation, ...]
+    reservations: tuple[Reservation, ...]
+    violations: tuple[str, ...]
+
+    @classmethod
+    def of(cls, name: str, ledger: Ledger, taken_at: float, tier: int) -> NodeSnapshot:
+        return cls(
+            name=name,
+            taken_at=taken_at,
+            utilisation=ledger.utilisation(),
+            tier=tier,
+            usages=ledger.usages(),
+            allocations=tuple(ledger.allocations.values()),
+            reservations=tuple(ledger.reservations.values()),
+            violations=tuple(ledger.violations()),
+        )
+
+
+class AuditFailed(AssertionError):
+    """An invariant of the protocol does not hold."""
+
+
+@dataclass(frozen=True)
+class AuditReport:
+    overcommitted: tuple[str, ...]
+    leaked_reservations: tuple[str, ...]
+    duplicate_placements: tuple[str, ...]
+    orphaned_allocations: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        """True when the three invariants hold (orphans are reported, not judged)."""
+        return not (self.overcommitted or self.leaked_reservations or self.duplicate_placements)
+
+    def raise_if_failed(self, *, allow_orphans: bool = True) -> None:
+        problems = [*self.overcommitted, *self.leaked_reservations, *self.duplicate_placements]
+        if not allow_orphans:
+            problems += self.orphaned_allocations
+        if problems:
+            shown = "\n  ".join(problems[:20])
+            more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+            raise AuditFailed(f"protocol invariants broken:\n  {shown}{more}")
+
+
+def audit(
+    snapshots: Iterable[NodeSnapshot],
+    placements: Iterable[Placement] = (),
+    *,
+    grace_s: float = 0.0,
+) -> AuditReport:
+    """Check the invariants over node snapshots (and the placements requestors returned).
+
+    A reservation counts as leaked when its deadline is ``grace_s`` or more behind the
+    snapshot's time: a live runtime's timer may fire a hair late, a simulated one never.
+    """
+    overcommitted: list[str] = []
+    leaked: list[str] = []
+    held_by_request: defaultdict[str, list[tuple[str, Allocation]]] = defaultdict(list)
+    for snapshot in snapshots:
+        overcommitted += [f"{snapshot.name}: {v}" for v in snapshot.violations]
+        for reservation in snapshot.reservations:
+            late_s = snapshot.taken_at - reservation.deadline
+            if late_s >= grace_s:
+                leaked.append(
+                    f"{snapshot.name}: reservation {reservation.reservation_id} for "
+                    f"{reservation.request_id} still held {late_s:.3f}s past its deadline"
+                )
+        for allocation in snapshot.allocations:
+            held_by_request[allocation.request_id].append((snapshot.name, allocation))
+
+    duplicates: list[str] = []
+    for request_id, held in sorted(held_by_request.items()):
+        count = max(a.request_count for _, a in held)
+        if len(held) > count:
+            where = ", ".join(sorted(f"{node}:{a.allocation_id}" for node, a in held))
+            duplicates.append(
+                f"request {request_id} wanted {count}, nodes hold {len(held)}: {where}"
+            )
+
+    claimed: set[str] = set()
+    for placement in placements:
+        held_ids = {a.allocation_id for _, a in held_by_request.get(placement.request_id, ())}
+        missing = [
+            a.allocation_id for a in placement.allocations if a.allocation_id not in held_ids
+        ]
+        if missing:
+            duplicates.append(
+                f"placement {placement.request_id} names allocations no node "
+                f"holds: {', '.join(missing)}"
+            )
+        claimed |= {a.allocation_id for a in placement.allocations}
+
+    orphans = [
+        f"{node}: {allocation.allocation_id} of {request_id}"
+        for request_id, held in sorted(held_by_request.items())
+        for node, allocation in held
+        if allocation.allocation_id not in claimed
+    ]
+    return AuditReport(
+        overcommitted=tuple(overcommitted),
+        leaked_reservations=tuple(leaked),
+        duplicate_placements=tuple(duplicates),
+        orphaned_allocations=tuple(orphans),
+    )

@@ -1,0 +1,118 @@
+"""The one small Broker interface every transport adapter implements.
+
+A broker hands out *endpoints*. An endpoint is an exclusive inbox with an address: it
+receives what is sent to its address and what is published on topics it has bound, and it
+publishes and sends. Topics route like a RabbitMQ topic exchange: words separated by dots,
+``*`` matches exactly one word, ``#`` matches zero or more.
+
+Bodies are bytes: the runtime serialises every message before it reaches a broker, so every
+adapter, the in-process one included, carries exactly what goes over the wire.
+
+A publish or send that reaches no queue is handed back to the sender's handler as a
+:class:`Delivery` with ``returned=True``: that is how a requestor learns at once that no
+node is bound to a tier (RabbitMQ's ``mandatory`` flag and ``basic.return``).
+
+Adapters live in the ``brokers`` package, one module each; ``brokers.connect(url)`` picks one.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+__all__ = [
+    "Broker",
+    "BrokerClosed",
+    "BrokerError",
+    "Delivery",
+    "Endpoint",
+    "Handler",
+    "UnsupportedBroker",
+]
+
+
+class BrokerError(Exception):
+    """A transport failed in a way its adapter could not recover from."""
+
+
+class BrokerClosed(BrokerError):
+    """The broker or endpoint was used after it was closed."""
+
+
+class UnsupportedBroker(BrokerError):
+    """The URL names a transport that cannot honour the broker contract."""
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """One message handed to an endpoint's handler."""
+
+    body: bytes
+    #: the routing key it was published with; None for a direct send to this address
+    topic: str | None = None
+    #: True when this is our own publish or send coming back because nothing received it
+    returned: bool = False
+    #: the broker-authenticated user that sent it, where the transport validates one
+    user_id: str | None = None
+
+
+Handler = Callable[[Delivery], None]
+
+
+class Endpoint(ABC):
+    """An exclusive inbox on a broker, and the way to publish and send from it.
+
+    The handler is called from a thread the broker owns, never concurrently for one
+    endpoint, and in the order each sender sent. Every method is safe from any thread.
+    """
+
+    #: where others ``send`` to reach this endpoint
+    address: str
+
+    @abstractmethod
+    def bind(self, pattern: str) -> None:
+        """Receive publishes whose topic matches ``pattern``. Takes effect before returning."""
+
+    @abstractmethod
+    def unbind(self, pattern: str) -> None:
+        """Stop receiving publishes for ``pattern``. Unbinding an unbound pattern is a no-op."""
+
+    @abstractmethod
+    def publish(self, topic: str, body: bytes) -> None:
+        """Publish on the topic exchange. Never blocks on the receivers."""
+
+    @abstractmethod
+    def send(self, address: str, body: bytes) -> None:
+        """Send to one endpoint's address. Never blocks on the receiver."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Delete the inbox and its bindings. Idempotent."""
+
+    def __enter__(self) -> Endpoint:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class Broker(ABC):
+    """A connection to a message broker that hands out endpoints."""
+
+    #: the URL this broker was opened with (credentials masked)
+    url: str
+
+    @abstractmethod
+    def open_endpoint(self, handler: Handler, *, name: str | None = None) -> Endpoint:
+        """Create an exclusive inbox. ``name`` becomes part of its address when given."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Close every endpoint and the connection. Idempotent."""
+
+    def __enter__(self) -> Broker:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

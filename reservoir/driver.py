@@ -1,0 +1,181 @@
+"""The live runtime's engine: drives one protocol state machine with a broker endpoint, a
+scheduler and a codec.
+
+A :class:`Driver` owns the lock that serialises every call into its machine, whichever
+thread the call comes from (the broker's delivery thread, the scheduler's timer thread, a
+caller's thread). It decodes bodies *outside* that lock (decoding is the costly part and is
+thread-safe), carries out the machine's effects in order under it, and runs outcome
+callbacks after releasing it, so a caller's callback can call straight back in.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Hashable, Sequence
+from functools import partial
+
+from reservoir.broker import Broker, Delivery, Endpoint
+from reservoir.clock import Scheduler, Timer
+from reservoir.metrics import Metrics
+from reservoir.protocol.effects import (
+    Bind,
+    CancelTimer,
+    DeleteAllocation,
+    Dropped,
+    Effect,
+    Failed,
+    FreeCompleted,
+    Placed,
+    Publish,
+    Send,
+    SetTimer,
+    StoreAllocation,
+    Unbind,
+)
+from reservoir.protocol.messages import Message
+from reservoir.wire import Codec, DecodeError
+
+__all__ = ["Driver"]
+
+log = logging.getLogger(__name__)
+
+Outcome = Placed | Failed | FreeCompleted
+
+
+class Driver:
+    """Carries out effects for one state machine. Subclasses say how events reach the
+    machine (``_handle_message``, ``_handle_returned``, ``_handle_timer``) and what to do
+    with durable and outcome effects."""
+
+    def __init__(
+        self,
+        *,
+        broker: Broker,
+        scheduler: Scheduler,
+        codec: Codec,
+        metrics: Metrics,
+        endpoint_name: str | None,
+    ) -> None:
+        self.scheduler = scheduler
+        self.codec = codec
+        self.metrics = metrics
+        self._lock = threading.Lock()
+        #: key -> (timer, generation); a firing whose generation is stale is ignored
+        self._timers: dict[Hashable, tuple[Timer, int]] = {}
+        self._timer_generation = 0
+        self._closed = False
+        self.endpoint: Endpoint = broker.open_endpoint(self._on_delivery, name=endpoint_name)
+
+    @property
+    def address(self) -> str:
+        return self.endpoint.address
+
+    # -- events in ---------------------------------------------------------------------
+
+    def _on_delivery(self, delivery: Delivery) -> None:
+        try:
+            message = self.codec.decode(
+                delivery.body, self.scheduler.clock.wall(), check_replay=not delivery.returned
+            )
+        except DecodeError as error:
+            self.metrics.inc("dropped", error.reason)
+            log.debug("%s dropped a message: %s", self.address, error)
+            return
+        self.metrics.inc("received", message.kind)
+        if delivery.returned:
+            self.metrics.inc("returned", message.kind)
+            self._call(self._handle_returned, message)
+        else:
+            self._call(self._handle_message, message)
+
+    def _on_timer(self, key: Hashable, generation: int) -> None:
+        outcomes: list[Outcome] = []
+        with self._lock:
+            current = self._timers.get(key)
+            if self._closed or current is None or current[1] != generation:
+                return  # replaced or cancelled after it was due
+            del self._timers[key]
+            effects = self._handle_timer(key, self.scheduler.clock.now())
+            self._execute(effects, outcomes)
+        self._deliver(outcomes)
+
+    def _call(self, handler: Callable[[Message, float], list[Effect]], message: Message) -> None:
+        outcomes: list[Outcome] = []
+        with self._lock:
+            if self._closed:
+                return
+            effects = handler(message, self.scheduler.clock.now())
+            self._execute(effects, outcomes)
+        self._deliver(outcomes)
+
+    def _run(self, step: Callable[[float], list[Effect]]) -> None:
+        """Feed the machine an event that is not a message (a caller's request, start, stop)."""
+        outcomes: list[Outcome] = []
+        with self._lock:
+            effects = step(self.scheduler.clock.now())
+            self._execute(effects, outcomes)
+        self._deliver(outcomes)
+
+    # -- effects out -------------------------------------------------------------------
+
+    def _execute(self, effects: Sequence[Effect], outcomes: list[Outcome]) -> None:
+        wall_s = self.scheduler.clock.wall()
+        for effect in effects:
+            if isinstance(effect, Send):
+                self.metrics.inc("sent", effect.message.kind)
+                self.endpoint.send(effect.address, self.codec.encode(effect.message, wall_s))
+            elif isinstance(effect, Publish):
+                self.metrics.inc("sent", effect.message.kind)
+                self.endpoint.publish(effect.topic, self.codec.encode(effect.message, wall_s))
+            elif isinstance(effect, SetTimer):
+                self._set_timer(effect.key, effect.at)
+            elif isinstance(effect, CancelTimer):
+                cancelled = self._timers.pop(effect.key, None)
+                if cancelled is not None:
+                    cancelled[0].cancel()
+            elif isinstance(effect, Dropped):
+                self.metrics.inc("ignored", effect.reason)
+                log.debug(
+                    "%s ignored a message (%s): %s", self.address, effect.reason, effect.detail
+                )
+            elif isinstance(effect, Bind):
+                self.endpoint.bind(effect.topic)
+            elif isinstance(effect, Unbind):
+                self.endpoint.unbind(effect.topic)
+            elif isinstance(effect, (StoreAllocation, DeleteAllocation)):
+                self._persist(effect)
+            else:
+                outcomes.append(effect)
+
+    def _set_timer(self, key: Hashable, at: float) -> None:
+        previous = self._timers.pop(key, None)
+        if previous is not None:
+            previous[0].cancel()
+        self._timer_generation += 1
+        generation = self._timer_generation
+        timer = self.scheduler.call_at(at, partial(self._on_timer, key, generation))
+        self._timers[key] = (timer, generation)
+
+    def _cancel_all_timers(self) -> None:
+        for timer, _generation in self._timers.values():
+            timer.cancel()
+        self._timers.clear()
+
+    # -- for subclasses ----------------------------------------------------------------
+
+    def _handle_message(self, message: Message, now: float) -> list[Effect]:
+        raise NotImplementedError
+
+    def _handle_returned(self, message: Message, now: float) -> list[Effect]:
+        return [Dropped("returned", f"{message.kind} for {message.request_id} reached nobody")]
+
+    def _handle_timer(self, key: Hashable, now: float) -> list[Effect]:
+        raise NotImplementedError
+
+    def _persist(self, effect: StoreAllocation | DeleteAllocation) -> None:
+        raise NotImplementedError(f"{type(self).__name__} keeps no allocations")
+
+    def _deliver(self, outcomes: list[Outcome]) -> None:
+        if outcomes:
+            raise NotImplementedError(f"{type(self).__name__} produces no outcomes")

@@ -1,0 +1,190 @@
+"""``NodeAgent``: one compute node's participant, live.
+
+It drives a :class:`~reservoir.protocol.node.NodeMachine` with a broker endpoint named
+after the node (``reservoir.node.<name>``), a scheduler for its reservation-expiry timer and
+an allocation store, which is durable (SQLite) when a state directory is given.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+
+from reservoir.audit import NodeSnapshot
+from reservoir.broker import Broker
+from reservoir.clock import Scheduler, ThreadScheduler
+from reservoir.driver import Driver
+from reservoir.metrics import Metrics
+from reservoir.protocol.effects import DeleteAllocation, Effect, StoreAllocation
+from reservoir.protocol.filters import DEFAULT_FILTERS, DEFAULT_WEIGHERS, Filter, Weigher
+from reservoir.protocol.ledger import Allocation, Inventory
+from reservoir.protocol.messages import Message, is_resource_class
+from reservoir.protocol.node import NodeConfig, NodeMachine
+from reservoir.settings import Settings
+from reservoir.store import AllocationStore, MemoryStore, SqliteStore
+
+__all__ = ["NodeAgent", "node_address"]
+
+log = logging.getLogger(__name__)
+
+
+def node_address(name: str) -> str:
+    """The inbox address of the node called ``name``: stable across its restarts."""
+    return f"reservoir.node.{name}"
+
+
+def _inventories(
+    inventories: Mapping[str, Inventory | int] | None,
+    vcpus: int | None,
+    memory_mb: int | None,
+    disk_gb: int | None,
+) -> dict[str, Inventory]:
+    result: dict[str, Inventory] = {}
+    for rc, amount in {"VCPU": vcpus, "MEMORY_MB": memory_mb, "DISK_GB": disk_gb}.items():
+        if amount is not None:
+            result[rc] = Inventory(total=amount)
+    for rc, inventory in (inventories or {}).items():
+        result[rc] = inventory if isinstance(inventory, Inventory) else Inventory(total=inventory)
+    unknown = sorted(rc for rc in result if not is_resource_class(rc))
+    if unknown:
+        raise ValueError(
+            f"unknown resource class {', '.join(unknown)} "
+            "(use VCPU, PCPU, MEMORY_MB, DISK_GB or CUSTOM_<NAME>)"
+        )
+    if not result:
+        raise ValueError("a node needs at least one inventory (e.g. vcpus=, memory_mb=)")
+    return result
+
+
+class NodeAgent(Driver):
+    """A node taking part in the protocol until :meth:`close`.
+
+    ``broker`` may be a :class:`~reservoir.broker.Broker` (shared with others, not closed
+    here), a URL, or None for ``settings.broker_url``; a broker opened here is closed here.
+    """
+
+    def __init__(
+        self,
+        broker: Broker | str | None = None,
+        *,
+        name: str,
+        inventories: Mapping[str, Inventory | int] | None = None,
+        vcpus: int | None = None,
+        memory_mb: int | None = None,
+        disk_gb: int | None = None,
+        traits: Iterable[str] = (),
+        numa: object | None = None,
+        settings: Settings | None = None,
+        scheduler: Scheduler | None = None,
+        store: AllocationStore | None = None,
+        filters: Sequence[Filter] | None = None,
+        weighers: Sequence[Weigher] | None = None,
+        metrics: Metrics | None = None,
+        start: bool = True,
+    ) -> None:
+        self.settings = settings if settings is not None else Settings()
+        self._owned_broker: Broker | None = None
+        if not isinstance(broker, Broker):
+            from brokers import connect  # the adapters package; imported only when needed
+
+            broker = self._owned_broker = connect(broker or self.settings.broker_url)
+        self._owned_scheduler = scheduler is None
+        scheduler = scheduler if scheduler is not None else ThreadScheduler(name=f"node-{name}")
+        if store is None and self.settings.state_dir is not None:
+            store = SqliteStore.for_node(self.settings.state_dir, name)
+        self.store: AllocationStore = store if store is not None else MemoryStore()
+        config = NodeConfig(
+            name=name,
+            address=node_address(name),
+            inventories=_inventories(inventories, vcpus, memory_mb, disk_gb),
+            traits=frozenset(traits),
+            tiers=self.settings.ladder,
+            incarnation=secrets.token_hex(4),
+            filters=tuple(filters) if filters is not None else DEFAULT_FILTERS,
+            weighers=tuple(weighers) if weighers is not None else DEFAULT_WEIGHERS,
+            numa=numa,
+        )
+        self.machine = NodeMachine(config, allocations=self.store.load())
+        super().__init__(
+            broker=broker,
+            scheduler=scheduler,
+            codec=self.settings.codec(),
+            metrics=metrics if metrics is not None else Metrics(),
+            endpoint_name=config.address,
+        )
+        self._started = False
+        if start:
+            self.start()
+
+    @property
+    def name(self) -> str:
+        return self.machine.name
+
+    def start(self) -> None:
+        if not self._started:
+            self._started = True
+            self._run(self.machine.start)
+
+    def close(self) -> None:
+        """Stop hearing requests, withdraw live reservations, and let go of everything.
+        Allocations stay in the store. Idempotent."""
+        if self._closed:
+            return
+        if self._started:
+            self._run(self.machine.stop)
+        with self._lock:
+            self._closed = True
+            self._cancel_all_timers()
+        self.endpoint.close()
+        self.store.close()
+        if self._owned_scheduler:
+            self.scheduler.close()
+        if self._owned_broker is not None:
+            self._owned_broker.close()
+
+    stop = close
+
+    def __enter__(self) -> NodeAgent:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- observing ---------------------------------------------------------------------
+
+    def snapshot(self) -> NodeSnapshot:
+        with self._lock:
+            return NodeSnapshot.of(
+                self.name, self.machine.ledger, self.scheduler.clock.now(), self.machine.tier()
+            )
+
+    def utilisation(self) -> float:
+        with self._lock:
+            return self.machine.utilisation()
+
+    def tier(self) -> int:
+        with self._lock:
+            return self.machine.tier()
+
+    def allocations(self) -> list[Allocation]:
+        with self._lock:
+            return list(self.machine.ledger.allocations.values())
+
+    def free_allocations(self, allocation_ids: Sequence[str]) -> None:
+        """Free allocations on the operator's word, without a requestor."""
+        self._run(lambda now: self.machine.free_local(allocation_ids))
+
+    # -- driver hooks ------------------------------------------------------------------
+
+    def _handle_message(self, message: Message, now: float) -> list[Effect]:
+        return self.machine.handle(message, now)
+
+    def _handle_timer(self, key: Hashable, now: float) -> list[Effect]:
+        return self.machine.on_timer(key, now)
+
+    def _persist(self, effect: StoreAllocation | DeleteAllocation) -> None:
+        if isinstance(effect, StoreAllocation):
+            self.store.put(effect.allocation)
+        else:
+            self.store.delete(effect.allocation_id)

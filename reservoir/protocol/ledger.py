@@ -1,0 +1,320 @@
+"""A node's ledger: its inventories, the allocations it holds and its live reservations.
+
+This is the source of truth for "is there room on this node". Its one rule, checked by
+:meth:`Ledger.violations` and by every test's audit:
+
+    for every resource class:  allocated + reserved-by-live-reservations <= capacity
+    where capacity = floor((total - reserved) * allocation_ratio)
+
+Capacity follows OpenStack Placement's inventory arithmetic (the reserved amount is set
+aside before the ratio applies). Time enters only as arguments: a reservation is live while
+``now < deadline`` and expired from its deadline on.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+from reservoir.protocol.messages import AllocationInfo, NumaPlacement, Reason
+
+__all__ = [
+    "Allocation",
+    "Inventory",
+    "Ledger",
+    "Reservation",
+    "ResourceUsage",
+    "SlotFit",
+]
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """How much of one resource class a node has, in the spirit of Placement's inventories."""
+
+    total: int
+    reserved: int = 0
+    min_unit: int = 1
+    max_unit: int | None = None
+    step_size: int = 1
+    allocation_ratio: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.total < 0 or self.reserved < 0:
+            raise ValueError("total and reserved must not be negative")
+        if self.reserved > self.total:
+            raise ValueError(f"reserved ({self.reserved}) exceeds total ({self.total})")
+        if self.min_unit < 1 or self.step_size < 1:
+            raise ValueError("min_unit and step_size must be at least 1")
+        if self.max_unit is not None and self.max_unit < self.min_unit:
+            raise ValueError("max_unit must not be below min_unit")
+        if not (self.allocation_ratio > 0 and math.isfinite(self.allocation_ratio)):
+            raise ValueError("allocation_ratio must be a positive number")
+
+    @property
+    def capacity(self) -> int:
+        # The epsilon keeps 0.1-style ratios from losing a unit to float rounding.
+        return math.floor((self.total - self.reserved) * self.allocation_ratio + 1e-9)
+
+    def unit_problem(self, amount: int) -> str | None:
+        """Why one instance can never take ``amount`` of this class here, or None."""
+        if amount < self.min_unit:
+            return f"{amount} is below the minimum unit {self.min_unit}"
+        max_unit = self.total if self.max_unit is None else self.max_unit
+        if amount > max_unit:
+            return f"{amount} is above the maximum unit {max_unit}"
+        if amount % self.step_size:
+            return f"{amount} is not a multiple of the step size {self.step_size}"
+        return None
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """One instance placed on this node. Durable: it survives the node agent's restart."""
+
+    allocation_id: str
+    request_id: str
+    reservation_id: str
+    #: requestor id that was awarded it (who may free it)
+    owner: str
+    resources: Mapping[str, int]
+    #: the request's ``count``, kept so an audit can spot a request placed twice
+    request_count: int = 1
+    group: str | None = None
+    numa: NumaPlacement | None = None
+
+    def info(self) -> AllocationInfo:
+        return AllocationInfo(
+            allocation_id=self.allocation_id, resources=dict(self.resources), numa=self.numa
+        )
+
+
+@dataclass
+class Reservation:
+    """Room held for ``slots`` instances of one request until ``deadline``."""
+
+    reservation_id: str
+    request_id: str
+    #: requestor id and reply address: only its owner may award or release it
+    owner: str
+    reply_to: str
+    slots: int
+    per_instance: Mapping[str, int]
+    deadline: float
+    request_count: int = 1
+    group: str | None = None
+    numa: tuple[NumaPlacement, ...] = ()
+
+    def holds(self) -> dict[str, int]:
+        return {rc: amount * self.slots for rc, amount in self.per_instance.items()}
+
+
+@dataclass(frozen=True)
+class ResourceUsage:
+    capacity: int
+    allocated: int
+    reserved: int
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.allocated - self.reserved
+
+
+@dataclass(frozen=True)
+class SlotFit:
+    """How many instances of a shape fit, and when none do, why."""
+
+    slots: int
+    reasons: tuple[Reason, ...] = ()
+    #: resource fit ignoring live reservations: > 0 means "busy, try again shortly"
+    slots_without_reservations: int = 0
+
+
+@dataclass
+class Ledger:
+    """Inventories, allocations and reservations of one node, with indexes kept in step."""
+
+    inventories: Mapping[str, Inventory]
+    allocations: dict[str, Allocation] = field(default_factory=dict)
+    reservations: dict[str, Reservation] = field(default_factory=dict)
+    _allocated: Counter[str] = field(default_factory=Counter)
+    _reserved: Counter[str] = field(default_factory=Counter)
+    _allocations_by_request: defaultdict[str, set[str]] = field(
+        default_factory=lambda: defaultdict(set)
+    )
+    _allocations_by_reservation: defaultdict[str, set[str]] = field(
+        default_factory=lambda: defaultdict(set)
+    )
+    _reservation_by_request: dict[str, str] = field(default_factory=dict)
+    _group_members: Counter[str] = field(default_factory=Counter)
+
+    @classmethod
+    def with_allocations(
+        cls, inventories: Mapping[str, Inventory], allocations: Iterable[Allocation]
+    ) -> Ledger:
+        ledger = cls(dict(inventories))
+        for allocation in allocations:
+            ledger.add_allocation(allocation)
+        return ledger
+
+    # -- reading ---------------------------------------------------------------------
+
+    def usage(self, resource_class: str) -> ResourceUsage:
+        inventory = self.inventories.get(resource_class)
+        return ResourceUsage(
+            capacity=inventory.capacity if inventory else 0,
+            allocated=self._allocated[resource_class],
+            reserved=self._reserved[resource_class],
+        )
+
+    def usages(self) -> dict[str, ResourceUsage]:
+        classes = set(self.inventories) | set(self._allocated) | set(self._reserved)
+        return {rc: self.usage(rc) for rc in sorted(classes)}
+
+    def utilisation(self) -> float:
+        """Dominant share: the largest (allocated + reserved) / capacity over the classes."""
+        share = 0.0
+        for rc, inventory in self.inventories.items():
+            capacity = inventory.capacity
+            if capacity > 0:
+                share = max(share, (self._allocated[rc] + self._reserved[rc]) / capacity)
+        return share
+
+    def fit(self, per_instance: Mapping[str, int], max_slots: int) -> SlotFit:
+        """How many instances of ``per_instance`` fit in what is free, up to ``max_slots``."""
+        slots = max_slots
+        slots_without = max_slots
+        reasons: list[Reason] = []
+        for rc, amount in sorted(per_instance.items()):
+            if amount <= 0:
+                continue
+            inventory = self.inventories.get(rc)
+            if inventory is None:
+                reasons.append(
+                    Reason(
+                        code="missing", subject=rc, shortfall=amount, detail=f"the node has no {rc}"
+                    )
+                )
+                slots = slots_without = 0
+                continue
+            problem = inventory.unit_problem(amount)
+            if problem is not None:
+                reasons.append(Reason(code="unit", subject=rc, detail=problem))
+                slots = slots_without = 0
+                continue
+            usage = self.usage(rc)
+            fits = max(usage.free, 0) // amount
+            fits_without = max(usage.capacity - usage.allocated, 0) // amount
+            slots = min(slots, fits)
+            slots_without = min(slots_without, fits_without)
+            if fits == 0:
+                reasons.append(
+                    Reason(
+                        code="insufficient",
+                        subject=rc,
+                        shortfall=amount - max(usage.free, 0),
+                        detail=f"{rc}: need {amount}, free {max(usage.free, 0)} of "
+                        f"{usage.capacity} ({usage.reserved} reserved by others)",
+                    )
+                )
+        if slots > 0:
+            reasons = []
+        return SlotFit(
+            slots=slots, reasons=tuple(reasons), slots_without_reservations=slots_without
+        )
+
+    def allocations_for(self, request_id: str) -> list[Allocation]:
+        return [
+            self.allocations[a] for a in sorted(self._allocations_by_request.get(request_id, ()))
+        ]
+
+    def allocations_from(self, reservation_id: str) -> list[Allocation]:
+        ids = self._allocations_by_reservation.get(reservation_id, ())
+        return [self.allocations[a] for a in sorted(ids)]
+
+    def reservation_for(self, request_id: str) -> Reservation | None:
+        reservation_id = self._reservation_by_request.get(request_id)
+        return None if reservation_id is None else self.reservations[reservation_id]
+
+    def group_members(self, group: str) -> int:
+        """Instances of ``group`` this node hosts or holds a reservation for."""
+        return self._group_members[group]
+
+    def next_deadline(self) -> float | None:
+        return min((r.deadline for r in self.reservations.values()), default=None)
+
+    def expired(self, now: float) -> list[Reservation]:
+        return [r for r in self.reservations.values() if r.deadline <= now]
+
+    def numa_placements(self) -> Iterator[NumaPlacement]:
+        """Every NUMA placement held, by allocations and live reservations alike."""
+        for allocation in self.allocations.values():
+            if allocation.numa is not None:
+                yield allocation.numa
+        for reservation in self.reservations.values():
+            yield from reservation.numa
+
+    def violations(self) -> list[str]:
+        """Every way this ledger breaks the no-overcommit rule (empty when it holds)."""
+        problems = []
+        for rc, usage in self.usages().items():
+            if usage.allocated + usage.reserved > usage.capacity:
+                problems.append(
+                    f"{rc}: allocated {usage.allocated} + reserved {usage.reserved} "
+                    f"> capacity {usage.capacity}"
+                )
+        return problems
+
+    # -- changing --------------------------------------------------------------------
+
+    def add_reservation(self, reservation: Reservation) -> None:
+        if reservation.reservation_id in self.reservations:
+            raise ValueError(f"reservation {reservation.reservation_id} exists")
+        if reservation.request_id in self._reservation_by_request:
+            raise ValueError(f"request {reservation.request_id} already holds a reservation")
+        self.reservations[reservation.reservation_id] = reservation
+        self._reserved.update(reservation.holds())
+        self._reservation_by_request[reservation.request_id] = reservation.reservation_id
+        if reservation.group is not None:
+            self._group_members[reservation.group] += reservation.slots
+
+    def pop_reservation(self, reservation_id: str) -> Reservation | None:
+        reservation = self.reservations.pop(reservation_id, None)
+        if reservation is None:
+            return None
+        self._reserved.subtract(reservation.holds())
+        del self._reservation_by_request[reservation.request_id]
+        if reservation.group is not None:
+            self._group_members[reservation.group] -= reservation.slots
+        return reservation
+
+    def add_allocation(self, allocation: Allocation) -> None:
+        if allocation.allocation_id in self.allocations:
+            raise ValueError(f"allocation {allocation.allocation_id} exists")
+        self.allocations[allocation.allocation_id] = allocation
+        self._allocated.update(allocation.resources)
+        self._allocations_by_request[allocation.request_id].add(allocation.allocation_id)
+        self._allocations_by_reservation[allocation.reservation_id].add(allocation.allocation_id)
+        if allocation.group is not None:
+            self._group_members[allocation.group] += 1
+
+    def remove_allocation(self, allocation_id: str) -> Allocation | None:
+        allocation = self.allocations.pop(allocation_id, None)
+        if allocation is None:
+            return None
+        self._allocated.subtract(allocation.resources)
+        _discard(self._allocations_by_request, allocation.request_id, allocation_id)
+        _discard(self._allocations_by_reservation, allocation.reservation_id, allocation_id)
+        if allocation.group is not None:
+            self._group_members[allocation.group] -= 1
+        return allocation
+
+
+def _discard(index: defaultdict[str, set[str]], key: str, value: str) -> None:
+    members = index.get(key)
+    if members is not None:
+        members.discard(value)
+        if not members:
+            del index[key]

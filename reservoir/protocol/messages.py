@@ -1,0 +1,303 @@
+"""The protocol's messages: what crosses the broker, and nothing else.
+
+Every message is a frozen pydantic model that forbids unknown fields and carries the
+protocol version, the ``request_id`` of the conversation it belongs to and the id of its
+sender. They form one union discriminated on ``kind``. A request carries the *whole*
+request (resources, traits, NUMA shape, server group, hints): whatever a node needs to
+decide, it finds there, so the node runs the one and only copy of the placement logic.
+
+Conversation, one per request id (see DESIGN.md):
+
+    requestor --ReservationRequest--> tier topic --> every node that hears it
+    node      --Offer | Decline | AlreadyPlaced--> requestor's reply address
+    requestor --Award | Release--> node
+    node      --Accepted | Refused--> requestor
+    requestor --Free--> node --Freed--> requestor       (the instance was deleted)
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Final, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    JsonValue,
+    StringConstraints,
+    TypeAdapter,
+    field_validator,
+    model_validator,
+)
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "STANDARD_RESOURCE_CLASSES",
+    "Accepted",
+    "AllocationInfo",
+    "AlreadyPlaced",
+    "Award",
+    "Decline",
+    "Free",
+    "Freed",
+    "GroupPolicy",
+    "GroupSpec",
+    "InstanceShape",
+    "Message",
+    "NumaPlacement",
+    "NumaSpec",
+    "Offer",
+    "Reason",
+    "Refused",
+    "Release",
+    "ReservationRequest",
+    "is_resource_class",
+    "message_adapter",
+]
+
+PROTOCOL_VERSION: Final = 1
+
+#: The standard resource classes; any other class must be ``CUSTOM_<NAME>``.
+STANDARD_RESOURCE_CLASSES: Final = frozenset({"VCPU", "PCPU", "MEMORY_MB", "DISK_GB"})
+
+_CUSTOM_CLASS = re.compile(r"^CUSTOM_[A-Z0-9_]+$")
+
+Identifier = Annotated[
+    str, StringConstraints(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:@/+=-]+$")
+]
+Trait = Annotated[str, StringConstraints(min_length=1, max_length=255, pattern=r"^[A-Z0-9_]+$")]
+Amount = Annotated[int, Field(ge=0, le=2**53)]
+
+
+def is_resource_class(name: str) -> bool:
+    """True for a standard class (``VCPU``, ``PCPU``, ``MEMORY_MB``, ``DISK_GB``) or a
+    ``CUSTOM_*`` one."""
+    return name in STANDARD_RESOURCE_CLASSES or bool(_CUSTOM_CLASS.match(name))
+
+
+def _check_resource_classes(resources: dict[str, int]) -> dict[str, int]:
+    unknown = sorted(rc for rc in resources if not is_resource_class(rc))
+    if unknown:
+        raise ValueError(
+            f"unknown resource class {', '.join(unknown)}: use one of "
+            f"{', '.join(sorted(STANDARD_RESOURCE_CLASSES))} or CUSTOM_<NAME>"
+        )
+    return resources
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class _Message(_Frozen):
+    version: Literal[1] = PROTOCOL_VERSION
+    request_id: Identifier
+    sender: Identifier
+
+
+GroupPolicy = Literal["affinity", "anti-affinity", "soft-affinity", "soft-anti-affinity"]
+
+
+class GroupSpec(_Frozen):
+    """A server group the requested instances join, with its placement policy."""
+
+    name: Identifier
+    policy: GroupPolicy
+
+    @property
+    def is_hard(self) -> bool:
+        return not self.policy.startswith("soft-")
+
+
+class NumaSpec(_Frozen):
+    """The NUMA shape of each instance: split across ``nodes`` cells, optionally with
+    dedicated (pinned) CPUs and memory backed by huge pages of ``hugepage_kb``."""
+
+    nodes: int = Field(default=1, ge=1, le=16)
+    dedicated_cpus: bool = False
+    hugepage_kb: int | None = Field(default=None, gt=0)
+
+
+class NumaPlacement(_Frozen):
+    """Where on the node's NUMA topology one instance landed."""
+
+    cells: tuple[int, ...]
+    cpus: tuple[int, ...] = ()
+    memory_mb_per_cell: tuple[int, ...] = ()
+
+
+class AllocationInfo(_Frozen):
+    """One instance's allocation on a node, as the node reports it."""
+
+    allocation_id: Identifier
+    resources: dict[str, Amount]
+    numa: NumaPlacement | None = None
+
+
+class Reason(_Frozen):
+    """Why a node cannot take a request: which check said no, and by how much."""
+
+    #: which check said no, e.g. ``insufficient``, ``trait_missing``, ``anti_affinity``
+    code: Annotated[str, StringConstraints(min_length=1, max_length=64)]
+    #: what it is about: a resource class, a trait, a server group
+    subject: Annotated[str, StringConstraints(max_length=255)] | None = None
+    #: for a resource: how much more the node would need
+    shortfall: int | None = None
+    detail: Annotated[str, StringConstraints(max_length=500)] = ""
+
+
+class InstanceShape(_Frozen):
+    """What each instance needs and where it may go: the part of a request a caller writes."""
+
+    count: int = Field(default=1, ge=1, le=10_000)
+    #: accept a partial placement of at least this many instances (default: all or nothing)
+    min_count: int | None = Field(default=None, ge=1)
+    #: amount of each resource class per instance
+    resources: dict[str, Amount]
+    required_traits: frozenset[Trait] = frozenset()
+    forbidden_traits: frozenset[Trait] = frozenset()
+    #: each inner set is satisfied when the node has at least one of its traits
+    any_of_traits: tuple[frozenset[Trait], ...] = ()
+    numa: NumaSpec | None = None
+    group: GroupSpec | None = None
+    #: ask nodes that cannot take the request to say why
+    explain: bool = False
+    #: free-form data for operators' node-side filters and weighers
+    hints: dict[str, JsonValue] = Field(default_factory=dict)
+
+    _resource_classes = field_validator("resources")(_check_resource_classes)
+
+    @model_validator(mode="after")
+    def _coherent(self) -> InstanceShape:
+        if not any(self.resources.values()):
+            raise ValueError("a request must ask for a positive amount of some resource")
+        if self.min_count is not None and self.min_count > self.count:
+            raise ValueError("min_count cannot exceed count")
+        if self.required_traits & self.forbidden_traits:
+            raise ValueError("a trait cannot be both required and forbidden")
+        return self
+
+    @property
+    def wanted_slots(self) -> int:
+        """How many instances would satisfy the request at the least."""
+        return self.count if self.min_count is None else self.min_count
+
+    def shape_fields(self) -> dict[str, object]:
+        return {name: getattr(self, name) for name in InstanceShape.model_fields}
+
+
+class ReservationRequest(_Message, InstanceShape):
+    """Broadcast on a tier topic: reserve room for ``count`` instances of this shape."""
+
+    kind: Literal["request"] = "request"
+    reply_to: Identifier
+    tier: int = Field(ge=1, le=100)
+    attempt: int = Field(ge=1)
+    ttl_s: float = Field(gt=0, le=3600)
+
+
+class Offer(_Message):
+    """A node reserved room for ``slots`` instances until its reservation expires."""
+
+    kind: Literal["offer"] = "offer"
+    reply_to: Identifier
+    reservation_id: Identifier
+    attempt: int = Field(ge=1)
+    slots: int = Field(ge=1)
+    #: the node's dominant share with this reservation included, 0..1
+    utilisation: float = Field(ge=0)
+    #: what the node's weighers make of hosting this request; higher is better
+    score: float = 0.0
+    ttl_s: float = Field(gt=0)
+    #: members of the request's server group the node already hosts or holds
+    group_members: int = Field(default=0, ge=0)
+
+
+class Decline(_Message):
+    """A node cannot take the request. Sent when the request asks for an explanation, or
+    when the only obstacle is other requests' live reservations (``busy``): then the
+    requestor knows that waiting briefly may help."""
+
+    kind: Literal["decline"] = "decline"
+    reply_to: Identifier
+    attempt: int = Field(ge=1)
+    busy: bool = False
+    reasons: tuple[Reason, ...] = ()
+    group_members: int = Field(default=0, ge=0)
+
+
+class AlreadyPlaced(_Message):
+    """The node already holds allocations for this request id: the request was placed."""
+
+    kind: Literal["already_placed"] = "already_placed"
+    reply_to: Identifier
+    allocations: tuple[AllocationInfo, ...]
+
+
+class Award(_Message):
+    """Turn ``slots`` of the reservation into allocations (the rest is released)."""
+
+    kind: Literal["award"] = "award"
+    reply_to: Identifier
+    reservation_id: Identifier
+    slots: int = Field(ge=1)
+
+
+class Release(_Message):
+    """Drop the reservation: another node won, or the request is over."""
+
+    kind: Literal["release"] = "release"
+    reservation_id: Identifier
+
+
+class Accepted(_Message):
+    """The node turned its reservation into allocations."""
+
+    kind: Literal["accepted"] = "accepted"
+    reply_to: Identifier
+    reservation_id: Identifier
+    allocations: tuple[AllocationInfo, ...]
+
+
+class Refused(_Message):
+    """The node cannot honour an award (or withdraws an offer): the reservation is gone."""
+
+    kind: Literal["refused"] = "refused"
+    reply_to: Identifier
+    reservation_id: Identifier
+    reason: Annotated[str, StringConstraints(max_length=500)]
+
+
+class Free(_Message):
+    """Free allocations of the request (the instances were deleted)."""
+
+    kind: Literal["free"] = "free"
+    reply_to: Identifier
+    allocation_ids: tuple[Identifier, ...]
+
+
+class Freed(_Message):
+    """The node no longer holds these allocations (whether or not it ever did)."""
+
+    kind: Literal["freed"] = "freed"
+    reply_to: Identifier
+    allocation_ids: tuple[Identifier, ...]
+
+
+Message = Annotated[
+    ReservationRequest
+    | Offer
+    | Decline
+    | AlreadyPlaced
+    | Award
+    | Release
+    | Accepted
+    | Refused
+    | Free
+    | Freed,
+    Field(discriminator="kind"),
+]
+
+#: Validates and serialises any :data:`Message`.
+message_adapter: TypeAdapter[Message] = TypeAdapter(Message)

@@ -1,0 +1,437 @@
+"""The node's side of the protocol, as a state machine with no I/O.
+
+Everything that decides a node's answers lives here: the node's ledger, which tier topics it
+listens to, and how it answers each message. Its driver feeds it messages and timer firings
+with the current time and carries out the returned effects in order.
+
+How a node answers (one conversation per request id):
+
+    request  -> already holds allocations for the id  : AlreadyPlaced
+                already holds a reservation for the id : the same Offer again
+                the filters allow k >= 1 instances     : reserve k until now + ttl, Offer
+                they allow none                        : Decline when asked to explain or
+                                                         when only others' reservations
+                                                         stand in the way (busy); else silence
+    award    -> live reservation of the sender         : allocations stored, Accepted
+                reservation already turned into allocations : the same Accepted again
+                otherwise (expired, unknown)           : Refused
+    release  -> drop the reservation (unknown: dropped, logged at debug)
+    free     -> free the allocations named, Freed (idempotent)
+    timer    -> reservations whose deadline has come are dropped
+
+After every change the node re-binds if its utilisation moved it across a tier boundary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Final
+
+from reservoir.protocol.effects import (
+    Bind,
+    CancelTimer,
+    DeleteAllocation,
+    Dropped,
+    Effect,
+    Send,
+    SetTimer,
+    StoreAllocation,
+    Unbind,
+)
+from reservoir.protocol.filters import (
+    DEFAULT_FILTERS,
+    DEFAULT_WEIGHERS,
+    Filter,
+    NodeView,
+    Weigher,
+    evaluate,
+)
+from reservoir.protocol.ledger import Allocation, Inventory, Ledger, Reservation
+from reservoir.protocol.messages import (
+    Accepted,
+    AlreadyPlaced,
+    Award,
+    Decline,
+    Free,
+    Freed,
+    Message,
+    Offer,
+    Refused,
+    Release,
+    ReservationRequest,
+)
+from reservoir.protocol.tiers import TierLadder
+
+__all__ = ["EXPIRY_TIMER", "NodeConfig", "NodeMachine"]
+
+#: The node keeps one timer, for its earliest reservation deadline.
+EXPIRY_TIMER: Final = "expire-reservations"
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """Everything a node is, apart from what it holds."""
+
+    name: str
+    #: where requestors send awards, releases and frees for this node
+    address: str
+    inventories: Mapping[str, Inventory]
+    traits: frozenset[str] = frozenset()
+    tiers: TierLadder = field(default_factory=TierLadder)
+    #: unique per start of the node's process, so ids never repeat across restarts
+    incarnation: str = "0"
+    filters: Sequence[Filter] = DEFAULT_FILTERS
+    weighers: Sequence[Weigher] = DEFAULT_WEIGHERS
+    #: a request's ttl_s is honoured up to this bound
+    max_ttl_s: float = 60.0
+    #: the node's NUMA topology (reservoir.protocol.numa.NumaTopology), if it has one
+    numa: object | None = None
+
+
+class NodeMachine:
+    """One node's protocol state. Not thread-safe: its driver serialises calls."""
+
+    def __init__(self, config: NodeConfig, allocations: Sequence[Allocation] = ()) -> None:
+        self.config = config
+        self.ledger = Ledger.with_allocations(config.inventories, allocations)
+        self.view = NodeView(
+            name=config.name, traits=config.traits, ledger=self.ledger, numa=config.numa
+        )
+        self.bound_topics: frozenset[str] = frozenset()
+        self.stopping = False
+        self._sequence = 0
+        self._expiry_at: float | None = None
+
+    # -- observing ---------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    def utilisation(self) -> float:
+        return self.ledger.utilisation()
+
+    def tier(self) -> int:
+        return self.config.tiers.tier_for(self.ledger.utilisation())
+
+    # -- driving -----------------------------------------------------------------------
+
+    def start(self, now: float) -> list[Effect]:
+        """Bind the tier topics for the node's present utilisation."""
+        effects: list[Effect] = []
+        self._expire(now, effects)
+        self._retier(effects)
+        self._schedule_expiry(effects)
+        return effects
+
+    def stop(self, now: float) -> list[Effect]:
+        """Stop hearing requests and withdraw every live reservation."""
+        self.stopping = True
+        effects: list[Effect] = [Unbind(topic) for topic in sorted(self.bound_topics)]
+        self.bound_topics = frozenset()
+        for reservation in list(self.ledger.reservations.values()):
+            self.ledger.pop_reservation(reservation.reservation_id)
+            effects.append(
+                Send(
+                    reservation.reply_to,
+                    Refused(
+                        request_id=reservation.request_id,
+                        sender=self.name,
+                        reply_to=self.config.address,
+                        reservation_id=reservation.reservation_id,
+                        reason="the node is shutting down",
+                    ),
+                )
+            )
+        if self._expiry_at is not None:
+            effects.append(CancelTimer(EXPIRY_TIMER))
+            self._expiry_at = None
+        return effects
+
+    def handle(self, message: Message, now: float) -> list[Effect]:
+        effects: list[Effect] = []
+        self._expire(now, effects)
+        if isinstance(message, ReservationRequest):
+            self._on_request(message, now, effects)
+        elif isinstance(message, Award):
+            self._on_award(message, effects)
+        elif isinstance(message, Release):
+            self._on_release(message, effects)
+        elif isinstance(message, Free):
+            self._on_free(message, effects)
+        else:
+            effects.append(Dropped("unexpected", f"a node does not take {message.kind!r}"))
+        self._retier(effects)
+        self._schedule_expiry(effects)
+        return effects
+
+    def on_timer(self, key: object, now: float) -> list[Effect]:
+        effects: list[Effect] = []
+        if key == EXPIRY_TIMER:
+            self._expiry_at = None
+        self._expire(now, effects)
+        self._retier(effects)
+        self._schedule_expiry(effects)
+        return effects
+
+    def free_local(self, allocation_ids: Sequence[str]) -> list[Effect]:
+        """Free allocations on the operator's word (no requestor involved)."""
+        effects: list[Effect] = []
+        for allocation_id in allocation_ids:
+            if self.ledger.remove_allocation(allocation_id) is not None:
+                effects.append(DeleteAllocation(allocation_id))
+        self._retier(effects)
+        return effects
+
+    # -- messages ----------------------------------------------------------------------
+
+    def _on_request(self, request: ReservationRequest, now: float, effects: list[Effect]) -> None:
+        if self.stopping:
+            effects.append(Dropped("stopping", f"request {request.request_id}"))
+            return
+        placed = self.ledger.allocations_for(request.request_id)
+        if placed:
+            effects.append(
+                Send(
+                    request.reply_to,
+                    AlreadyPlaced(
+                        request_id=request.request_id,
+                        sender=self.name,
+                        reply_to=self.config.address,
+                        allocations=tuple(a.info() for a in placed),
+                    ),
+                )
+            )
+            return
+        held = self.ledger.reservation_for(request.request_id)
+        if held is not None:
+            if held.owner == request.sender:
+                # A duplicate, or the same request widened to a tier we also hear: the
+                # reservation we already hold is our whole answer.
+                effects.append(Send(request.reply_to, self._offer(held, request, now)))
+            else:
+                effects.append(
+                    Dropped(
+                        "in_flight_elsewhere",
+                        f"request {request.request_id} is already being placed by {held.owner}",
+                    )
+                )
+            return
+        evaluation = evaluate(request, self.view, self.config.filters, self.config.weighers)
+        if evaluation.slots <= 0:
+            if request.explain or evaluation.busy:
+                effects.append(
+                    Send(
+                        request.reply_to,
+                        Decline(
+                            request_id=request.request_id,
+                            sender=self.name,
+                            reply_to=self.config.address,
+                            attempt=request.attempt,
+                            busy=evaluation.busy,
+                            reasons=evaluation.reasons if request.explain else (),
+                            group_members=self._group_members(request),
+                        ),
+                    )
+                )
+            return
+        self._sequence += 1
+        reservation = Reservation(
+            reservation_id=f"{self.name}.{self.config.incarnation}.{self._sequence}",
+            request_id=request.request_id,
+            owner=request.sender,
+            reply_to=request.reply_to,
+            slots=evaluation.slots,
+            per_instance=dict(request.resources),
+            deadline=now + min(request.ttl_s, self.config.max_ttl_s),
+            request_count=request.count,
+            group=request.group.name if request.group else None,
+            numa=evaluation.numa or (),
+        )
+        members_before = self._group_members(request)
+        self.ledger.add_reservation(reservation)
+        effects.append(
+            Send(
+                request.reply_to,
+                self._offer(
+                    reservation, request, now, score=evaluation.score, group_members=members_before
+                ),
+            )
+        )
+
+    def _offer(
+        self,
+        reservation: Reservation,
+        request: ReservationRequest,
+        now: float,
+        *,
+        score: float = 0.0,
+        group_members: int | None = None,
+    ) -> Offer:
+        if group_members is None:
+            group_members = max(self._group_members(request) - reservation.slots, 0)
+        return Offer(
+            request_id=request.request_id,
+            sender=self.name,
+            reply_to=self.config.address,
+            reservation_id=reservation.reservation_id,
+            attempt=request.attempt,
+            slots=reservation.slots,
+            utilisation=self.ledger.utilisation(),
+            score=score,
+            ttl_s=reservation.deadline - now,
+            group_members=group_members,
+        )
+
+    def _group_members(self, request: ReservationRequest) -> int:
+        return self.ledger.group_members(request.group.name) if request.group else 0
+
+    def _on_award(self, award: Award, effects: list[Effect]) -> None:
+        reservation = self.ledger.reservations.get(award.reservation_id)
+        if reservation is None:
+            done = self.ledger.allocations_from(award.reservation_id)
+            if done and done[0].owner == award.sender:
+                # A re-sent award (our Accepted was lost or slow): say it again.
+                effects.append(self._accepted(award.reply_to, award.reservation_id, done))
+            else:
+                effects.append(
+                    Send(
+                        award.reply_to,
+                        Refused(
+                            request_id=award.request_id,
+                            sender=self.name,
+                            reply_to=self.config.address,
+                            reservation_id=award.reservation_id,
+                            reason="the reservation expired or never existed",
+                        ),
+                    )
+                )
+            return
+        if reservation.owner != award.sender or reservation.request_id != award.request_id:
+            effects.append(
+                Dropped(
+                    "foreign_award",
+                    f"award for {award.reservation_id} "
+                    f"from {award.sender}, owned by {reservation.owner}",
+                )
+            )
+            return
+        self.ledger.pop_reservation(reservation.reservation_id)
+        slots = min(award.slots, reservation.slots)
+        allocations = []
+        for index in range(slots):
+            allocation = Allocation(
+                allocation_id=f"{reservation.reservation_id}/{index}",
+                request_id=reservation.request_id,
+                reservation_id=reservation.reservation_id,
+                owner=reservation.owner,
+                resources=dict(reservation.per_instance),
+                request_count=reservation.request_count,
+                group=reservation.group,
+                numa=reservation.numa[index] if index < len(reservation.numa) else None,
+            )
+            self.ledger.add_allocation(allocation)
+            allocations.append(allocation)
+            effects.append(StoreAllocation(allocation))
+        effects.append(self._accepted(award.reply_to, reservation.reservation_id, allocations))
+
+    def _accepted(
+        self, reply_to: str, reservation_id: str, allocations: Sequence[Allocation]
+    ) -> Send:
+        first = allocations[0]
+        return Send(
+            reply_to,
+            Accepted(
+                request_id=first.request_id,
+                sender=self.name,
+                reply_to=self.config.address,
+                reservation_id=reservation_id,
+                allocations=tuple(a.info() for a in allocations),
+            ),
+        )
+
+    def _on_release(self, release: Release, effects: list[Effect]) -> None:
+        reservation = self.ledger.reservations.get(release.reservation_id)
+        if reservation is None:
+            effects.append(Dropped("late_release", f"no reservation {release.reservation_id}"))
+        elif reservation.owner != release.sender:
+            effects.append(
+                Dropped(
+                    "foreign_release",
+                    f"release of {release.reservation_id} "
+                    f"from {release.sender}, owned by {reservation.owner}",
+                )
+            )
+        else:
+            self.ledger.pop_reservation(release.reservation_id)
+
+    def _on_free(self, free: Free, effects: list[Effect]) -> None:
+        # No ids means "everything this request holds here", reservation included: that is
+        # how a requestor that gave up on an award makes sure nothing stays behind.
+        if free.allocation_ids:
+            wanted = [self.ledger.allocations.get(a) for a in free.allocation_ids]
+            allocations = [a for a in wanted if a is not None]
+        else:
+            allocations = self.ledger.allocations_for(free.request_id)
+            reservation = self.ledger.reservation_for(free.request_id)
+            if reservation is not None and reservation.owner == free.sender:
+                self.ledger.pop_reservation(reservation.reservation_id)
+        freed = []
+        for allocation in allocations:
+            if allocation.request_id != free.request_id:
+                effects.append(
+                    Dropped(
+                        "foreign_free",
+                        f"{allocation.allocation_id} belongs to "
+                        f"{allocation.request_id}, not {free.request_id}",
+                    )
+                )
+                continue
+            self.ledger.remove_allocation(allocation.allocation_id)
+            effects.append(DeleteAllocation(allocation.allocation_id))
+            freed.append(allocation.allocation_id)
+        effects.append(
+            Send(
+                free.reply_to,
+                Freed(
+                    request_id=free.request_id,
+                    sender=self.name,
+                    reply_to=self.config.address,
+                    allocation_ids=free.allocation_ids or tuple(freed),
+                ),
+            )
+        )
+
+    # -- housekeeping ------------------------------------------------------------------
+
+    def _expire(self, now: float, effects: list[Effect]) -> None:
+        for reservation in self.ledger.expired(now):
+            self.ledger.pop_reservation(reservation.reservation_id)
+            effects.append(
+                Dropped(
+                    "expired",
+                    f"reservation {reservation.reservation_id} "
+                    f"for {reservation.request_id} reached its deadline",
+                )
+            )
+
+    def _retier(self, effects: list[Effect]) -> None:
+        if self.stopping:
+            return
+        wanted = self.config.tiers.topics_for(self.ledger.utilisation())
+        if wanted == self.bound_topics:
+            return
+        # Bind before unbinding so the node is never deaf to every tier at once.
+        effects.extend(Bind(topic) for topic in sorted(wanted - self.bound_topics))
+        effects.extend(Unbind(topic) for topic in sorted(self.bound_topics - wanted))
+        self.bound_topics = wanted
+
+    def _schedule_expiry(self, effects: list[Effect]) -> None:
+        deadline = self.ledger.next_deadline()
+        if deadline == self._expiry_at:
+            return
+        self._expiry_at = deadline
+        effects.append(
+            CancelTimer(EXPIRY_TIMER) if deadline is None else SetTimer(EXPIRY_TIMER, deadline)
+        )

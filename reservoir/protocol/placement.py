@@ -1,0 +1,128 @@
+"""A placement as the caller sees it: the :class:`PlacementRequest` going in, and the
+:class:`Placement` or :class:`PlacementError` coming out. An error explains what was tried
+("tiers 10%..100% tried, 3 offers; VCPU exhausted on 37 nodes, trait HW_GPU missing on 12").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from reservoir.protocol.messages import Identifier, InstanceShape, NumaPlacement, Reason
+
+__all__ = [
+    "Explanation",
+    "PlacedAllocation",
+    "Placement",
+    "PlacementError",
+    "PlacementRequest",
+    "PlacementTimeout",
+    "reason_label",
+]
+
+
+class PlacementRequest(InstanceShape):
+    """What a caller asks for. ``request_id`` is the idempotency key: asking again with the
+    same id returns the existing placement instead of placing again."""
+
+    request_id: Identifier | None = None
+
+
+@dataclass(frozen=True)
+class PlacedAllocation:
+    """One instance of a placement: which node holds it, and what it holds."""
+
+    node: str
+    #: the node's address, where frees go
+    address: str
+    allocation_id: str
+    resources: Mapping[str, int]
+    numa: NumaPlacement | None = None
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A placed request. ``allocations`` has one entry per instance."""
+
+    request_id: str
+    allocations: tuple[PlacedAllocation, ...]
+    #: instances asked for (``count``); fewer were placed only when ``min_count`` allowed it
+    requested: int
+    tiers_tried: tuple[int, ...] = ()
+    attempts: int = 1
+    elapsed_s: float = 0.0
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        """The nodes holding the instances, one entry per instance."""
+        return tuple(a.node for a in self.allocations)
+
+    @property
+    def partial(self) -> bool:
+        return len(self.allocations) < self.requested
+
+
+_LABELS: Mapping[str, str] = {
+    "insufficient": "{subject} exhausted",
+    "missing": "no {subject} inventory",
+    "unit": "{subject} amount outside the inventory's units",
+    "trait_missing": "trait {subject} missing",
+    "trait_forbidden": "forbidden trait {subject} present",
+    "anti_affinity": "anti-affinity group {subject} already on the node",
+    "affinity": "affinity group {subject} does not fit on one node",
+    "numa": "NUMA topology cannot fit it",
+}
+
+
+def reason_label(reason: Reason) -> str:
+    """A short phrase to count nodes under, e.g. ``VCPU exhausted``."""
+    template = _LABELS.get(reason.code)
+    if template is None:
+        return reason.code if reason.subject is None else f"{reason.code} {reason.subject}"
+    return template.format(subject=reason.subject or "?")
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """Why a request was not placed, from the requestor's view of the conversation."""
+
+    request_id: str
+    wanted: int
+    found: int
+    tiers_tried: tuple[int, ...]
+    offers_received: int
+    declines_received: int = 0
+    busy_nodes: int = 0
+    #: reason label -> how many nodes gave it (only when the request asked to explain)
+    reasons: Mapping[str, int] = field(default_factory=dict)
+    #: a one-line cause from the requestor's side (timed out, node refused, ...)
+    note: str = ""
+
+    def __str__(self) -> str:
+        tiers = ", ".join(f"{t}%" for t in self.tiers_tried) or "none"
+        text = (
+            f"request {self.request_id}: placed 0 of {self.wanted} instance(s); "
+            f"tiers tried: {tiers}; offers received: {self.offers_received}"
+        )
+        if self.found:
+            text += f" (room found for {self.found})"
+        if self.note:
+            text += f"; {self.note}"
+        if self.busy_nodes:
+            text += f"; {self.busy_nodes} node(s) busy with other reservations"
+        if self.reasons:
+            ranked = sorted(self.reasons.items(), key=lambda item: (-item[1], item[0]))
+            text += "; " + ", ".join(f"{label} on {n} node(s)" for label, n in ranked)
+        return text
+
+
+class PlacementError(Exception):
+    """No placement: ``explanation`` says what was tried and what the nodes said."""
+
+    def __init__(self, explanation: Explanation) -> None:
+        super().__init__(str(explanation))
+        self.explanation = explanation
+
+
+class PlacementTimeout(PlacementError):
+    """The caller's timeout ran out before the request was placed."""

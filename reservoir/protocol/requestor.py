@@ -1,0 +1,831 @@
+"""The requestor's side of the protocol, as a state machine with no I/O.
+
+One :class:`RequestorMachine` runs any number of concurrent conversations, one per request
+id. Its driver calls :meth:`~RequestorMachine.place`, :meth:`~RequestorMachine.handle`,
+:meth:`~RequestorMachine.on_unroutable` and :meth:`~RequestorMachine.on_timer` with the
+current time and carries out the effects. A conversation:
+
+1. **broadcast** the request on the first tier's topic (attempt 1);
+2. **collect** offers: the first offer of an attempt opens a short window (as long again as
+   that offer took, within bounds) for the others;
+3. **decide** when the window closes: enough slots offered -> **award** the winners chosen
+   by the policy, keep the best spare, **release** the rest; not enough -> **widen** to the
+   next tier, keeping what is held (tiers are cumulative, so nodes that already offered
+   hear the request again and repeat the same offer). Nobody answering at all widens too:
+   at once when the broker says no node is bound to the tier, otherwise after a wait that
+   the observed offer latency sets (``max_widen_s`` at most);
+4. **accept**: each winner answers ``Accepted`` (done when all have) or ``Refused`` (award
+   the spare, or broadcast again); an award with no answer is re-sent, and given up (with a
+   ``Free`` to make sure nothing stays behind) once the reservation must have expired;
+5. past the last tier: retry shortly if nodes said they were only busy with others'
+   reservations, take a partial placement if ``min_count`` allows, otherwise **fail** with
+   an explanation and release everything held.
+
+The request id is an idempotency key: placing an id that is in flight joins it, placing an
+id that was placed returns that placement, and a node that already holds allocations for
+the id says so (``AlreadyPlaced``), so even a restarted requestor never places twice.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Final
+
+from reservoir.protocol.effects import (
+    CancelTimer,
+    Dropped,
+    Effect,
+    Failed,
+    FreeCompleted,
+    Placed,
+    Publish,
+    Send,
+    SetTimer,
+)
+from reservoir.protocol.messages import (
+    Accepted,
+    AllocationInfo,
+    AlreadyPlaced,
+    Award,
+    Decline,
+    Free,
+    Freed,
+    Message,
+    Offer,
+    Refused,
+    Release,
+    ReservationRequest,
+)
+from reservoir.protocol.placement import (
+    Explanation,
+    PlacedAllocation,
+    Placement,
+    PlacementError,
+    PlacementRequest,
+    PlacementTimeout,
+    reason_label,
+)
+from reservoir.protocol.policies import Candidate, Policy, Spread
+from reservoir.protocol.tiers import TierLadder
+
+__all__ = ["RequestorConfig", "RequestorMachine"]
+
+_COLLECT: Final = "collect"
+_WIDEN: Final = "widen"
+_AWARD: Final = "award"
+_DEADLINE: Final = "deadline"
+_RETRY: Final = "retry"
+_FREE: Final = "free"
+
+
+@dataclass(frozen=True)
+class RequestorConfig:
+    """Who the requestor is and how patient it is. Defaults follow DESIGN.md."""
+
+    requestor_id: str
+    #: where nodes send offers and answers
+    reply_to: str
+    tiers: TierLadder = field(default_factory=TierLadder)
+    policy: Policy = field(default_factory=Spread)
+    #: how long nodes hold a reservation for us
+    ttl_s: float = 5.0
+    #: the longest wait for a first offer before widening ("a couple of seconds")
+    max_widen_s: float = 2.0
+    #: the shortest wait for a first offer before widening
+    min_widen_s: float = 0.05
+    #: after an attempt's first offer, wait this many times its latency for the others
+    collect_factor: float = 1.0
+    min_collect_s: float = 0.002
+    max_collect_s: float = 0.25
+    #: never award an offer with less than this left of its reservation
+    award_margin_s: float = 0.25
+    #: re-send an unanswered award after this long
+    award_retry_s: float = 0.5
+    #: when every tier is tried and nodes said "busy", broadcast again after this long,
+    #: doubling each round up to ``max_busy_retry_s``
+    busy_retry_s: float = 0.05
+    max_busy_retry_s: float = 1.0
+    #: offered slots kept (not released) beyond the winners until they accept
+    spare_slots: int = 1
+    #: re-send an unanswered free after this long, this many times
+    free_retry_s: float = 1.0
+    free_attempts: int = 5
+    #: how many finished request ids to remember for idempotent retries
+    remember_finished: int = 100_000
+
+
+class _LatencyEstimate:
+    """Smoothed offer latency and its variation, as TCP estimates round-trip time (RFC
+    6298): the wait for a first offer is ``mean + 4 * variation``."""
+
+    def __init__(self) -> None:
+        self.mean_s: float | None = None
+        self.variation_s = 0.0
+        self.samples = 0
+
+    def add(self, sample_s: float) -> None:
+        self.samples += 1
+        if self.mean_s is None:
+            self.mean_s, self.variation_s = sample_s, sample_s / 2
+            return
+        self.variation_s = 0.75 * self.variation_s + 0.25 * abs(self.mean_s - sample_s)
+        self.mean_s = 0.875 * self.mean_s + 0.125 * sample_s
+
+
+@dataclass
+class _Held:
+    offer: Offer
+    usable_until: float
+
+    def candidate(self) -> Candidate:
+        o = self.offer
+        return Candidate(o.reservation_id, o.sender, o.slots, o.utilisation, o.score)
+
+
+@dataclass
+class _Awarded:
+    offer: Offer
+    slots: int
+    first_sent_at: float
+    last_sent_at: float
+
+
+class _Phase(Enum):
+    #: a broadcast is out; offers are being gathered
+    COLLECTING = "collecting"
+    #: awards are out; the pool holds at most the spares
+    AWARDING = "awarding"
+    #: every tier tried, nodes were only busy: waiting to broadcast again
+    BACKING_OFF = "backing off"
+
+
+@dataclass
+class _Conversation:
+    request_id: str
+    spec: PlacementRequest
+    started_at: float
+    deadline: float
+    ttl_s: float
+    #: instances we settle for: count, or fewer once a partial placement is decided
+    target: int
+    tier_index: int = 0
+    attempt: int = 0
+    broadcast_at: float = 0.0
+    phase: _Phase = _Phase.COLLECTING
+    collect_timer_set: bool = False
+    busy_rounds: int = 0
+    pool: dict[str, _Held] = field(default_factory=dict)
+    awards: dict[str, _Awarded] = field(default_factory=dict)
+    placed: dict[str, PlacedAllocation] = field(default_factory=dict)
+    seen: set[str] = field(default_factory=set)
+    tiers_tried: list[int] = field(default_factory=list)
+    offers_received: int = 0
+    declines: dict[str, Decline] = field(default_factory=dict)
+    busy_nodes: set[str] = field(default_factory=set)
+    group_hosts: dict[str, int] = field(default_factory=dict)
+    note: str = ""
+
+    def awarded_slots(self) -> int:
+        return sum(a.slots for a in self.awards.values())
+
+    def needed(self) -> int:
+        return self.target - len(self.placed) - self.awarded_slots()
+
+
+@dataclass
+class _Freeing:
+    request_id: str
+    #: node address -> (node, allocation ids)
+    pending: dict[str, tuple[str, tuple[str, ...]]]
+    freed: list[str] = field(default_factory=list)
+    attempts: int = 1
+
+
+class RequestorMachine:
+    """Every conversation of one requestor. Not thread-safe: its driver serialises calls."""
+
+    def __init__(self, config: RequestorConfig) -> None:
+        self.config = config
+        self.latency = _LatencyEstimate()
+        self._active: dict[str, _Conversation] = {}
+        self._finished: OrderedDict[str, Placement | None] = OrderedDict()
+        self._freeing: dict[str, _Freeing] = {}
+
+    # -- observing ---------------------------------------------------------------------
+
+    def in_flight(self) -> int:
+        return len(self._active)
+
+    def is_active(self, request_id: str) -> bool:
+        return request_id in self._active
+
+    def placement_of(self, request_id: str) -> Placement | None:
+        return self._finished.get(request_id)
+
+    def held_reservations(self) -> int:
+        """Offers held (not yet awarded or released) across every conversation."""
+        return sum(len(c.pool) for c in self._active.values())
+
+    # -- driving -----------------------------------------------------------------------
+
+    def place(
+        self, spec: PlacementRequest, request_id: str, now: float, timeout_s: float
+    ) -> list[Effect]:
+        """Start placing ``spec`` under ``request_id`` (joining or answering from memory
+        when the id is known)."""
+        effects: list[Effect] = []
+        if request_id in self._active:
+            return effects  # in flight: the caller joins it
+        if request_id in self._freeing:
+            raise ValueError(f"request {request_id} is being freed; place it again afterwards")
+        previous = self._finished.get(request_id)
+        if previous is not None:
+            effects.append(Placed(request_id, previous))
+            return effects
+        conversation = _Conversation(
+            request_id=request_id,
+            spec=spec,
+            started_at=now,
+            deadline=now + timeout_s,
+            ttl_s=self.config.ttl_s,
+            target=spec.count,
+        )
+        # A hard-affinity member must join the node that already hosts the group, which
+        # may sit in any tier: only the widest tier is sure to reach it.
+        if spec.group is not None and spec.group.policy == "affinity":
+            conversation.tier_index = len(self.config.tiers) - 1
+        self._active[request_id] = conversation
+        effects.append(SetTimer((request_id, _DEADLINE), conversation.deadline))
+        self._broadcast(conversation, now, effects)
+        return effects
+
+    def free(self, placement: Placement, now: float) -> list[Effect]:
+        """Free every allocation of ``placement`` (its instances were deleted)."""
+        effects: list[Effect] = []
+        request_id = placement.request_id
+        self._finished.pop(request_id, None)
+        by_address: dict[str, tuple[str, list[str]]] = {}
+        for allocation in placement.allocations:
+            by_address.setdefault(allocation.address, (allocation.node, []))[1].append(
+                allocation.allocation_id
+            )
+        if not by_address:
+            effects.append(FreeCompleted(request_id, (), ()))
+            return effects
+        freeing = _Freeing(
+            request_id,
+            {address: (node, tuple(ids)) for address, (node, ids) in by_address.items()},
+        )
+        self._freeing[request_id] = freeing
+        self._send_frees(freeing, now, effects)
+        return effects
+
+    def abandon(self, now: float) -> list[Effect]:
+        """Give up on everything in flight (the requestor is closing): each conversation
+        fails and lets go of what it holds."""
+        effects: list[Effect] = []
+        for conversation in list(self._active.values()):
+            conversation.note = "the requestor closed"
+            self._fail(conversation, now, effects, timed_out=False)
+        return effects
+
+    def handle(self, message: Message, now: float) -> list[Effect]:
+        effects: list[Effect] = []
+        if isinstance(message, Offer):
+            self._on_offer(message, now, effects)
+        elif isinstance(message, Decline):
+            self._on_decline(message, effects)
+        elif isinstance(message, Accepted):
+            self._on_accepted(
+                message.request_id,
+                message.sender,
+                message.reply_to,
+                message.allocations,
+                now,
+                effects,
+                reservation_id=message.reservation_id,
+            )
+        elif isinstance(message, AlreadyPlaced):
+            self._on_accepted(
+                message.request_id,
+                message.sender,
+                message.reply_to,
+                message.allocations,
+                now,
+                effects,
+                reservation_id=None,
+            )
+        elif isinstance(message, Refused):
+            self._on_refused(message, now, effects)
+        elif isinstance(message, Freed):
+            self._on_freed(message, effects)
+        else:
+            effects.append(Dropped("unexpected", f"a requestor does not take {message.kind!r}"))
+        return effects
+
+    def on_unroutable(self, message: Message, now: float) -> list[Effect]:
+        """Our publish reached no node: nobody is at that tier, so widen at once."""
+        effects: list[Effect] = []
+        if not isinstance(message, ReservationRequest):
+            effects.append(Dropped("unroutable", f"{message.kind} for {message.request_id}"))
+            return effects
+        conversation = self._active.get(message.request_id)
+        if conversation is None or message.attempt != conversation.attempt:
+            effects.append(
+                Dropped("late_unroutable", f"attempt {message.attempt} of {message.request_id}")
+            )
+            return effects
+        self._nobody_came(conversation, now, effects)
+        return effects
+
+    def on_timer(self, key: Hashable, now: float) -> list[Effect]:
+        effects: list[Effect] = []
+        if not (isinstance(key, tuple) and len(key) >= 2):
+            return effects
+        request_id, what = key[0], key[1]
+        if what == _FREE:
+            freeing = self._freeing.get(request_id)
+            if freeing is not None:
+                self._retry_frees(freeing, now, effects)
+            return effects
+        conversation = self._active.get(request_id)
+        if conversation is None:
+            return effects
+        if what == _DEADLINE:
+            conversation.note = "timed out"
+            self._fail(conversation, now, effects, timed_out=True)
+        elif what == _COLLECT and key[2] == conversation.attempt:
+            self._decide(conversation, now, effects)
+        elif what == _WIDEN and key[2] == conversation.attempt:
+            self._nobody_came(conversation, now, effects)
+        elif what == _AWARD:
+            self._chase_awards(conversation, now, effects)
+        elif what == _RETRY and conversation.phase is _Phase.BACKING_OFF:
+            conversation.busy_nodes.clear()
+            self._broadcast(conversation, now, effects)
+        return effects
+
+    # -- broadcasting and collecting ---------------------------------------------------
+
+    def _broadcast(self, c: _Conversation, now: float, effects: list[Effect]) -> None:
+        config = self.config
+        c.attempt += 1
+        c.phase = _Phase.COLLECTING
+        c.collect_timer_set = False
+        c.broadcast_at = now
+        tier = config.tiers.percents[c.tier_index]
+        if not c.tiers_tried or c.tiers_tried[-1] != tier:
+            c.tiers_tried.append(tier)
+        request = ReservationRequest(
+            request_id=c.request_id,
+            sender=config.requestor_id,
+            reply_to=config.reply_to,
+            tier=tier,
+            attempt=c.attempt,
+            ttl_s=c.ttl_s,
+            **c.spec.shape_fields(),
+        )
+        effects.append(Publish(TierLadder.topic(tier), request))
+        effects.append(CancelTimer((c.request_id, _COLLECT, c.attempt - 1)))
+        effects.append(CancelTimer((c.request_id, _WIDEN, c.attempt - 1)))
+        effects.append(SetTimer((c.request_id, _WIDEN, c.attempt), now + self._widen_wait_s()))
+
+    def _widen_wait_s(self) -> float:
+        estimate = self.latency
+        config = self.config
+        if estimate.mean_s is None or estimate.samples < 8:
+            return config.max_widen_s
+        wait = estimate.mean_s + 4 * estimate.variation_s
+        return min(max(wait, config.min_widen_s), config.max_widen_s)
+
+    def _on_offer(self, offer: Offer, now: float, effects: list[Effect]) -> None:
+        c = self._active.get(offer.request_id)
+        release = Send(
+            offer.reply_to,
+            Release(
+                request_id=offer.request_id,
+                sender=self.config.requestor_id,
+                reservation_id=offer.reservation_id,
+            ),
+        )
+        if c is None:
+            # Late: the request is decided or unknown. Let the node go at once rather than
+            # make it wait out the reservation.
+            effects.append(release)
+            effects.append(Dropped("late_offer", f"{offer.reservation_id} for {offer.request_id}"))
+            return
+        if offer.reservation_id in c.seen:
+            effects.append(Dropped("duplicate_offer", offer.reservation_id))
+            return
+        c.seen.add(offer.reservation_id)
+        c.offers_received += 1
+        if offer.group_members:
+            c.group_hosts[offer.sender] = offer.group_members
+        if offer.attempt == c.attempt and not c.collect_timer_set:
+            latency_s = now - c.broadcast_at
+            self.latency.add(latency_s)
+            window_s = max(latency_s, self.latency.mean_s or 0.0) * self.config.collect_factor
+            window_s = min(max(window_s, self.config.min_collect_s), self.config.max_collect_s)
+            effects.append(SetTimer((c.request_id, _COLLECT, c.attempt), now + window_s))
+            c.collect_timer_set = True
+        c.pool[offer.reservation_id] = _Held(
+            offer, usable_until=now + offer.ttl_s - self.config.award_margin_s
+        )
+        if c.phase is not _Phase.COLLECTING:
+            # Between awards and acceptances, or backing off: use it if there is a gap to
+            # fill, else let it go.
+            if c.needed() > 0:
+                self._decide(c, now, effects)
+            else:
+                self._release_surplus(c, effects, keep_spares=True)
+
+    def _on_decline(self, decline: Decline, effects: list[Effect]) -> None:
+        c = self._active.get(decline.request_id)
+        if c is None:
+            effects.append(Dropped("late_decline", decline.request_id))
+            return
+        c.declines[decline.sender] = decline
+        if decline.busy:
+            c.busy_nodes.add(decline.sender)
+        if decline.group_members:
+            c.group_hosts[decline.sender] = decline.group_members
+
+    def _nobody_came(self, c: _Conversation, now: float, effects: list[Effect]) -> None:
+        """The tier's wait ran out, or the broker said nobody is bound to it."""
+        if c.phase is not _Phase.COLLECTING:
+            return
+        if self._usable(c, now, effects):
+            self._decide(c, now, effects)
+        else:
+            self._widen(c, now, effects)
+
+    def _usable(self, c: _Conversation, now: float, effects: list[Effect]) -> list[_Held]:
+        """Offers still worth awarding; the ones about to expire are released."""
+        usable = []
+        for reservation_id, held in list(c.pool.items()):
+            if held.usable_until <= now:
+                del c.pool[reservation_id]
+                effects.append(self._release(c, held.offer))
+            else:
+                usable.append(held)
+        return usable
+
+    # -- deciding ----------------------------------------------------------------------
+
+    def _decide(self, c: _Conversation, now: float, effects: list[Effect]) -> None:
+        usable = self._usable(c, now, effects)
+        needed = c.needed()
+        if needed <= 0:
+            self._release_surplus(c, effects, keep_spares=bool(c.awards))
+            self._maybe_complete(c, now, effects)
+            return
+        candidates, why_not = self._eligible(c, usable)
+        if sum(h.offer.slots for h in candidates) >= needed:
+            self._award(c, candidates, needed, now, effects)
+        elif c.phase is _Phase.COLLECTING:
+            if why_not:
+                c.note = why_not
+            self._widen(c, now, effects)
+        elif c.phase is _Phase.AWARDING:
+            # A refusal (or an award given up) left a gap and nothing held can fill it:
+            # ask the same tier again.
+            self._broadcast(c, now, effects)
+        # BACKING_OFF: the retry timer will broadcast again
+
+    def _eligible(self, c: _Conversation, usable: list[_Held]) -> tuple[list[_Held], str]:
+        """Hard affinity narrows the offers to the node that hosts the group, if any
+        node said it does; with no host yet, to offers that can take every instance."""
+        group = c.spec.group
+        if group is None or group.policy != "affinity":
+            return usable, ""
+        if c.group_hosts or c.placed:
+            hosts = set(c.group_hosts) | {p.node for p in c.placed.values()}
+            eligible = [h for h in usable if h.offer.sender in hosts]
+            why = f"affinity group {group.name} lives on {', '.join(sorted(hosts))}"
+            return eligible, "" if eligible else why + ", which cannot take more"
+        needed = c.needed()
+        return [h for h in usable if h.offer.slots >= needed], ""
+
+    def _award(
+        self,
+        c: _Conversation,
+        candidates: list[_Held],
+        needed: int,
+        now: float,
+        effects: list[Effect],
+    ) -> None:
+        by_id = {h.offer.reservation_id: h for h in candidates}
+        choice = self.config.policy.choose([h.candidate() for h in candidates], needed)
+        if c.spec.group is not None and c.spec.group.policy == "affinity" and len(choice) > 1:
+            # All of an affinity request's instances go to one node.
+            best = next(h for h in candidates if h.offer.slots >= needed)
+            choice = [(best.candidate(), needed)]
+        for candidate, slots in choice:
+            held = by_id[candidate.reservation_id]
+            del c.pool[candidate.reservation_id]
+            c.awards[candidate.reservation_id] = _Awarded(held.offer, slots, now, now)
+            effects.append(self._award_message(c, held.offer, slots))
+        c.phase = _Phase.AWARDING
+        effects.append(CancelTimer((c.request_id, _COLLECT, c.attempt)))
+        effects.append(CancelTimer((c.request_id, _WIDEN, c.attempt)))
+        effects.append(SetTimer((c.request_id, _AWARD), now + self.config.award_retry_s))
+        self._release_surplus(c, effects, keep_spares=True)
+
+    def _award_message(self, c: _Conversation, offer: Offer, slots: int) -> Send:
+        return Send(
+            offer.reply_to,
+            Award(
+                request_id=c.request_id,
+                sender=self.config.requestor_id,
+                reply_to=self.config.reply_to,
+                reservation_id=offer.reservation_id,
+                slots=slots,
+            ),
+        )
+
+    def _release(self, c: _Conversation, offer: Offer) -> Send:
+        return Send(
+            offer.reply_to,
+            Release(
+                request_id=c.request_id,
+                sender=self.config.requestor_id,
+                reservation_id=offer.reservation_id,
+            ),
+        )
+
+    def _release_surplus(self, c: _Conversation, effects: list[Effect], keep_spares: bool) -> None:
+        """Release held offers, keeping the best ``spare_slots`` worth while awards are
+        unanswered (a refusal can then be covered without a new broadcast)."""
+        keep: set[str] = set()
+        if keep_spares and self.config.spare_slots > 0:
+            ranked = self.config.policy.choose(
+                [h.candidate() for h in c.pool.values()], self.config.spare_slots
+            )
+            keep = {candidate.reservation_id for candidate, _ in ranked}
+        for reservation_id, held in list(c.pool.items()):
+            if reservation_id not in keep:
+                del c.pool[reservation_id]
+                effects.append(self._release(c, held.offer))
+
+    def _widen(self, c: _Conversation, now: float, effects: list[Effect]) -> None:
+        if c.tier_index + 1 < len(self.config.tiers):
+            c.tier_index += 1
+            self._broadcast(c, now, effects)
+            return
+        have = len(c.placed) + c.awarded_slots()
+        held = sum(h.offer.slots for h in self._eligible(c, self._usable(c, now, effects))[0])
+        if c.busy_nodes and now + self.config.busy_retry_s < c.deadline:
+            # Every tier is tried, but some nodes only lacked room that other requests'
+            # reservations hold: those free up within a TTL, so ask again shortly.
+            c.phase = _Phase.BACKING_OFF
+            backoff_s = min(
+                self.config.busy_retry_s * 2**c.busy_rounds, self.config.max_busy_retry_s
+            )
+            c.busy_rounds += 1
+            effects.append(SetTimer((c.request_id, _RETRY), now + backoff_s))
+            return
+        minimum = c.spec.min_count
+        if minimum is not None and have + held >= minimum:
+            c.target = have + held
+            if held:
+                self._decide(c, now, effects)
+            else:
+                self._maybe_complete(c, now, effects)
+            return
+        self._fail(c, now, effects, timed_out=False)
+
+    # -- accepting ---------------------------------------------------------------------
+
+    def _on_accepted(
+        self,
+        request_id: str,
+        node: str,
+        address: str,
+        allocations: Iterable[AllocationInfo],
+        now: float,
+        effects: list[Effect],
+        *,
+        reservation_id: str | None,
+    ) -> None:
+        allocations = tuple(allocations)
+        c = self._active.get(request_id)
+        if c is None:
+            placement = self._finished.get(request_id)
+            known = {a.allocation_id for a in placement.allocations} if placement else set()
+            stray = tuple(a.allocation_id for a in allocations if a.allocation_id not in known)
+            if stray:
+                # Allocations for a request that failed, or that is placed without them:
+                # free them so nothing stays allocated that nobody asked for.
+                effects.append(
+                    Send(
+                        address,
+                        Free(
+                            request_id=request_id,
+                            sender=self.config.requestor_id,
+                            reply_to=self.config.reply_to,
+                            allocation_ids=stray,
+                        ),
+                    )
+                )
+                effects.append(
+                    Dropped(
+                        "late_accept",
+                        f"freeing {len(stray)} allocation(s) of {request_id} on {node}",
+                    )
+                )
+            else:
+                effects.append(Dropped("duplicate_accept", f"{request_id} on {node}"))
+            return
+        if reservation_id is not None:
+            award = c.awards.get(reservation_id)
+            if award is not None and award.offer.sender != node:
+                effects.append(Dropped("foreign_accept", f"{reservation_id} from {node}"))
+                return
+            c.awards.pop(reservation_id, None)
+        surplus = []
+        for info in allocations:
+            if info.allocation_id in c.placed:
+                continue
+            if len(c.placed) >= c.target:
+                surplus.append(info.allocation_id)
+                continue
+            c.placed[info.allocation_id] = PlacedAllocation(
+                node=node,
+                address=address,
+                allocation_id=info.allocation_id,
+                resources=dict(info.resources),
+                numa=info.numa,
+            )
+        if surplus:
+            effects.append(
+                Send(
+                    address,
+                    Free(
+                        request_id=request_id,
+                        sender=self.config.requestor_id,
+                        reply_to=self.config.reply_to,
+                        allocation_ids=tuple(surplus),
+                    ),
+                )
+            )
+        self._maybe_complete(c, now, effects)
+
+    def _on_refused(self, refused: Refused, now: float, effects: list[Effect]) -> None:
+        c = self._active.get(refused.request_id)
+        if c is None:
+            effects.append(Dropped("late_refusal", refused.reservation_id))
+            return
+        if c.pool.pop(refused.reservation_id, None) is not None:
+            return  # a withdrawn offer (the node is stopping): simply not a candidate
+        award = c.awards.get(refused.reservation_id)
+        if award is None or award.offer.sender != refused.sender:
+            effects.append(Dropped("late_refusal", refused.reservation_id))
+            return
+        del c.awards[refused.reservation_id]
+        c.note = f"{refused.sender} refused: {refused.reason}"
+        self._decide(c, now, effects)
+
+    def _chase_awards(self, c: _Conversation, now: float, effects: list[Effect]) -> None:
+        """Re-send unanswered awards; give up on one once its reservation must be gone."""
+        give_up_after_s = c.ttl_s + self.config.award_retry_s
+        gap = False
+        for reservation_id, award in list(c.awards.items()):
+            if now - award.first_sent_at >= give_up_after_s:
+                del c.awards[reservation_id]
+                gap = True
+                # The node may yet have allocated: a Free for the whole request on that
+                # node makes sure nothing of it stays behind there.
+                effects.append(
+                    Send(
+                        award.offer.reply_to,
+                        Free(
+                            request_id=c.request_id,
+                            sender=self.config.requestor_id,
+                            reply_to=self.config.reply_to,
+                            allocation_ids=(),
+                        ),
+                    )
+                )
+                c.note = f"{award.offer.sender} never answered its award"
+            elif now - award.last_sent_at >= self.config.award_retry_s:
+                award.last_sent_at = now
+                effects.append(self._award_message(c, award.offer, award.slots))
+        if c.awards:
+            effects.append(SetTimer((c.request_id, _AWARD), now + self.config.award_retry_s))
+        if gap:
+            self._decide(c, now, effects)
+
+    def _maybe_complete(self, c: _Conversation, now: float, effects: list[Effect]) -> None:
+        if c.awards or len(c.placed) < c.target:
+            return
+        self._release_surplus(c, effects, keep_spares=False)
+        placement = Placement(
+            request_id=c.request_id,
+            allocations=tuple(sorted(c.placed.values(), key=lambda a: a.allocation_id)),
+            requested=c.spec.count,
+            tiers_tried=tuple(c.tiers_tried),
+            attempts=c.attempt,
+            elapsed_s=now - c.started_at,
+        )
+        self._finish(c, placement, effects)
+        effects.append(Placed(c.request_id, placement))
+
+    # -- failing -----------------------------------------------------------------------
+
+    def _fail(
+        self, c: _Conversation, now: float, effects: list[Effect], *, timed_out: bool
+    ) -> None:
+        for held in c.pool.values():
+            effects.append(self._release(c, held.offer))
+        c.pool.clear()
+        # All or nothing: whatever was allocated or awarded goes back.
+        nodes: dict[str, str] = {}
+        for award in c.awards.values():
+            nodes[award.offer.reply_to] = award.offer.sender
+        for allocation in c.placed.values():
+            nodes[allocation.address] = allocation.node
+        for address in sorted(nodes):
+            effects.append(
+                Send(
+                    address,
+                    Free(
+                        request_id=c.request_id,
+                        sender=self.config.requestor_id,
+                        reply_to=self.config.reply_to,
+                        allocation_ids=(),
+                    ),
+                )
+            )
+        found = len(c.placed) + c.awarded_slots()
+        c.awards.clear()
+        c.placed.clear()
+        reasons: dict[str, int] = {}
+        for decline in c.declines.values():
+            for label in {reason_label(r) for r in decline.reasons}:
+                reasons[label] = reasons.get(label, 0) + 1
+        explanation = Explanation(
+            request_id=c.request_id,
+            wanted=c.spec.wanted_slots,
+            found=found,
+            tiers_tried=tuple(c.tiers_tried),
+            offers_received=c.offers_received,
+            declines_received=len(c.declines),
+            busy_nodes=len(c.busy_nodes),
+            reasons=reasons,
+            note=c.note,
+        )
+        error = PlacementTimeout(explanation) if timed_out else PlacementError(explanation)
+        self._finish(c, None, effects)
+        effects.append(Failed(c.request_id, error))
+
+    def _finish(self, c: _Conversation, outcome: Placement | None, effects: list[Effect]) -> None:
+        del self._active[c.request_id]
+        for what in (_DEADLINE, _AWARD, _RETRY):
+            effects.append(CancelTimer((c.request_id, what)))
+        effects.append(CancelTimer((c.request_id, _COLLECT, c.attempt)))
+        effects.append(CancelTimer((c.request_id, _WIDEN, c.attempt)))
+        self._finished[c.request_id] = outcome
+        self._finished.move_to_end(c.request_id)
+        while len(self._finished) > self.config.remember_finished:
+            self._finished.popitem(last=False)
+
+    # -- freeing -----------------------------------------------------------------------
+
+    def _send_frees(self, freeing: _Freeing, now: float, effects: list[Effect]) -> None:
+        for address, (_node, ids) in sorted(freeing.pending.items()):
+            effects.append(
+                Send(
+                    address,
+                    Free(
+                        request_id=freeing.request_id,
+                        sender=self.config.requestor_id,
+                        reply_to=self.config.reply_to,
+                        allocation_ids=ids,
+                    ),
+                )
+            )
+        effects.append(SetTimer((freeing.request_id, _FREE), now + self.config.free_retry_s))
+
+    def _retry_frees(self, freeing: _Freeing, now: float, effects: list[Effect]) -> None:
+        if freeing.attempts >= self.config.free_attempts:
+            del self._freeing[freeing.request_id]
+            missing = tuple(sorted(node for node, _ in freeing.pending.values()))
+            effects.append(FreeCompleted(freeing.request_id, tuple(freeing.freed), missing))
+            return
+        freeing.attempts += 1
+        self._send_frees(freeing, now, effects)
+
+    def _on_freed(self, freed: Freed, effects: list[Effect]) -> None:
+        freeing = self._freeing.get(freed.request_id)
+        if freeing is None or freed.reply_to not in freeing.pending:
+            effects.append(Dropped("late_freed", f"{freed.request_id} from {freed.sender}"))
+            return
+        _node, ids = freeing.pending.pop(freed.reply_to)
+        freeing.freed.extend(ids)
+        if not freeing.pending:
+            del self._freeing[freed.request_id]
+            effects.append(CancelTimer((freed.request_id, _FREE)))
+            effects.append(FreeCompleted(freed.request_id, tuple(freeing.freed), ()))

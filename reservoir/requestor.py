@@ -1,0 +1,297 @@
+"""``Requestor``: the public, thread-safe and asyncio-friendly way to place work.
+
+One ``Requestor`` runs any number of concurrent requests over one broker endpoint (its
+reply address). ``reserve`` blocks the calling thread; ``reserve_async`` awaits without
+blocking the event loop; ``submit`` returns a :class:`concurrent.futures.Future`. All three
+share the same state machine, so a request id placed through one is known to the others.
+
+    with Requestor("amqp://guest:guest@localhost/") as requestor:
+        placement = requestor.reserve(vcpus=2, memory_mb=4096)
+        ...
+        requestor.release(placement)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import secrets
+import uuid
+from collections.abc import Hashable, Iterable, Mapping
+from typing import Any
+
+from reservoir.broker import Broker
+from reservoir.clock import Scheduler, ThreadScheduler
+from reservoir.driver import Driver, Outcome
+from reservoir.metrics import Metrics
+from reservoir.protocol.effects import Effect, Failed, FreeCompleted, Placed
+from reservoir.protocol.messages import GroupSpec, Message, NumaSpec
+from reservoir.protocol.placement import (
+    Explanation,
+    Placement,
+    PlacementError,
+    PlacementRequest,
+)
+from reservoir.protocol.policies import Policy, policy_named
+from reservoir.protocol.requestor import RequestorConfig, RequestorMachine
+from reservoir.settings import Settings
+
+__all__ = ["FreeIncomplete", "Requestor", "RequestorClosed"]
+
+log = logging.getLogger(__name__)
+
+#: how much longer than its own deadline a blocking call waits for the machine's verdict
+_VERDICT_GRACE_S = 5.0
+
+
+class RequestorClosed(RuntimeError):
+    """The requestor was closed; it places and frees nothing more."""
+
+
+class FreeIncomplete(RuntimeError):
+    """Some nodes never confirmed freeing their allocations (they may be down)."""
+
+    def __init__(self, request_id: str, missing: tuple[str, ...]) -> None:
+        super().__init__(f"request {request_id}: no confirmation from {', '.join(missing)}")
+        self.request_id = request_id
+        self.missing = missing
+
+
+def _shape(
+    request: PlacementRequest | None,
+    vcpus: int | None,
+    memory_mb: int | None,
+    disk_gb: int | None,
+    fields: dict[str, Any],
+) -> PlacementRequest:
+    shorthand = {"VCPU": vcpus, "MEMORY_MB": memory_mb, "DISK_GB": disk_gb}
+    if request is not None:
+        if fields or any(v is not None for v in shorthand.values()):
+            raise TypeError("pass either a PlacementRequest or keyword fields, not both")
+        return request
+    resources = dict(fields.pop("resources", None) or {})
+    resources.update({rc: amount for rc, amount in shorthand.items() if amount is not None})
+    return PlacementRequest(resources=resources, **fields)
+
+
+class Requestor(Driver):
+    """Places requests on whatever nodes the broker reaches.
+
+    ``broker`` may be a :class:`~reservoir.broker.Broker` (shared, not closed here), a URL,
+    or None for ``settings.broker_url``.
+    """
+
+    def __init__(
+        self,
+        broker: Broker | str | None = None,
+        *,
+        name: str | None = None,
+        settings: Settings | None = None,
+        policy: Policy | str | None = None,
+        scheduler: Scheduler | None = None,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.settings = settings if settings is not None else Settings()
+        self._owned_broker: Broker | None = None
+        if not isinstance(broker, Broker):
+            from brokers import connect  # the adapters package; imported only when needed
+
+            broker = self._owned_broker = connect(broker or self.settings.broker_url)
+        self.name = name or f"requestor-{secrets.token_hex(4)}"
+        self._owned_scheduler = scheduler is None
+        scheduler = scheduler if scheduler is not None else ThreadScheduler(name=self.name)
+        super().__init__(
+            broker=broker,
+            scheduler=scheduler,
+            codec=self.settings.codec(),
+            metrics=metrics if metrics is not None else Metrics(),
+            endpoint_name=f"reservoir.requestor.{self.name}",
+        )
+        if isinstance(policy, str) or policy is None:
+            policy = policy_named(policy or self.settings.policy)
+        self.machine = RequestorMachine(
+            RequestorConfig(
+                requestor_id=self.name,
+                reply_to=self.address,
+                tiers=self.settings.ladder,
+                policy=policy,
+                ttl_s=self.settings.ttl_s,
+                max_widen_s=self.settings.max_widen_s,
+                min_widen_s=self.settings.min_widen_s,
+            )
+        )
+        self._placing: dict[str, list[concurrent.futures.Future[Placement]]] = {}
+        self._freeing: dict[str, list[concurrent.futures.Future[None]]] = {}
+
+    # -- placing -----------------------------------------------------------------------
+
+    def submit(
+        self,
+        request: PlacementRequest | None = None,
+        *,
+        timeout_s: float | None = None,
+        vcpus: int | None = None,
+        memory_mb: int | None = None,
+        disk_gb: int | None = None,
+        resources: Mapping[str, int] | None = None,
+        count: int | None = None,
+        min_count: int | None = None,
+        required_traits: Iterable[str] | None = None,
+        forbidden_traits: Iterable[str] | None = None,
+        group: GroupSpec | None = None,
+        numa: NumaSpec | None = None,
+        explain: bool | None = None,
+        hints: Mapping[str, Any] | None = None,
+        request_id: str | None = None,
+    ) -> concurrent.futures.Future[Placement]:
+        """Start placing; the future resolves to a :class:`Placement` or raises
+        :class:`PlacementError` (:class:`~reservoir.PlacementTimeout` when out of time)."""
+        given = {
+            "resources": resources,
+            "count": count,
+            "min_count": min_count,
+            "required_traits": frozenset(required_traits) if required_traits else None,
+            "forbidden_traits": frozenset(forbidden_traits) if forbidden_traits else None,
+            "group": group,
+            "numa": numa,
+            "explain": explain,
+            "hints": dict(hints) if hints else None,
+            "request_id": request_id,
+        }
+        spec = _shape(
+            request, vcpus, memory_mb, disk_gb, {k: v for k, v in given.items() if v is not None}
+        )
+        request_id = spec.request_id or uuid.uuid4().hex
+        timeout_s = self.settings.request_timeout_s if timeout_s is None else timeout_s
+        future: concurrent.futures.Future[Placement] = concurrent.futures.Future()
+        outcomes: list[Outcome] = []
+        with self._lock:
+            if self._closed:
+                raise RequestorClosed(f"{self.name} is closed")
+            self._placing.setdefault(request_id, []).append(future)
+            effects = self.machine.place(spec, request_id, self.scheduler.clock.now(), timeout_s)
+            self._execute(effects, outcomes)
+        self._deliver(outcomes)
+        return future
+
+    def reserve(
+        self,
+        request: PlacementRequest | None = None,
+        *,
+        timeout_s: float | None = None,
+        **fields: Any,
+    ) -> Placement:
+        """Place a request and wait for the outcome (blocking; thread-safe)."""
+        future = self.submit(request, timeout_s=timeout_s, **fields)
+        wait_s = self.settings.request_timeout_s if timeout_s is None else timeout_s
+        return future.result(timeout=wait_s + _VERDICT_GRACE_S)
+
+    async def reserve_async(
+        self,
+        request: PlacementRequest | None = None,
+        *,
+        timeout_s: float | None = None,
+        **fields: Any,
+    ) -> Placement:
+        """Place a request without blocking the running event loop."""
+        return await asyncio.wrap_future(self.submit(request, timeout_s=timeout_s, **fields))
+
+    # -- freeing -----------------------------------------------------------------------
+
+    def release_future(self, placement: Placement) -> concurrent.futures.Future[None]:
+        future: concurrent.futures.Future[None] = concurrent.futures.Future()
+        outcomes: list[Outcome] = []
+        with self._lock:
+            if self._closed:
+                raise RequestorClosed(f"{self.name} is closed")
+            self._freeing.setdefault(placement.request_id, []).append(future)
+            self._execute(self.machine.free(placement, self.scheduler.clock.now()), outcomes)
+        self._deliver(outcomes)
+        return future
+
+    def release(self, placement: Placement, *, timeout_s: float = 30.0) -> None:
+        """Free a placement's allocations on their nodes (the instances were deleted).
+        Raises :class:`FreeIncomplete` if a node never confirms."""
+        self.release_future(placement).result(timeout=timeout_s)
+
+    async def release_async(self, placement: Placement) -> None:
+        await asyncio.wrap_future(self.release_future(placement))
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return self.machine.in_flight()
+
+    def close(self) -> None:
+        """Fail whatever is in flight (releasing what it holds) and let go. Idempotent."""
+        if self._closed:
+            return
+        outcomes: list[Outcome] = []
+        with self._lock:
+            self._execute(self.machine.abandon(self.scheduler.clock.now()), outcomes)
+            self._closed = True
+            self._cancel_all_timers()
+        self._deliver(outcomes)
+        waiting: list[concurrent.futures.Future[Any]] = []
+        for placing in self._placing.values():
+            waiting += placing
+        for freeing in self._freeing.values():
+            waiting += freeing
+        for future in waiting:
+            if not future.done():
+                future.set_exception(RequestorClosed(f"{self.name} closed"))
+        self.endpoint.close()
+        if self._owned_scheduler:
+            self.scheduler.close()
+        if self._owned_broker is not None:
+            self._owned_broker.close()
+
+    def __enter__(self) -> Requestor:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> Requestor:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- driver hooks ------------------------------------------------------------------
+
+    def _handle_message(self, message: Message, now: float) -> list[Effect]:
+        return self.machine.handle(message, now)
+
+    def _handle_returned(self, message: Message, now: float) -> list[Effect]:
+        return self.machine.on_unroutable(message, now)
+
+    def _handle_timer(self, key: Hashable, now: float) -> list[Effect]:
+        return self.machine.on_timer(key, now)
+
+    def _deliver(self, outcomes: list[Outcome]) -> None:
+        for outcome in outcomes:
+            if isinstance(outcome, Placed):
+                self.metrics.inc("placed")
+                for future in self._pop(self._placing, outcome.request_id):
+                    future.set_result(outcome.placement)
+            elif isinstance(outcome, Failed):
+                self.metrics.inc("failed")
+                for future in self._pop(self._placing, outcome.request_id):
+                    future.set_exception(outcome.error)
+            elif isinstance(outcome, FreeCompleted):
+                for done in self._pop(self._freeing, outcome.request_id):
+                    if outcome.missing:
+                        done.set_exception(FreeIncomplete(outcome.request_id, outcome.missing))
+                    else:
+                        done.set_result(None)
+
+    def _pop(self, waiting: dict[str, list[Any]], request_id: str) -> list[Any]:
+        with self._lock:
+            return waiting.pop(request_id, [])
+
+
+# Re-exported for callers that catch errors from this module.
+__all__ += ["Explanation", "PlacementError"]

@@ -1,0 +1,190 @@
+"""Where a node agent keeps its allocations so they outlive the process.
+
+Allocations are durable; reservations are not (a node that dies loses them, and the
+requestor sees a refusal or a timeout and moves on). :class:`SqliteStore` keeps one SQLite
+database per node in WAL mode with ``synchronous=FULL``: an allocation is on disk before the
+node says ``Accepted``. A file that is not a reservoir state file, or belongs to another
+node, is refused with :class:`StateError`, never silently reset.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from pathlib import Path
+from typing import Final, Protocol
+
+from pydantic import ValidationError
+
+from reservoir.protocol.ledger import Allocation
+from reservoir.protocol.messages import NumaPlacement
+
+__all__ = ["AllocationStore", "MemoryStore", "SqliteStore", "StateError"]
+
+_APPLICATION: Final = "reservoir-node-ledger"
+_SCHEMA_VERSION: Final = 1
+
+
+class StateError(RuntimeError):
+    """A node's state file cannot be used as it is; the message says why and where."""
+
+
+class AllocationStore(Protocol):
+    def load(self) -> list[Allocation]: ...
+
+    def put(self, allocation: Allocation) -> None: ...
+
+    def delete(self, allocation_id: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class MemoryStore:
+    """Keeps allocations for the life of the process only."""
+
+    def __init__(self) -> None:
+        self._allocations: dict[str, Allocation] = {}
+
+    def load(self) -> list[Allocation]:
+        return list(self._allocations.values())
+
+    def put(self, allocation: Allocation) -> None:
+        self._allocations[allocation.allocation_id] = allocation
+
+    def delete(self, allocation_id: str) -> None:
+        self._allocations.pop(allocation_id, None)
+
+    def close(self) -> None:
+        pass
+
+
+class SqliteStore:
+    """A node's allocations in ``<state_dir>/<node>.sqlite3``."""
+
+    def __init__(self, path: Path, *, node_name: str) -> None:
+        self.path = path
+        self.node_name = node_name
+        self._lock = threading.Lock()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        existed = path.exists() and path.stat().st_size > 0
+        try:
+            self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            if existed:
+                self._check_owner()
+            else:
+                self._create()
+        except sqlite3.DatabaseError as error:
+            raise StateError(f"{path} is not a usable reservoir state file: {error}") from None
+
+    @classmethod
+    def for_node(cls, state_dir: Path, node_name: str) -> SqliteStore:
+        return cls(state_dir / f"{node_name}.sqlite3", node_name=node_name)
+
+    def _create(self) -> None:
+        with self._lock:
+            self._db.executescript(
+                """
+                BEGIN;
+                CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+                CREATE TABLE allocations (
+                    allocation_id TEXT PRIMARY KEY,
+                    request_id TEXT NOT NULL,
+                    reservation_id TEXT NOT NULL,
+                    owner TEXT NOT NULL,
+                    resources TEXT NOT NULL,
+                    request_count INTEGER NOT NULL,
+                    server_group TEXT,
+                    numa TEXT
+                );
+                COMMIT;
+                """
+            )
+            self._db.executemany(
+                "INSERT INTO meta VALUES (?, ?)",
+                [
+                    ("application", _APPLICATION),
+                    ("schema_version", str(_SCHEMA_VERSION)),
+                    ("node", self.node_name),
+                ],
+            )
+
+    def _check_owner(self) -> None:
+        try:
+            meta = dict(self._db.execute("SELECT key, value FROM meta").fetchall())
+        except sqlite3.OperationalError:
+            raise StateError(
+                f"{self.path} is an SQLite file but not a reservoir state file "
+                "(no meta table); move it away or pick another --state-dir"
+            ) from None
+        if meta.get("application") != _APPLICATION:
+            raise StateError(
+                f"{self.path} is not a reservoir state file "
+                f"(application={meta.get('application')!r})"
+            )
+        if meta.get("schema_version") != str(_SCHEMA_VERSION):
+            raise StateError(
+                f"{self.path} has schema version {meta.get('schema_version')}, "
+                f"this reservoir reads version {_SCHEMA_VERSION}"
+            )
+        if meta.get("node") != self.node_name:
+            raise StateError(
+                f"{self.path} belongs to node {meta.get('node')!r}, not {self.node_name!r}"
+            )
+
+    def load(self) -> list[Allocation]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT allocation_id, request_id, reservation_id, owner, resources, "
+                "request_count, server_group, numa FROM allocations ORDER BY allocation_id"
+            ).fetchall()
+        allocations = []
+        for row in rows:
+            try:
+                resources = json.loads(row[4])
+                if not isinstance(resources, dict):
+                    raise ValueError("resources is not an object")
+                numa = NumaPlacement.model_validate_json(row[7]) if row[7] else None
+                allocations.append(
+                    Allocation(
+                        allocation_id=row[0],
+                        request_id=row[1],
+                        reservation_id=row[2],
+                        owner=row[3],
+                        resources={str(k): int(v) for k, v in resources.items()},
+                        request_count=int(row[5]),
+                        group=row[6],
+                        numa=numa,
+                    )
+                )
+            except (ValueError, TypeError, ValidationError) as error:
+                raise StateError(
+                    f"{self.path}: allocation {row[0]!r} is corrupt: {error}"
+                ) from None
+        return allocations
+
+    def put(self, allocation: Allocation) -> None:
+        with self._lock:
+            self._db.execute(
+                "INSERT OR REPLACE INTO allocations VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    allocation.allocation_id,
+                    allocation.request_id,
+                    allocation.reservation_id,
+                    allocation.owner,
+                    json.dumps(dict(allocation.resources), sort_keys=True),
+                    allocation.request_count,
+                    allocation.group,
+                    allocation.numa.model_dump_json() if allocation.numa else None,
+                ),
+            )
+
+    def delete(self, allocation_id: str) -> None:
+        with self._lock:
+            self._db.execute("DELETE FROM allocations WHERE allocation_id = ?", (allocation_id,))
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()

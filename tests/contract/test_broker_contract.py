@@ -1,0 +1,469 @@
+"""The broker contract: what every adapter promises, tested the same way for each.
+
+Topics and names carry a per-test prefix (the ``ns`` fixture) so a run against a shared
+RabbitMQ never hears another run. Where a test shows that something did *not* arrive, it
+sends a marker after it on the same path and waits for the marker.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import pytest
+
+from reservoir.broker import Broker, BrokerClosed, BrokerError, Delivery, Endpoint
+
+if TYPE_CHECKING:
+    # For annotations only: pytest imports conftest itself, and fixtures hand out instances.
+    from conftest import Collector
+
+    Inbox = Callable[..., Collector]
+    NewCollector = Callable[[], Collector]
+
+
+def assert_only_marker_arrived(receiver: Collector, marker: bytes) -> None:
+    """After waiting for ``marker``, nothing else may have arrived before it."""
+    receiver.wait_for_body(marker)
+    assert receiver.bodies == [marker]
+
+
+# -- topic routing ----------------------------------------------------------------------------
+
+
+def test_exact_topic_reaches_its_binding(inbox: Inbox, ns: str) -> None:
+    receiver = inbox(bind=[f"{ns}.a.b"])
+    sender = inbox()
+    sender.ep.publish(f"{ns}.a.b", b"hello")
+    delivery = receiver.wait_for_body(b"hello")
+    assert delivery.topic == f"{ns}.a.b"
+    assert not delivery.returned
+
+
+def test_star_matches_exactly_one_word(inbox: Inbox, ns: str) -> None:
+    receiver = inbox(bind=[f"{ns}.*.end"])
+    sender = inbox()
+    sender.ep.publish(f"{ns}.one.end", b"one word")
+    sender.ep.publish(f"{ns}.end", b"zero words")
+    sender.ep.publish(f"{ns}.two.words.end", b"two words")
+    sender.ep.publish(f"{ns}.marker.end", b"marker")
+    receiver.wait_for_body(b"marker")
+    assert receiver.bodies == [b"one word", b"marker"]
+
+
+def test_star_matches_an_empty_word(inbox: Inbox, ns: str) -> None:
+    receiver = inbox(bind=[f"{ns}.*.end"])
+    sender = inbox()
+    sender.ep.publish(f"{ns}..end", b"empty word")
+    assert receiver.wait_for_body(b"empty word").topic == f"{ns}..end"
+
+
+def test_star_does_not_cross_dots(inbox: Inbox, ns: str) -> None:
+    receiver = inbox(bind=[f"{ns}.*"])
+    sender = inbox()
+    sender.ep.publish(f"{ns}.a.b", b"crosses a dot")
+    sender.ep.publish(f"{ns}.marker", b"marker")
+    assert_only_marker_arrived(receiver, b"marker")
+    # Nobody else is bound, so it came back instead.
+    sender.wait_for_return(b"crosses a dot")
+
+
+def test_hash_matches_zero_words(inbox: Inbox, ns: str) -> None:
+    receiver = inbox(bind=[f"{ns}.tier.#"])
+    sender = inbox()
+    sender.ep.publish(f"{ns}.tier", b"zero words")
+    assert receiver.wait_for_body(b"zero words").topic == f"{ns}.tier"
+
+
+def test_hash_matches_many_words(inbox: Inbox, ns: str) -> None:
+    receiver = inbox(bind=[f"{ns}.tier.#"])
+    sender = inbox()
+    for topic in (f"{ns}.tier.10", f"{ns}.tier.10.x", f"{ns}.tier.a.b.c.d"):
+        sender.ep.publish(topic, topic.encode())
+    received = receiver.wait_for_count(3)
+    assert [d.topic for d in received] == [
+        f"{ns}.tier.10",
+        f"{ns}.tier.10.x",
+        f"{ns}.tier.a.b.c.d",
+    ]
+
+
+def test_hash_between_words_matches_zero_or_more_in_between(inbox: Inbox, ns: str) -> None:
+    receiver = inbox(bind=[f"{ns}.a.#.z"])
+    sender = inbox()
+    sender.ep.publish(f"{ns}.a.z", b"none between")
+    sender.ep.publish(f"{ns}.a.b.c.z", b"two between")
+    sender.ep.publish(f"{ns}.a.b.c", b"wrong end")
+    sender.ep.publish(f"{ns}.a.marker.z", b"marker")
+    receiver.wait_for_body(b"marker")
+    assert receiver.bodies == [b"none between", b"two between", b"marker"]
+
+
+def test_wildcards_inside_a_word_are_literal(inbox: Inbox, ns: str) -> None:
+    receiver = inbox(bind=[f"{ns}.a*", f"{ns}.b#"])
+    sender = inbox()
+    sender.ep.publish(f"{ns}.ab", b"not a wildcard")
+    sender.ep.publish(f"{ns}.bc", b"not a wildcard either")
+    sender.ep.publish(f"{ns}.a*", b"literal star")
+    sender.ep.publish(f"{ns}.b#", b"literal hash")
+    receiver.wait_for_count(2)
+    assert receiver.bodies == [b"literal star", b"literal hash"]
+
+
+def test_publish_reaches_every_bound_endpoint_once(inbox: Inbox, ns: str) -> None:
+    # Three of the first endpoint's patterns match; it still gets one copy (RabbitMQ).
+    overlapping = inbox(bind=[f"{ns}.x.y", f"{ns}.x.*", f"{ns}.#"])
+    other = inbox(bind=[f"{ns}.x.y"])
+    sender = inbox()
+    sender.ep.publish(f"{ns}.x.y", b"once")
+    sender.ep.publish(f"{ns}.x.y", b"marker")
+    for receiver in (overlapping, other):
+        receiver.wait_for_body(b"marker")
+        assert receiver.bodies == [b"once", b"marker"]
+
+
+def test_binding_the_same_pattern_twice_is_one_binding(inbox: Inbox, ns: str) -> None:
+    receiver = inbox(bind=[f"{ns}.t", f"{ns}.t"])
+    sender = inbox()
+    sender.ep.publish(f"{ns}.t", b"once")
+    sender.ep.publish(f"{ns}.t", b"marker")
+    receiver.wait_for_body(b"marker")
+    assert receiver.bodies == [b"once", b"marker"]
+
+
+def test_publisher_bound_to_the_topic_hears_its_own_publish(inbox: Inbox, ns: str) -> None:
+    node = inbox(bind=[f"{ns}.tier.#"])
+    node.ep.publish(f"{ns}.tier.10", b"echo")
+    assert not node.wait_for_body(b"echo").returned
+
+
+def test_unroutable_publish_comes_back_to_sender(inbox: Inbox, ns: str) -> None:
+    sender = inbox()
+    sender.ep.publish(f"{ns}.tier.10", b"anyone?")
+    returned = sender.wait_for_return(b"anyone?")
+    assert returned.topic == f"{ns}.tier.10"
+    assert returned.returned
+
+
+def test_routable_publish_does_not_come_back(inbox: Inbox, ns: str) -> None:
+    receiver = inbox(bind=[f"{ns}.t"])
+    sender = inbox()
+    sender.ep.publish(f"{ns}.t", b"routed")
+    receiver.wait_for_body(b"routed")
+    # A return would reach the sender before its own later publish comes back to it.
+    sender.ep.publish(f"{ns}.nobody", b"unroutable marker")
+    sender.wait_for_return(b"unroutable marker")
+    assert [d.body for d in sender.returned] == [b"unroutable marker"]
+
+
+def test_unbind_stops_delivery(inbox: Inbox, ns: str) -> None:
+    receiver = inbox(bind=[f"{ns}.t", f"{ns}.marker"])
+    sender = inbox()
+    sender.ep.publish(f"{ns}.t", b"before")
+    receiver.wait_for_body(b"before")
+    receiver.ep.unbind(f"{ns}.t")
+    sender.ep.publish(f"{ns}.t", b"after")
+    sender.ep.publish(f"{ns}.marker", b"marker")
+    receiver.wait_for_body(b"marker")
+    assert receiver.bodies == [b"before", b"marker"]
+    sender.wait_for_return(b"after")
+
+
+def test_unbinding_a_pattern_never_bound_is_a_no_op(inbox: Inbox, ns: str) -> None:
+    receiver = inbox(bind=[f"{ns}.t"])
+    receiver.ep.unbind(f"{ns}.never")
+    inbox().ep.publish(f"{ns}.t", b"still bound")
+    receiver.wait_for_body(b"still bound")
+
+
+def test_fanout_to_many_subscribers(inbox: Inbox, ns: str) -> None:
+    receivers = [inbox(bind=[f"{ns}.tier.#"]) for _ in range(50)]
+    sender = inbox()
+    messages = [f"m{i}".encode() for i in range(10)]
+    for body in messages:
+        sender.ep.publish(f"{ns}.tier.10", body)
+    sender.ep.publish(f"{ns}.tier.10", b"marker")
+    for receiver in receivers:
+        receiver.wait_for_body(b"marker")
+        assert receiver.bodies == [*messages, b"marker"]
+    assert sender.returned == []
+
+
+# -- direct addressing ------------------------------------------------------------------------
+
+
+def test_send_reaches_the_named_address(inbox: Inbox, ns: str) -> None:
+    receiver = inbox(name=f"{ns}-node-a")
+    assert receiver.address == f"{ns}-node-a"
+    inbox().ep.send(f"{ns}-node-a", b"direct")
+    delivery = receiver.wait_for_body(b"direct")
+    assert delivery.topic is None
+    assert not delivery.returned
+
+
+def test_send_reaches_an_unnamed_endpoint_by_its_address(inbox: Inbox) -> None:
+    receiver = inbox()
+    inbox().ep.send(receiver.address, b"reply")
+    receiver.wait_for_body(b"reply")
+
+
+def test_send_reaches_only_the_addressed_endpoint(inbox: Inbox, ns: str) -> None:
+    target = inbox(name=f"{ns}-a")
+    bystander = inbox(name=f"{ns}-b")
+    sender = inbox()
+    sender.ep.send(target.address, b"for a")
+    sender.ep.send(bystander.address, b"marker")
+    target.wait_for_body(b"for a")
+    assert_only_marker_arrived(bystander, b"marker")
+
+
+def test_send_to_unknown_address_comes_back(inbox: Inbox, ns: str) -> None:
+    sender = inbox()
+    sender.ep.send(f"{ns}-nobody-here", b"hello?")
+    returned = sender.wait_for_return(b"hello?")
+    assert returned.topic is None
+    assert returned.returned
+
+
+def test_send_to_a_closed_address_comes_back(inbox: Inbox, ns: str) -> None:
+    gone = inbox(name=f"{ns}-gone")
+    gone.ep.close()
+    sender = inbox()
+    sender.ep.send(f"{ns}-gone", b"too late")
+    sender.wait_for_return(b"too late")
+    assert gone.deliveries == []
+
+
+# -- ordering ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["publish", "send"])
+def test_messages_from_one_sender_arrive_in_order(inbox: Inbox, ns: str, path: str) -> None:
+    receiver = inbox(name=f"{ns}-receiver", bind=[f"{ns}.seq"])
+    sender = inbox()
+    messages = [f"{i:04d}".encode() for i in range(500)]
+    for body in messages:
+        if path == "publish":
+            sender.ep.publish(f"{ns}.seq", body)
+        else:
+            sender.ep.send(receiver.address, body)
+    assert [d.body for d in receiver.wait_for_count(500)] == messages
+
+
+def test_concurrent_senders_each_keep_their_order(inbox: Inbox, ns: str) -> None:
+    receiver = inbox(bind=[f"{ns}.seq"])
+    senders = [inbox() for _ in range(8)]
+    per_sender = 100
+    start = threading.Barrier(len(senders))
+
+    def run(index: int, sender: Collector) -> None:
+        start.wait(timeout=10)
+        for i in range(per_sender):
+            sender.ep.publish(f"{ns}.seq", f"{index}:{i}".encode())
+
+    threads = [
+        threading.Thread(target=run, args=(index, sender)) for index, sender in enumerate(senders)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    received = receiver.wait_for_count(len(senders) * per_sender)
+    for index in range(len(senders)):
+        sequence = [
+            int(d.body.split(b":")[1]) for d in received if d.body.startswith(b"%d:" % index)
+        ]
+        assert sequence == list(range(per_sender))
+
+
+# -- endpoints --------------------------------------------------------------------------------
+
+
+def test_unnamed_endpoints_get_distinct_addresses(inbox: Inbox) -> None:
+    addresses = {inbox().address for _ in range(20)}
+    assert len(addresses) == 20
+
+
+def test_second_live_endpoint_with_the_same_name_is_refused(
+    broker: Broker, inbox: Inbox, new_collector: NewCollector, ns: str
+) -> None:
+    inbox(name=f"{ns}-node")
+    with pytest.raises(BrokerError):
+        broker.open_endpoint(new_collector(), name=f"{ns}-node")
+
+
+def test_closed_endpoint_refuses_use(inbox: Inbox, ns: str) -> None:
+    endpoint = inbox(name=f"{ns}-closing").ep
+    endpoint.close()
+    with pytest.raises(BrokerClosed):
+        endpoint.bind(f"{ns}.t")
+    with pytest.raises(BrokerClosed):
+        endpoint.unbind(f"{ns}.t")
+    with pytest.raises(BrokerClosed):
+        endpoint.publish(f"{ns}.t", b"x")
+    with pytest.raises(BrokerClosed):
+        endpoint.send(f"{ns}-closing", b"x")
+    endpoint.close()  # idempotent
+
+
+def test_closing_an_endpoint_removes_its_bindings(inbox: Inbox, ns: str) -> None:
+    closing = inbox(bind=[f"{ns}.t"])
+    closing.ep.close()
+    sender = inbox()
+    sender.ep.publish(f"{ns}.t", b"nobody bound now")
+    sender.wait_for_return(b"nobody bound now")
+    assert closing.deliveries == []
+
+
+def test_close_and_reopen_with_same_name(broker: Broker, inbox: Inbox, ns: str) -> None:
+    first = inbox(name=f"{ns}-node")
+    first.ep.close()
+    second = inbox(name=f"{ns}-node")
+    assert second.address == f"{ns}-node"
+    inbox().ep.send(f"{ns}-node", b"to the new one")
+    second.wait_for_body(b"to the new one")
+    assert first.deliveries == []
+
+
+def test_endpoint_is_a_context_manager(
+    broker: Broker, new_collector: NewCollector, ns: str
+) -> None:
+    sender_collector = new_collector()
+    with broker.open_endpoint(sender_collector) as sender:
+        with broker.open_endpoint(new_collector(), name=f"{ns}-ctx") as endpoint:
+            assert endpoint.address == f"{ns}-ctx"
+        sender.send(f"{ns}-ctx", b"after exit")
+        sender_collector.wait_for_return(b"after exit")
+    with pytest.raises(BrokerClosed):
+        sender.send(f"{ns}-ctx", b"x")
+
+
+# -- handlers ---------------------------------------------------------------------------------
+
+
+def test_handler_exception_does_not_stop_delivery(
+    broker: Broker, inbox: Inbox, new_collector: NewCollector, ns: str
+) -> None:
+    seen = new_collector()
+
+    def failing_first(delivery: Delivery) -> None:
+        seen(delivery)
+        if delivery.body == b"boom":
+            raise RuntimeError("handler bug")
+
+    failing = broker.open_endpoint(failing_first)
+    try:
+        failing.bind(f"{ns}.t")
+        healthy = inbox(bind=[f"{ns}.t"])
+        sender = inbox()
+        sender.ep.publish(f"{ns}.t", b"boom")
+        sender.ep.publish(f"{ns}.t", b"after")
+        seen.wait_for_body(b"after")
+        healthy.wait_for_body(b"after")
+        assert seen.bodies == [b"boom", b"after"]
+        assert healthy.bodies == [b"boom", b"after"]
+    finally:
+        failing.close()
+
+
+def test_handler_can_reply_from_inside_the_handler(broker: Broker, inbox: Inbox, ns: str) -> None:
+    # A node answers a broadcast with a direct send from within its handler.
+    node_ref: list[Endpoint] = []
+
+    def answer(delivery: Delivery) -> None:
+        requestor_address = delivery.body.decode()
+        node_ref[0].send(requestor_address, b"offer")
+
+    node = broker.open_endpoint(answer, name=f"{ns}-node")
+    node_ref.append(node)
+    try:
+        node.bind(f"{ns}.tier.#")
+        requestor = inbox()
+        requestor.ep.publish(f"{ns}.tier.10", requestor.address.encode())
+        requestor.wait_for_body(b"offer")
+    finally:
+        node.close()
+
+
+def test_handler_can_close_its_own_endpoint(broker: Broker, inbox: Inbox, ns: str) -> None:
+    closed = threading.Event()
+    holder: list[Endpoint] = []
+
+    def close_self(delivery: Delivery) -> None:
+        holder[0].close()
+        closed.set()
+
+    endpoint = broker.open_endpoint(close_self, name=f"{ns}-self-closing")
+    holder.append(endpoint)
+    sender = inbox()
+    sender.ep.send(f"{ns}-self-closing", b"close yourself")
+    assert closed.wait(10)
+    sender.ep.send(f"{ns}-self-closing", b"after close")
+    sender.wait_for_return(b"after close")
+
+
+# -- bodies -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        pytest.param(b"", id="empty"),
+        pytest.param(bytes(range(256)), id="every-byte"),
+        pytest.param(b"\x00" * 17, id="nul-bytes"),
+        pytest.param("schön ☃ 中文".encode(), id="utf-8"),
+        pytest.param(random.Random(7).randbytes(1 << 20), id="one-mib-random"),
+    ],
+)
+def test_bodies_arrive_byte_for_byte(inbox: Inbox, ns: str, body: bytes) -> None:
+    receiver = inbox(name=f"{ns}-bytes", bind=[f"{ns}.bytes"])
+    sender = inbox()
+    sender.ep.publish(f"{ns}.bytes", body)
+    sender.ep.send(receiver.address, body)
+    received = receiver.wait_for_count(2)
+    assert len(received) == 2
+    published = next(d for d in received if d.topic is not None)
+    sent = next(d for d in received if d.topic is None)
+    assert type(published.body) is bytes
+    assert published.body == body
+    assert sent.body == body
+
+
+@pytest.mark.parametrize(
+    "body",
+    ["text", bytearray(b"mutable"), memoryview(b"view"), None, 42],
+    ids=["str", "bytearray", "memoryview", "none", "int"],
+)
+def test_non_bytes_body_is_refused(inbox: Inbox, ns: str, body: object) -> None:
+    sender = inbox()
+    with pytest.raises(TypeError):
+        sender.ep.publish(f"{ns}.t", body)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        sender.ep.send(sender.address, body)  # type: ignore[arg-type]
+
+
+# -- the broker -------------------------------------------------------------------------------
+
+
+def test_closed_broker_refuses_everything(
+    broker: Broker, new_collector: NewCollector, ns: str
+) -> None:
+    endpoint = broker.open_endpoint(new_collector(), name=f"{ns}-before-close")
+    broker.close()
+    with pytest.raises(BrokerClosed):
+        broker.open_endpoint(new_collector())
+    with pytest.raises(BrokerClosed):
+        endpoint.bind(f"{ns}.t")
+    with pytest.raises(BrokerClosed):
+        endpoint.publish(f"{ns}.t", b"x")
+    with pytest.raises(BrokerClosed):
+        endpoint.send(f"{ns}-before-close", b"x")
+    endpoint.close()
+    broker.close()  # idempotent
+
+
+def test_broker_has_a_url(broker: Broker) -> None:
+    assert isinstance(broker.url, str)
+    assert broker.url

@@ -417,6 +417,15 @@ class RequestorMachine:
             effects.append(release)
             effects.append(Dropped("late_offer", f"{offer.reservation_id} for {offer.request_id}"))
             return
+        if offer.attempt == c.attempt and not c.collect_timer_set:
+            # The first answer to this broadcast, even a repeat of an offer we hold (a node
+            # that heard an earlier tier hears this one too), opens the collect window.
+            latency_s = now - c.broadcast_at
+            self.latency.add(latency_s)
+            window_s = max(latency_s, self.latency.mean_s or 0.0) * self.config.collect_factor
+            window_s = min(max(window_s, self.config.min_collect_s), self.config.max_collect_s)
+            effects.append(SetTimer((c.request_id, _COLLECT, c.attempt), now + window_s))
+            c.collect_timer_set = True
         if offer.reservation_id in c.seen:
             effects.append(Dropped("duplicate_offer", offer.reservation_id))
             return
@@ -424,13 +433,6 @@ class RequestorMachine:
         c.offers_received += 1
         if offer.group_members:
             c.group_hosts[offer.sender] = offer.group_members
-        if offer.attempt == c.attempt and not c.collect_timer_set:
-            latency_s = now - c.broadcast_at
-            self.latency.add(latency_s)
-            window_s = max(latency_s, self.latency.mean_s or 0.0) * self.config.collect_factor
-            window_s = min(max(window_s, self.config.min_collect_s), self.config.max_collect_s)
-            effects.append(SetTimer((c.request_id, _COLLECT, c.attempt), now + window_s))
-            c.collect_timer_set = True
         c.pool[offer.reservation_id] = _Held(
             offer, usable_until=now + offer.ttl_s - self.config.award_margin_s
         )

@@ -1,0 +1,347 @@
+"""The node's state machine, driven by hand on a fake clock: no broker, no threads."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from reservoir.protocol.effects import (
+    Bind,
+    DeleteAllocation,
+    Dropped,
+    Effect,
+    Send,
+    SetTimer,
+    StoreAllocation,
+    Unbind,
+)
+from reservoir.protocol.ledger import Inventory
+from reservoir.protocol.messages import (
+    Accepted,
+    AlreadyPlaced,
+    Award,
+    Decline,
+    Free,
+    Freed,
+    Message,
+    Offer,
+    Refused,
+    Release,
+    ReservationRequest,
+)
+from reservoir.protocol.node import EXPIRY_TIMER, NodeConfig, NodeMachine
+
+T0 = 1000.0
+REQUESTOR = "req-1"
+REPLY = "reservoir.requestor.req-1"
+
+
+def a_node(vcpus: int = 8, memory_mb: int = 16384, **inventories: Inventory) -> NodeMachine:
+    config = NodeConfig(
+        name="node-a",
+        address="reservoir.node.node-a",
+        inventories={
+            "VCPU": Inventory(total=vcpus),
+            "MEMORY_MB": Inventory(total=memory_mb),
+            **inventories,
+        },
+        traits=frozenset({"HW_CPU_X86_AVX2"}),
+    )
+    node = NodeMachine(config)
+    node.start(T0)
+    return node
+
+
+def a_request(request_id: str = "r1", **fields: Any) -> ReservationRequest:
+    values: dict[str, Any] = {
+        "request_id": request_id,
+        "sender": REQUESTOR,
+        "reply_to": REPLY,
+        "resources": {"VCPU": 2, "MEMORY_MB": 2048},
+        "tier": 10,
+        "attempt": 1,
+        "ttl_s": 5.0,
+    }
+    values.update(fields)
+    return ReservationRequest(**values)
+
+
+def sent(effects: list[Effect]) -> list[Message]:
+    return [e.message for e in effects if isinstance(e, Send)]
+
+
+def the_offer(effects: list[Effect]) -> Offer:
+    offers = [m for m in sent(effects) if isinstance(m, Offer)]
+    assert len(offers) == 1, effects
+    return offers[0]
+
+
+def award(offer: Offer, slots: int | None = None, sender: str = REQUESTOR) -> Award:
+    return Award(
+        request_id=offer.request_id,
+        sender=sender,
+        reply_to=REPLY,
+        reservation_id=offer.reservation_id,
+        slots=slots or offer.slots,
+    )
+
+
+def test_a_node_that_fits_reserves_and_offers_to_the_reply_address() -> None:
+    node = a_node()
+    effects = node.handle(a_request(), T0)
+    offer = the_offer(effects)
+    assert offer.slots == 1
+    assert offer.ttl_s == pytest.approx(5.0)
+    assert [e.address for e in effects if isinstance(e, Send)] == [REPLY]
+    assert node.ledger.usage("VCPU").reserved == 2
+
+
+def test_a_node_offers_as_many_slots_as_fit_up_to_the_count() -> None:
+    node = a_node(vcpus=8)
+    assert the_offer(node.handle(a_request(count=10), T0)).slots == 4
+
+
+def test_a_node_that_cannot_fit_says_nothing() -> None:
+    node = a_node(vcpus=1)
+    assert sent(node.handle(a_request(), T0)) == []
+
+
+def test_a_node_that_cannot_fit_explains_itself_when_asked() -> None:
+    node = a_node(vcpus=4)
+    effects = node.handle(a_request(resources={"VCPU": 6}, explain=True), T0)
+    (decline,) = sent(effects)
+    assert isinstance(decline, Decline)
+    assert not decline.busy
+    (reason,) = decline.reasons
+    assert reason.code == "unit" and reason.subject == "VCPU"
+
+
+def test_an_explained_shortage_names_the_class_and_how_much_is_missing() -> None:
+    node = a_node(vcpus=4)
+    node.handle(award(the_offer(node.handle(a_request("r0", resources={"VCPU": 3}), T0))), T0)
+    effects = node.handle(a_request(resources={"VCPU": 2}, explain=True), T0)
+    (decline,) = sent(effects)
+    assert isinstance(decline, Decline)
+    (reason,) = decline.reasons
+    assert (reason.code, reason.subject, reason.shortfall) == ("insufficient", "VCPU", 1)
+
+
+def test_missing_and_forbidden_traits_are_reasons() -> None:
+    node = a_node()
+    request = a_request(
+        required_traits=frozenset({"HW_GPU"}),
+        forbidden_traits=frozenset({"HW_CPU_X86_AVX2"}),
+        explain=True,
+    )
+    (decline,) = sent(node.handle(request, T0))
+    assert isinstance(decline, Decline)
+    assert {(r.code, r.subject) for r in decline.reasons} == {
+        ("trait_missing", "HW_GPU"),
+        ("trait_forbidden", "HW_CPU_X86_AVX2"),
+    }
+
+
+def test_a_reservation_expires_at_exactly_its_ttl_and_not_before() -> None:
+    node = a_node()
+    effects = node.handle(a_request(), T0)
+    assert SetTimer(EXPIRY_TIMER, T0 + 5.0) in effects
+    node.on_timer(EXPIRY_TIMER, T0 + 4.999)
+    assert len(node.ledger.reservations) == 1
+    node.on_timer(EXPIRY_TIMER, T0 + 5.0)
+    assert node.ledger.reservations == {}
+    assert node.ledger.usage("VCPU").reserved == 0
+
+
+def test_any_event_after_the_deadline_expires_the_reservation_even_without_the_timer() -> None:
+    node = a_node()
+    node.handle(a_request(), T0)
+    node.handle(a_request("other"), T0 + 5.0)
+    assert [r.request_id for r in node.ledger.reservations.values()] == ["other"]
+
+
+def test_a_requests_ttl_is_honoured_up_to_the_nodes_bound() -> None:
+    node = a_node()
+    assert the_offer(node.handle(a_request(ttl_s=2.0), T0)).ttl_s == pytest.approx(2.0)
+    offer = the_offer(node.handle(a_request("long", ttl_s=3600), T0))
+    assert offer.ttl_s == pytest.approx(node.config.max_ttl_s)
+
+
+def test_an_award_stores_the_allocation_before_accepting() -> None:
+    node = a_node()
+    offer = the_offer(node.handle(a_request(), T0))
+    effects = node.handle(award(offer), T0 + 1)
+    kinds = [type(e).__name__ for e in effects if isinstance(e, StoreAllocation | Send)]
+    assert kinds == ["StoreAllocation", "Send"]
+    (accepted,) = sent(effects)
+    assert isinstance(accepted, Accepted)
+    assert len(accepted.allocations) == 1
+    assert node.ledger.usage("VCPU").allocated == 2
+    assert node.ledger.usage("VCPU").reserved == 0
+
+
+def test_an_award_for_fewer_slots_releases_the_rest() -> None:
+    node = a_node(vcpus=8)
+    offer = the_offer(node.handle(a_request(count=4), T0))
+    node.handle(award(offer, slots=1), T0)
+    assert node.ledger.usage("VCPU").allocated == 2
+    assert node.ledger.usage("VCPU").reserved == 0
+
+
+def test_an_award_for_an_expired_reservation_is_refused() -> None:
+    node = a_node()
+    offer = the_offer(node.handle(a_request(), T0))
+    (refused,) = sent(node.handle(award(offer), T0 + 5.0))
+    assert isinstance(refused, Refused)
+    assert node.ledger.allocations == {}
+
+
+def test_a_repeated_award_repeats_the_acceptance_without_allocating_twice() -> None:
+    node = a_node()
+    offer = the_offer(node.handle(a_request(), T0))
+    (first,) = sent(node.handle(award(offer), T0))
+    (again,) = sent(node.handle(award(offer), T0 + 30))
+    assert first == again
+    assert len(node.ledger.allocations) == 1
+
+
+def test_an_award_from_a_stranger_is_ignored() -> None:
+    node = a_node()
+    offer = the_offer(node.handle(a_request(), T0))
+    effects = node.handle(award(offer, sender="someone-else"), T0)
+    assert sent(effects) == []
+    assert any(isinstance(e, Dropped) and e.reason == "foreign_award" for e in effects)
+    assert len(node.ledger.reservations) == 1
+
+
+def test_a_release_frees_the_reservation() -> None:
+    node = a_node()
+    offer = the_offer(node.handle(a_request(), T0))
+    release = Release(request_id="r1", sender=REQUESTOR, reservation_id=offer.reservation_id)
+    node.handle(release, T0)
+    assert node.ledger.reservations == {}
+
+
+def test_a_release_for_an_unknown_reservation_is_dropped_quietly() -> None:
+    node = a_node()
+    release = Release(request_id="r1", sender=REQUESTOR, reservation_id="nope")
+    effects = node.handle(release, T0)
+    assert sent(effects) == []
+    assert [e.reason for e in effects if isinstance(e, Dropped)] == ["late_release"]
+
+
+def test_a_duplicated_request_gets_the_same_offer_and_no_second_reservation() -> None:
+    node = a_node()
+    first = the_offer(node.handle(a_request(), T0))
+    again = the_offer(node.handle(a_request(attempt=2, tier=25), T0 + 1))
+    assert again.reservation_id == first.reservation_id
+    assert again.attempt == 2
+    assert len(node.ledger.reservations) == 1
+
+
+def test_a_request_for_a_placed_id_is_answered_with_the_existing_allocations() -> None:
+    node = a_node()
+    offer = the_offer(node.handle(a_request(), T0))
+    (accepted,) = sent(node.handle(award(offer), T0))
+    assert isinstance(accepted, Accepted)
+    (answer,) = sent(node.handle(a_request(attempt=1), T0 + 60))
+    assert isinstance(answer, AlreadyPlaced)
+    assert answer.allocations == accepted.allocations
+    assert node.ledger.reservations == {}
+
+
+def test_the_same_request_id_from_another_requestor_is_not_reserved_twice() -> None:
+    node = a_node()
+    node.handle(a_request(), T0)
+    effects = node.handle(a_request(sender="req-2", reply_to="elsewhere"), T0)
+    assert sent(effects) == []
+    assert len(node.ledger.reservations) == 1
+
+
+def test_a_node_is_busy_when_only_live_reservations_stand_in_the_way() -> None:
+    node = a_node(vcpus=2)
+    node.handle(a_request("first"), T0)
+    (decline,) = sent(node.handle(a_request("second"), T0))
+    assert isinstance(decline, Decline)
+    assert decline.busy
+    assert decline.reasons == ()  # reasons only when asked to explain
+
+
+def test_a_node_rebinds_when_its_utilisation_crosses_a_tier_boundary() -> None:
+    config = NodeConfig(
+        name="n", address="reservoir.node.n", inventories={"VCPU": Inventory(total=10)}
+    )
+    node = NodeMachine(config)
+    assert set(node.start(T0)) == {Bind(f"tier.{t}") for t in (10, 25, 50, 75, 100)}
+    effects = node.handle(a_request(resources={"VCPU": 2}), T0)  # 20 %: leaves tier.10
+    assert Unbind("tier.10") in effects
+    assert not any(isinstance(e, Bind) for e in effects)
+    assert node.bound_topics == {"tier.25", "tier.50", "tier.75", "tier.100"}
+    effects = node.on_timer(EXPIRY_TIMER, T0 + 5)  # reservation gone: back to 0 %
+    assert Bind("tier.10") in effects
+
+
+def test_free_releases_allocations_and_confirms() -> None:
+    node = a_node()
+    offer = the_offer(node.handle(a_request(), T0))
+    (accepted,) = sent(node.handle(award(offer), T0))
+    assert isinstance(accepted, Accepted)
+    ids = tuple(a.allocation_id for a in accepted.allocations)
+    free = Free(request_id="r1", sender=REQUESTOR, reply_to=REPLY, allocation_ids=ids)
+    effects = node.handle(free, T0 + 10)
+    assert [DeleteAllocation(i) for i in ids] == [
+        e for e in effects if isinstance(e, DeleteAllocation)
+    ]
+    (freed,) = sent(effects)
+    assert isinstance(freed, Freed) and freed.allocation_ids == ids
+    assert node.ledger.allocations == {}
+    (again,) = sent(node.handle(free, T0 + 11))  # idempotent
+    assert isinstance(again, Freed)
+
+
+def test_a_free_without_ids_drops_everything_the_request_holds_here() -> None:
+    node = a_node()
+    node.handle(a_request(), T0)
+    free = Free(request_id="r1", sender=REQUESTOR, reply_to=REPLY, allocation_ids=())
+    node.handle(free, T0)
+    assert node.ledger.reservations == {}
+
+
+def test_stopping_withdraws_live_reservations_and_unbinds() -> None:
+    node = a_node()
+    node.handle(a_request(), T0)
+    effects = node.stop(T0)
+    assert {e.topic for e in effects if isinstance(e, Unbind)} == {
+        f"tier.{t}" for t in (25, 50, 75, 100)
+    }
+    (refused,) = sent(effects)
+    assert isinstance(refused, Refused)
+    assert node.ledger.reservations == {}
+    assert sent(node.handle(a_request("late"), T0)) == []
+
+
+def test_capacity_follows_placement_arithmetic() -> None:
+    inventory = Inventory(total=10, reserved=2, allocation_ratio=4.0)
+    assert inventory.capacity == 32
+    node = a_node(vcpus=1, CUSTOM_FPGA=Inventory(total=2))
+    offer = the_offer(node.handle(a_request(resources={"CUSTOM_FPGA": 1}, count=5), T0))
+    assert offer.slots == 2
+
+
+def test_inventory_units_are_enforced() -> None:
+    node = a_node(MEMORY_MB=Inventory(total=16384, step_size=512, min_unit=512))
+    effects = node.handle(a_request(resources={"MEMORY_MB": 700}, explain=True), T0)
+    (decline,) = sent(effects)
+    assert isinstance(decline, Decline)
+    assert "step size 512" in decline.reasons[0].detail
+
+
+def test_a_node_never_overcommits_under_a_burst_of_requests() -> None:
+    node = a_node(vcpus=8, memory_mb=8192)
+    for i in range(50):
+        effects = node.handle(a_request(f"r{i}", resources={"VCPU": 3, "MEMORY_MB": 1000}), T0)
+        for message in sent(effects):
+            if isinstance(message, Offer):
+                node.handle(award(message), T0)
+    assert node.ledger.violations() == []
+    assert node.ledger.usage("VCPU").allocated == 6

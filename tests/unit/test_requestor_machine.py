@@ -1,0 +1,421 @@
+"""The requestor's state machine, driven by hand on a fake clock: no broker, no threads.
+
+Each test plays the nodes' part by feeding the machine the messages nodes would send and
+reads the effects it returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any
+
+import pytest
+
+from reservoir.protocol.effects import (
+    Effect,
+    Failed,
+    Placed,
+    Publish,
+    Send,
+    SetTimer,
+)
+from reservoir.protocol.messages import (
+    Accepted,
+    AllocationInfo,
+    AlreadyPlaced,
+    Award,
+    Decline,
+    Free,
+    Freed,
+    Message,
+    Offer,
+    Reason,
+    Refused,
+    Release,
+    ReservationRequest,
+)
+from reservoir.protocol.placement import PlacementRequest, PlacementTimeout
+from reservoir.protocol.requestor import RequestorConfig, RequestorMachine
+
+T0 = 1000.0
+TIMEOUT_S = 60.0
+
+
+def a_requestor(**config: Any) -> RequestorMachine:
+    return RequestorMachine(RequestorConfig(requestor_id="req", reply_to="req-inbox", **config))
+
+
+def spec(**fields: Any) -> PlacementRequest:
+    fields.setdefault("resources", {"VCPU": 2, "MEMORY_MB": 1024})
+    return PlacementRequest(**fields)
+
+
+def published(effects: list[Effect]) -> list[ReservationRequest]:
+    return [e.message for e in effects if isinstance(e, Publish)]  # type: ignore[misc]
+
+
+def sent(effects: list[Effect], kind: type[Message] | None = None) -> list[Send]:
+    return [
+        e for e in effects if isinstance(e, Send) and (kind is None or isinstance(e.message, kind))
+    ]
+
+
+def timer_at(effects: list[Effect], what: str) -> tuple[Hashable, float]:
+    (timer,) = [e for e in effects if isinstance(e, SetTimer) and e.key[1] == what]  # type: ignore[index]
+    return timer.key, timer.at
+
+
+def offer(node: str, request_id: str = "r1", attempt: int = 1, slots: int = 1, **kw: Any) -> Offer:
+    kw.setdefault("utilisation", 0.1)
+    return Offer(
+        request_id=request_id,
+        sender=node,
+        reply_to=f"addr-{node}",
+        reservation_id=f"{node}.res.{request_id}",
+        attempt=attempt,
+        slots=slots,
+        ttl_s=5.0,
+        **kw,
+    )
+
+
+def accepted(node: str, request_id: str = "r1", slots: int = 1) -> Accepted:
+    return Accepted(
+        request_id=request_id,
+        sender=node,
+        reply_to=f"addr-{node}",
+        reservation_id=f"{node}.res.{request_id}",
+        allocations=tuple(
+            AllocationInfo(allocation_id=f"{node}.res.{request_id}/{i}", resources={"VCPU": 2})
+            for i in range(slots)
+        ),
+    )
+
+
+def collect(machine: RequestorMachine, effects: list[Effect], now: float) -> list[Effect]:
+    """Fire the collect window that the first offer opened."""
+    key, at = timer_at(effects, "collect")
+    assert at >= now
+    return machine.on_timer(key, at)
+
+
+def outcome(effects: list[Effect]) -> Placed | Failed:
+    (result,) = [e for e in effects if isinstance(e, Placed | Failed)]
+    return result
+
+
+def test_a_request_is_first_broadcast_on_the_lowest_tier() -> None:
+    machine = a_requestor()
+    effects = machine.place(spec(), "r1", T0, TIMEOUT_S)
+    (request,) = published(effects)
+    assert (request.tier, request.attempt, request.ttl_s) == (10, 1, 5.0)
+    assert [e.topic for e in effects if isinstance(e, Publish)] == ["tier.10"]
+    _, widen_at = timer_at(effects, "widen")
+    assert widen_at == T0 + 2.0  # no latency observed yet: the "couple of seconds"
+
+
+def test_an_unroutable_tier_widens_at_once() -> None:
+    machine = a_requestor()
+    (request,) = published(machine.place(spec(), "r1", T0, TIMEOUT_S))
+    (wider,) = published(machine.on_unroutable(request, T0 + 0.001))
+    assert (wider.tier, wider.attempt) == (25, 2)
+
+
+def test_widening_walks_every_tier_then_fails_with_an_explanation() -> None:
+    machine = a_requestor()
+    effects = machine.place(spec(), "r1", T0, TIMEOUT_S)
+    now = T0
+    tiers = []
+    for _ in range(5):
+        (request,) = published(effects)
+        tiers.append(request.tier)
+        key, now = timer_at(effects, "widen")
+        effects = machine.on_timer(key, now)
+    failed = outcome(effects)
+    assert isinstance(failed, Failed)
+    assert tiers == [10, 25, 50, 75, 100]
+    assert failed.error.explanation.tiers_tried == (10, 25, 50, 75, 100)
+    assert "tiers tried: 10%, 25%, 50%, 75%, 100%" in str(failed.error)
+    assert not machine.is_active("r1")
+
+
+def test_explained_declines_are_counted_per_reason_in_the_failure() -> None:
+    machine = a_requestor()
+    effects = machine.place(spec(explain=True), "r1", T0, TIMEOUT_S)
+    short = Reason(code="insufficient", subject="MEMORY_MB", shortfall=512)
+    for i in range(3):
+        machine.handle(
+            Decline(
+                request_id="r1",
+                sender=f"n{i}",
+                reply_to=f"addr-n{i}",
+                attempt=1,
+                reasons=(short,),
+            ),
+            T0,
+        )
+    for _ in range(5):
+        key, at = timer_at(effects, "widen")
+        effects = machine.on_timer(key, at)
+    failed = outcome(effects)
+    assert isinstance(failed, Failed)
+    assert failed.error.explanation.reasons == {"MEMORY_MB exhausted": 3}
+    assert "MEMORY_MB exhausted on 3 node(s)" in str(failed.error)
+
+
+def test_the_best_offer_wins_and_the_others_are_released() -> None:
+    machine = a_requestor()
+    effects = machine.place(spec(), "r1", T0, TIMEOUT_S)
+    first = machine.handle(offer("busy-node", utilisation=0.5), T0 + 0.01)
+    machine.handle(offer("empty-node", utilisation=0.0), T0 + 0.011)
+    machine.handle(offer("half-node", utilisation=0.3), T0 + 0.012)
+    decided = collect(machine, first, T0 + 0.01)
+    (award,) = sent(decided, Award)
+    assert award.address == "addr-empty-node"
+    # one spare stays held until the winner accepts; the rest is released at once
+    assert [s.address for s in sent(decided, Release)] == ["addr-busy-node"]
+    done = machine.handle(accepted("empty-node"), T0 + 0.02)
+    placed = outcome(done)
+    assert isinstance(placed, Placed)
+    assert placed.placement.nodes == ("empty-node",)
+    assert [s.address for s in sent(done, Release)] == ["addr-half-node"]
+    assert effects  # the broadcast happened
+
+
+def test_the_collect_window_follows_the_first_offers_latency() -> None:
+    machine = a_requestor()
+    machine.place(spec(), "r1", T0, TIMEOUT_S)
+    effects = machine.handle(offer("n1"), T0 + 0.03)
+    _, at = timer_at(effects, "collect")
+    assert at == pytest.approx(T0 + 0.06)
+
+
+def test_a_late_offer_is_released_at_once() -> None:
+    machine = a_requestor()
+    machine.place(spec(), "r1", T0, TIMEOUT_S)
+    first = machine.handle(offer("n1"), T0 + 0.01)
+    collect(machine, first, T0 + 0.01)
+    outcome(machine.handle(accepted("n1"), T0 + 0.03))
+    effects = machine.handle(offer("slowpoke"), T0 + 0.5)
+    assert [s.address for s in sent(effects, Release)] == ["addr-slowpoke"]
+
+
+def test_a_duplicated_offer_is_counted_once() -> None:
+    machine = a_requestor()
+    machine.place(spec(count=2), "r1", T0, TIMEOUT_S)
+    first = machine.handle(offer("n1"), T0 + 0.01)
+    machine.handle(offer("n1"), T0 + 0.011)
+    decided = collect(machine, first, T0 + 0.01)
+    assert sent(decided, Award) == []  # one slot is not two
+
+
+def test_a_refusal_is_covered_by_the_spare_offer() -> None:
+    machine = a_requestor()
+    machine.place(spec(), "r1", T0, TIMEOUT_S)
+    first = machine.handle(offer("n1", utilisation=0.0), T0 + 0.01)
+    machine.handle(offer("n2", utilisation=0.2), T0 + 0.01)
+    collect(machine, first, T0 + 0.01)
+    refusal = Refused(
+        request_id="r1",
+        sender="n1",
+        reply_to="addr-n1",
+        reservation_id="n1.res.r1",
+        reason="expired",
+    )
+    effects = machine.handle(refusal, T0 + 0.05)
+    (award,) = sent(effects, Award)
+    assert award.address == "addr-n2"
+    placed = outcome(machine.handle(accepted("n2"), T0 + 0.06))
+    assert isinstance(placed, Placed) and placed.placement.nodes == ("n2",)
+
+
+def test_a_refusal_with_no_spare_broadcasts_again() -> None:
+    machine = a_requestor(spare_slots=0)
+    machine.place(spec(), "r1", T0, TIMEOUT_S)
+    first = machine.handle(offer("n1"), T0 + 0.01)
+    collect(machine, first, T0 + 0.01)
+    refusal = Refused(
+        request_id="r1", sender="n1", reply_to="addr-n1", reservation_id="n1.res.r1", reason="x"
+    )
+    (again,) = published(machine.handle(refusal, T0 + 0.05))
+    assert (again.tier, again.attempt) == (10, 2)
+
+
+def test_an_unanswered_award_is_sent_again_then_given_up_with_a_free() -> None:
+    machine = a_requestor(spare_slots=0)
+    machine.place(spec(), "r1", T0, TIMEOUT_S)
+    first = machine.handle(offer("n1"), T0 + 0.01)
+    decided = collect(machine, first, T0 + 0.01)
+    key, at = timer_at(decided, "award")
+    resent = machine.on_timer(key, at)
+    assert [s.address for s in sent(resent, Award)] == ["addr-n1"]
+    now = at
+    while not sent(resent, Free):
+        key, now = timer_at(resent, "award")
+        resent = machine.on_timer(key, now)
+    assert now - (T0 + 0.01) >= 5.0  # not before the reservation must have expired
+    (free,) = sent(resent, Free)
+    assert free.address == "addr-n1" and free.message.allocation_ids == ()  # type: ignore[union-attr]
+    assert published(resent)  # and it looks elsewhere
+
+
+def run_tiers_with(
+    machine: RequestorMachine, effects: list[Effect], nodes: list[str], now: float
+) -> list[Effect]:
+    """Play nodes that hear every tier: each broadcast gets the same offers again."""
+    seen: list[Effect] = list(effects)
+    for _ in range(10):
+        (request,) = published(effects)
+        first: list[Effect] = []
+        for node in nodes:
+            first += machine.handle(offer(node, attempt=request.attempt), now + 0.01)
+        effects = collect(machine, first, now + 0.01)
+        seen += first + effects
+        now += 0.02
+        if not published(effects):
+            return seen
+    raise AssertionError("the requestor never stopped widening")
+
+
+def test_multi_instance_requests_are_all_or_nothing() -> None:
+    machine = a_requestor()
+    effects = machine.place(spec(count=3), "r1", T0, TIMEOUT_S)
+    effects = run_tiers_with(machine, effects, ["n1", "n2"], T0)
+    failed = outcome(effects)
+    assert isinstance(failed, Failed)
+    assert [r.tier for r in published(effects)] == [10, 25, 50, 75, 100]
+    assert sorted(s.address for s in sent(effects, Release)) == ["addr-n1", "addr-n2"]
+    assert sent(effects, Award) == []
+    assert "offers received: 2" in str(failed.error)
+
+
+def test_min_count_accepts_a_partial_placement() -> None:
+    machine = a_requestor()
+    effects = machine.place(spec(count=3, min_count=2), "r1", T0, TIMEOUT_S)
+    effects = run_tiers_with(machine, effects, ["n1", "n2"], T0)
+    assert sorted(s.address for s in sent(effects, Award)) == ["addr-n1", "addr-n2"]
+    machine.handle(accepted("n1"), T0 + 1)
+    placed = outcome(machine.handle(accepted("n2"), T0 + 1))
+    assert isinstance(placed, Placed)
+    assert placed.placement.partial and len(placed.placement.allocations) == 2
+
+
+def test_offers_from_several_tiers_combine_for_a_multi_instance_request() -> None:
+    machine = a_requestor()
+    effects = machine.place(spec(count=2), "r1", T0, TIMEOUT_S)
+    first = machine.handle(offer("n1"), T0 + 0.01)
+    widened = collect(machine, first, T0 + 0.01)
+    (request,) = published(widened)
+    assert request.tier == 25
+    second = machine.handle(offer("n2", attempt=2), T0 + 0.05)
+    decided = collect(machine, second, T0 + 0.05)
+    assert sorted(s.address for s in sent(decided, Award)) == ["addr-n1", "addr-n2"]
+    assert effects
+
+
+def test_placing_a_placed_id_returns_the_same_placement() -> None:
+    machine = a_requestor()
+    machine.place(spec(), "r1", T0, TIMEOUT_S)
+    first = machine.handle(offer("n1"), T0 + 0.01)
+    collect(machine, first, T0 + 0.01)
+    placed = outcome(machine.handle(accepted("n1"), T0 + 0.02))
+    again = machine.place(spec(), "r1", T0 + 10, TIMEOUT_S)
+    assert again == [placed]
+    assert published(again) == []
+
+
+def test_placing_an_id_in_flight_joins_it() -> None:
+    machine = a_requestor()
+    machine.place(spec(), "r1", T0, TIMEOUT_S)
+    assert machine.place(spec(), "r1", T0 + 0.001, TIMEOUT_S) == []
+    assert machine.in_flight() == 1
+
+
+def test_a_node_that_already_holds_the_request_completes_it_without_a_new_award() -> None:
+    machine = a_requestor()
+    machine.place(spec(), "r1", T0, TIMEOUT_S)
+    held = AlreadyPlaced(
+        request_id="r1",
+        sender="n1",
+        reply_to="addr-n1",
+        allocations=(AllocationInfo(allocation_id="old/0", resources={"VCPU": 2}),),
+    )
+    first = machine.handle(held, T0 + 0.01)
+    assert sent(first, Award) == []
+    placed = outcome(first)
+    assert isinstance(placed, Placed)
+    assert [a.allocation_id for a in placed.placement.allocations] == ["old/0"]
+
+
+def test_an_acceptance_for_a_failed_request_is_freed() -> None:
+    machine = a_requestor()
+    effects = machine.place(spec(), "r1", T0, 1.0)
+    key, at = timer_at(effects, "deadline")
+    failed = outcome(machine.on_timer(key, at))
+    assert isinstance(failed, Failed) and isinstance(failed.error, PlacementTimeout)
+    late = machine.handle(accepted("n1"), at + 1)
+    (free,) = sent(late, Free)
+    assert free.message.allocation_ids == ("n1.res.r1/0",)  # type: ignore[union-attr]
+
+
+def test_a_duplicated_acceptance_is_harmless() -> None:
+    machine = a_requestor()
+    machine.place(spec(), "r1", T0, TIMEOUT_S)
+    first = machine.handle(offer("n1"), T0 + 0.01)
+    collect(machine, first, T0 + 0.01)
+    outcome(machine.handle(accepted("n1"), T0 + 0.02))
+    again = machine.handle(accepted("n1"), T0 + 0.03)
+    assert sent(again) == []
+
+
+def test_timing_out_while_awarding_frees_what_was_awarded() -> None:
+    machine = a_requestor()
+    effects = machine.place(spec(), "r1", T0, 1.0)
+    first = machine.handle(offer("n1"), T0 + 0.01)
+    collect(machine, first, T0 + 0.01)
+    key, at = timer_at(effects, "deadline")
+    timed_out = machine.on_timer(key, at)
+    assert isinstance(outcome(timed_out), Failed)
+    assert [s.address for s in sent(timed_out, Free)] == ["addr-n1"]
+
+
+def test_busy_nodes_make_the_last_tier_try_again_instead_of_failing() -> None:
+    machine = a_requestor()
+    effects = machine.place(spec(), "r1", T0, TIMEOUT_S)
+    busy = Decline(request_id="r1", sender="n1", reply_to="addr-n1", attempt=5, busy=True)
+    for _ in range(4):
+        key, at = timer_at(effects, "widen")
+        effects = machine.on_timer(key, at)
+    machine.handle(busy, at)
+    key, at = timer_at(effects, "widen")
+    effects = machine.on_timer(key, at)
+    assert not any(isinstance(e, Failed) for e in effects)
+    key, retry_at = timer_at(effects, "retry")
+    (again,) = published(machine.on_timer(key, retry_at))
+    assert again.tier == 100
+
+
+def test_freeing_a_placement_sends_free_to_each_node_and_completes_on_confirmation() -> None:
+    machine = a_requestor()
+    machine.place(spec(count=2), "r1", T0, TIMEOUT_S)
+    first = machine.handle(offer("n1"), T0 + 0.01)
+    machine.handle(offer("n2"), T0 + 0.01)
+    collect(machine, first, T0 + 0.01)
+    machine.handle(accepted("n1"), T0 + 0.02)
+    placed = outcome(machine.handle(accepted("n2"), T0 + 0.02))
+    assert isinstance(placed, Placed)
+    effects = machine.free(placed.placement, T0 + 1)
+    assert sorted(s.address for s in sent(effects, Free)) == ["addr-n1", "addr-n2"]
+    for node in ("n1", "n2"):
+        done = machine.handle(
+            Freed(
+                request_id="r1",
+                sender=node,
+                reply_to=f"addr-{node}",
+                allocation_ids=(f"{node}.res.r1/0",),
+            ),
+            T0 + 1.01,
+        )
+    (completed,) = [e for e in done if type(e).__name__ == "FreeCompleted"]
+    assert completed.missing == ()  # type: ignore[union-attr]
+    assert machine.placement_of("r1") is None

@@ -85,9 +85,9 @@ class Codec:
             return message_adapter.validate_json(body)
         except ValidationError as error:
             kinds = {e["type"] for e in error.errors()}
-            if "json_invalid" in kinds or "json_type" in kinds:
+            if kinds & {"json_invalid", "json_type", "dict_type"}:
                 raise DecodeError("malformed", "not a JSON object") from None
-            if kinds & {"union_tag_invalid", "union_tag_not_found", "model_attributes_type"}:
+            if kinds & {"union_tag_invalid", "union_tag_not_found"}:
                 raise DecodeError("unknown_kind", _first_error(error)) from None
             raise DecodeError("invalid", _first_error(error)) from None
 

@@ -106,6 +106,8 @@ class Reservation:
     request_count: int = 1
     group: str | None = None
     numa: tuple[NumaPlacement, ...] = ()
+    #: a requestor with precedence is placing the same request id: refuse our owner's award
+    superseded_by: str | None = None
 
     def holds(self) -> dict[str, int]:
         return {rc: amount * self.slots for rc, amount in self.per_instance.items()}

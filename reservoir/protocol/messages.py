@@ -9,6 +9,7 @@ decide, it finds there, so the node runs the one and only copy of the placement 
 Conversation, one per request id (see DESIGN.md):
 
     requestor --ReservationRequest--> tier topic --> every node that hears it
+              (--Lookup--> every node, when the caller chose the request id)
     node      --Offer | Decline | AlreadyPlaced--> requestor's reply address
     requestor --Award | Release--> node
     node      --Accepted | Refused--> requestor
@@ -44,6 +45,7 @@ __all__ = [
     "GroupPolicy",
     "GroupSpec",
     "InstanceShape",
+    "Lookup",
     "Message",
     "NumaPlacement",
     "NumaSpec",
@@ -197,6 +199,15 @@ class ReservationRequest(_Message, InstanceShape):
     ttl_s: float = Field(gt=0, le=3600)
 
 
+class Lookup(_Message):
+    """Broadcast to every node with a caller-chosen request id: "does anyone already hold
+    allocations for this id?" Only holders answer (``AlreadyPlaced``). Tiers cannot do
+    this job: the node holding a placement may sit in any tier."""
+
+    kind: Literal["lookup"] = "lookup"
+    reply_to: Identifier
+
+
 class Offer(_Message):
     """A node reserved room for ``slots`` instances until its reservation expires."""
 
@@ -270,23 +281,30 @@ class Refused(_Message):
 
 
 class Free(_Message):
-    """Free allocations of the request (the instances were deleted)."""
+    """Free allocations of the request: the ones named; else those that came of
+    ``reservation_id`` (and the reservation itself); else everything the request holds
+    on the node, reservation included."""
 
     kind: Literal["free"] = "free"
     reply_to: Identifier
-    allocation_ids: tuple[Identifier, ...]
+    allocation_ids: tuple[Identifier, ...] = ()
+    reservation_id: Identifier | None = None
 
 
 class Freed(_Message):
-    """The node no longer holds these allocations (whether or not it ever did)."""
+    """The node no longer holds what the ``Free`` named (whether or not it ever did).
+    ``allocation_ids`` and ``reservation_id`` echo the Free; ``freed`` lists what went."""
 
     kind: Literal["freed"] = "freed"
     reply_to: Identifier
-    allocation_ids: tuple[Identifier, ...]
+    allocation_ids: tuple[Identifier, ...] = ()
+    reservation_id: Identifier | None = None
+    freed: tuple[Identifier, ...] = ()
 
 
 Message = Annotated[
     ReservationRequest
+    | Lookup
     | Offer
     | Decline
     | AlreadyPlaced

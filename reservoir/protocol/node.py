@@ -55,15 +55,20 @@ from reservoir.protocol.messages import (
     Decline,
     Free,
     Freed,
+    Lookup,
     Message,
     Offer,
+    Reason,
     Refused,
     Release,
     ReservationRequest,
 )
 from reservoir.protocol.tiers import TierLadder
 
-__all__ = ["EXPIRY_TIMER", "NodeConfig", "NodeMachine"]
+__all__ = ["EXPIRY_TIMER", "IN_FLIGHT_ELSEWHERE", "NodeConfig", "NodeMachine"]
+
+#: Decline reason: another requestor holds a reservation for the same request id here.
+IN_FLIGHT_ELSEWHERE: Final = "in_flight_elsewhere"
 
 #: The node keeps one timer, for its earliest reservation deadline.
 EXPIRY_TIMER: Final = "expire-reservations"
@@ -154,6 +159,8 @@ class NodeMachine:
         self._expire(now, effects)
         if isinstance(message, ReservationRequest):
             self._on_request(message, now, effects)
+        elif isinstance(message, Lookup):
+            self._on_lookup(message, effects)
         elif isinstance(message, Award):
             self._on_award(message, effects)
         elif isinstance(message, Release):
@@ -186,23 +193,69 @@ class NodeMachine:
 
     # -- messages ----------------------------------------------------------------------
 
-    def _on_request(self, request: ReservationRequest, now: float, effects: list[Effect]) -> None:
-        if self.stopping:
-            effects.append(Dropped("stopping", f"request {request.request_id}"))
-            return
-        placed = self.ledger.allocations_for(request.request_id)
+    def _on_lookup(self, lookup: Lookup, effects: list[Effect]) -> None:
+        if not self._already_placed(lookup.request_id, lookup.reply_to, effects):
+            held = self.ledger.reservation_for(lookup.request_id)
+            if held is not None and held.owner != lookup.sender:
+                effects.extend(self._contended(held, lookup.sender, lookup.reply_to, 1))
+
+    def _already_placed(self, request_id: str, reply_to: str, effects: list[Effect]) -> bool:
+        placed = self.ledger.allocations_for(request_id)
         if placed:
             effects.append(
                 Send(
-                    request.reply_to,
+                    reply_to,
                     AlreadyPlaced(
-                        request_id=request.request_id,
+                        request_id=request_id,
                         sender=self.name,
                         reply_to=self.config.address,
                         allocations=tuple(a.info() for a in placed),
                     ),
                 )
             )
+        return bool(placed)
+
+    def _contended(
+        self, held: Reservation, newcomer: str, newcomer_reply_to: str, attempt: int
+    ) -> list[Effect]:
+        """The same id from a second requestor. Never reserve twice; tell each of the two
+        that the other is placing it, so the one whose id sorts later stands back (each
+        may not hear of the other any other way: their broadcasts may reach different
+        nodes)."""
+        if newcomer < held.owner:
+            # The newcomer takes precedence: the holder's award, should it come before the
+            # holder hears of the newcomer, is refused rather than honoured.
+            held.superseded_by = newcomer
+        return [
+            self._in_flight_elsewhere(held.request_id, held.owner, newcomer_reply_to, attempt),
+            self._in_flight_elsewhere(held.request_id, newcomer, held.reply_to, attempt),
+        ]
+
+    def _in_flight_elsewhere(
+        self, request_id: str, placed_by: str, reply_to: str, attempt: int
+    ) -> Send:
+        return Send(
+            reply_to,
+            Decline(
+                request_id=request_id,
+                sender=self.name,
+                reply_to=self.config.address,
+                attempt=attempt,
+                reasons=(
+                    Reason(
+                        code=IN_FLIGHT_ELSEWHERE,
+                        subject=placed_by,
+                        detail=f"also being placed by {placed_by}",
+                    ),
+                ),
+            ),
+        )
+
+    def _on_request(self, request: ReservationRequest, now: float, effects: list[Effect]) -> None:
+        if self.stopping:
+            effects.append(Dropped("stopping", f"request {request.request_id}"))
+            return
+        if self._already_placed(request.request_id, request.reply_to, effects):
             return
         held = self.ledger.reservation_for(request.request_id)
         if held is not None:
@@ -211,11 +264,8 @@ class NodeMachine:
                 # reservation we already hold is our whole answer.
                 effects.append(Send(request.reply_to, self._offer(held, request, now)))
             else:
-                effects.append(
-                    Dropped(
-                        "in_flight_elsewhere",
-                        f"request {request.request_id} is already being placed by {held.owner}",
-                    )
+                effects.extend(
+                    self._contended(held, request.sender, request.reply_to, request.attempt)
                 )
             return
         evaluation = evaluate(request, self.view, self.config.filters, self.config.weighers)
@@ -308,6 +358,22 @@ class NodeMachine:
                     )
                 )
             return
+        if reservation.superseded_by is not None and reservation.owner == award.sender:
+            self.ledger.pop_reservation(reservation.reservation_id)
+            effects.append(
+                Send(
+                    award.reply_to,
+                    Refused(
+                        request_id=award.request_id,
+                        sender=self.name,
+                        reply_to=self.config.address,
+                        reservation_id=award.reservation_id,
+                        reason=f"superseded: {reservation.superseded_by} is placing the same "
+                        "request id",
+                    ),
+                )
+            )
+            return
         if reservation.owner != award.sender or reservation.request_id != award.request_id:
             effects.append(
                 Dropped(
@@ -367,16 +433,20 @@ class NodeMachine:
             self.ledger.pop_reservation(release.reservation_id)
 
     def _on_free(self, free: Free, effects: list[Effect]) -> None:
-        # No ids means "everything this request holds here", reservation included: that is
-        # how a requestor that gave up on an award makes sure nothing stays behind.
+        reservation: Reservation | None = None
         if free.allocation_ids:
             wanted = [self.ledger.allocations.get(a) for a in free.allocation_ids]
             allocations = [a for a in wanted if a is not None]
+        elif free.reservation_id is not None:
+            # What came of one award the requestor gave up on, whether or not it happened.
+            allocations = self.ledger.allocations_from(free.reservation_id)
+            reservation = self.ledger.reservations.get(free.reservation_id)
         else:
+            # Everything the request holds here: how a failed request lets go of all.
             allocations = self.ledger.allocations_for(free.request_id)
             reservation = self.ledger.reservation_for(free.request_id)
-            if reservation is not None and reservation.owner == free.sender:
-                self.ledger.pop_reservation(reservation.reservation_id)
+        if reservation is not None and reservation.owner == free.sender:
+            self.ledger.pop_reservation(reservation.reservation_id)
         freed = []
         for allocation in allocations:
             if allocation.request_id != free.request_id:
@@ -398,7 +468,9 @@ class NodeMachine:
                     request_id=free.request_id,
                     sender=self.name,
                     reply_to=self.config.address,
-                    allocation_ids=free.allocation_ids or tuple(freed),
+                    allocation_ids=free.allocation_ids,
+                    reservation_id=free.reservation_id,
+                    freed=tuple(freed),
                 ),
             )
         )

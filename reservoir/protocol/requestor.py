@@ -53,6 +53,7 @@ from reservoir.protocol.messages import (
     Decline,
     Free,
     Freed,
+    Lookup,
     Message,
     Offer,
     Refused,
@@ -68,6 +69,7 @@ from reservoir.protocol.placement import (
     PlacementTimeout,
     reason_label,
 )
+from reservoir.protocol.node import IN_FLIGHT_ELSEWHERE
 from reservoir.protocol.policies import Candidate, Policy, Spread
 from reservoir.protocol.tiers import TierLadder
 
@@ -79,6 +81,7 @@ _AWARD: Final = "award"
 _DEADLINE: Final = "deadline"
 _RETRY: Final = "retry"
 _FREE: Final = "free"
+_LOOKUP: Final = "lookup"
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,8 @@ class RequestorConfig:
     max_widen_s: float = 2.0
     #: the shortest wait for a first offer before widening
     min_widen_s: float = 0.05
+    #: the longest a caller-chosen request id waits for holders to say "already placed"
+    max_lookup_s: float = 0.5
     #: after an attempt's first offer, wait this many times its latency for the others
     collect_factor: float = 1.0
     min_collect_s: float = 0.002
@@ -181,10 +186,20 @@ class _Conversation:
     awards: dict[str, _Awarded] = field(default_factory=dict)
     placed: dict[str, PlacedAllocation] = field(default_factory=dict)
     seen: set[str] = field(default_factory=set)
+    #: awards given up on: their allocations, should any turn up, are freed
+    abandoned: set[str] = field(default_factory=set)
     tiers_tried: list[int] = field(default_factory=list)
     offers_received: int = 0
     declines: dict[str, Decline] = field(default_factory=dict)
     busy_nodes: set[str] = field(default_factory=set)
+    #: requestors with precedence that are placing the same id
+    yield_to: set[str] = field(default_factory=set)
+    #: each broadcast also asks every node whether the id is placed already: the id was
+    #: chosen by the caller, or another requestor was seen placing it too
+    looks_up: bool = False
+    #: while a Lookup may still be answered, awards and failure wait
+    lookup_until: float | None = None
+    decision_due: bool = False
     group_hosts: dict[str, int] = field(default_factory=dict)
     note: str = ""
 
@@ -195,13 +210,28 @@ class _Conversation:
         return self.target - len(self.placed) - self.awarded_slots()
 
 
+@dataclass(frozen=True)
+class _FreeTarget:
+    """One ``Free`` to one node: named allocations, one reservation's worth, or (neither
+    given) everything the request holds there."""
+
+    address: str
+    node: str
+    allocation_ids: tuple[str, ...] = ()
+    reservation_id: str | None = None
+
+
 @dataclass
-class _Freeing:
+class _FreeJob:
+    """Frees of one request, re-sent until each node confirms. ``notify``: a caller waits
+    for the result (releasing a placement) rather than the requestor tidying up after
+    itself (a failed request, an abandoned award, a surplus acceptance)."""
+
     request_id: str
-    #: node address -> (node, allocation ids)
-    pending: dict[str, tuple[str, tuple[str, ...]]]
+    notify: bool
+    pending: set[_FreeTarget] = field(default_factory=set)
     freed: list[str] = field(default_factory=list)
-    attempts: int = 1
+    attempts: int = 0
 
 
 class RequestorMachine:
@@ -212,7 +242,8 @@ class RequestorMachine:
         self.latency = _LatencyEstimate()
         self._active: dict[str, _Conversation] = {}
         self._finished: OrderedDict[str, Placement | None] = OrderedDict()
-        self._freeing: dict[str, _Freeing] = {}
+        #: (request id, notify) -> the frees of that request awaiting confirmation
+        self._freeing: dict[tuple[str, bool], _FreeJob] = {}
 
     # -- observing ---------------------------------------------------------------------
 
@@ -239,8 +270,12 @@ class RequestorMachine:
         effects: list[Effect] = []
         if request_id in self._active:
             return effects  # in flight: the caller joins it
-        if request_id in self._freeing:
+        if (request_id, True) in self._freeing:
             raise ValueError(f"request {request_id} is being freed; place it again afterwards")
+        # Tidying up after an earlier failed attempt stops here: whatever it left behind,
+        # the nodes report as AlreadyPlaced and the new conversation adopts it.
+        if self._freeing.pop((request_id, False), None) is not None:
+            effects.append(CancelTimer((request_id, _FREE, False)))
         previous = self._finished.get(request_id)
         if previous is not None:
             effects.append(Placed(request_id, previous))
@@ -259,6 +294,9 @@ class RequestorMachine:
             conversation.tier_index = len(self.config.tiers) - 1
         self._active[request_id] = conversation
         effects.append(SetTimer((request_id, _DEADLINE), conversation.deadline))
+        # A caller-chosen id may be placed, before or meanwhile, by another requestor, on a
+        # node in any tier: every broadcast also asks every node.
+        conversation.looks_up = spec.request_id is not None
         self._broadcast(conversation, now, effects)
         return effects
 
@@ -267,20 +305,19 @@ class RequestorMachine:
         effects: list[Effect] = []
         request_id = placement.request_id
         self._finished.pop(request_id, None)
-        by_address: dict[str, tuple[str, list[str]]] = {}
+        by_address: dict[tuple[str, str], list[str]] = {}
         for allocation in placement.allocations:
-            by_address.setdefault(allocation.address, (allocation.node, []))[1].append(
+            by_address.setdefault((allocation.address, allocation.node), []).append(
                 allocation.allocation_id
             )
         if not by_address:
             effects.append(FreeCompleted(request_id, (), ()))
             return effects
-        freeing = _Freeing(
-            request_id,
-            {address: (node, tuple(ids)) for address, (node, ids) in by_address.items()},
-        )
-        self._freeing[request_id] = freeing
-        self._send_frees(freeing, now, effects)
+        targets = [
+            _FreeTarget(address, node, tuple(sorted(ids)))
+            for (address, node), ids in sorted(by_address.items())
+        ]
+        self._free(request_id, targets, now, effects, notify=True)
         return effects
 
     def abandon(self, now: float) -> list[Effect]:
@@ -329,10 +366,13 @@ class RequestorMachine:
     def on_unroutable(self, message: Message, now: float) -> list[Effect]:
         """Our publish reached no node: nobody is at that tier, so widen at once."""
         effects: list[Effect] = []
+        conversation = self._active.get(message.request_id)
+        if isinstance(message, Lookup) and conversation is not None:
+            self._lookup_over(conversation, now, effects)  # no node at all: nobody holds it
+            return effects
         if not isinstance(message, ReservationRequest):
             effects.append(Dropped("unroutable", f"{message.kind} for {message.request_id}"))
             return effects
-        conversation = self._active.get(message.request_id)
         if conversation is None or message.attempt != conversation.attempt:
             effects.append(
                 Dropped("late_unroutable", f"attempt {message.attempt} of {message.request_id}")
@@ -347,9 +387,9 @@ class RequestorMachine:
             return effects
         request_id, what = key[0], key[1]
         if what == _FREE:
-            freeing = self._freeing.get(request_id)
-            if freeing is not None:
-                self._retry_frees(freeing, now, effects)
+            job = self._freeing.get((request_id, bool(key[2])))
+            if job is not None:
+                self._retry_frees(job, now, effects)
             return effects
         conversation = self._active.get(request_id)
         if conversation is None:
@@ -363,6 +403,8 @@ class RequestorMachine:
             self._nobody_came(conversation, now, effects)
         elif what == _AWARD:
             self._chase_awards(conversation, now, effects)
+        elif what == _LOOKUP:
+            self._lookup_over(conversation, now, effects)
         elif what == _RETRY and conversation.phase is _Phase.BACKING_OFF:
             conversation.busy_nodes.clear()
             self._broadcast(conversation, now, effects)
@@ -389,9 +431,28 @@ class RequestorMachine:
             **c.spec.shape_fields(),
         )
         effects.append(Publish(TierLadder.topic(tier), request))
+        if c.looks_up:
+            lookup = Lookup(
+                request_id=c.request_id,
+                sender=config.requestor_id,
+                reply_to=config.reply_to,
+            )
+            effects.append(Publish(TierLadder.topic(config.tiers.percents[-1]), lookup))
+            # decide nothing until every holder could have answered
+            c.lookup_until = now + self._lookup_wait_s()
+            effects.append(SetTimer((c.request_id, _LOOKUP), c.lookup_until))
         effects.append(CancelTimer((c.request_id, _COLLECT, c.attempt - 1)))
         effects.append(CancelTimer((c.request_id, _WIDEN, c.attempt - 1)))
         effects.append(SetTimer((c.request_id, _WIDEN, c.attempt), now + self._widen_wait_s()))
+
+    def _lookup_wait_s(self) -> float:
+        return min(self._widen_wait_s(), self.config.max_lookup_s)
+
+    def _lookup_over(self, c: _Conversation, now: float, effects: list[Effect]) -> None:
+        c.lookup_until = None
+        if c.decision_due:
+            c.decision_due = False
+            self._decide(c, now, effects)
 
     def _widen_wait_s(self) -> float:
         estimate = self.latency
@@ -454,6 +515,15 @@ class RequestorMachine:
             c.busy_nodes.add(decline.sender)
         if decline.group_members:
             c.group_hosts[decline.sender] = decline.group_members
+        for reason in decline.reasons:
+            # Another requestor is placing the same id. Exactly one of us must go on: the
+            # one whose id sorts first. The other stands back, then asks again and hears
+            # "AlreadyPlaced" (or, if the first failed, places it itself).
+            if reason.code != IN_FLIGHT_ELSEWHERE:
+                continue
+            c.looks_up = True
+            if (reason.subject or "") < self.config.requestor_id:
+                c.yield_to.add(reason.subject or "")
 
     def _nobody_came(self, c: _Conversation, now: float, effects: list[Effect]) -> None:
         """The tier's wait ran out, or the broker said nobody is bound to it."""
@@ -478,6 +548,12 @@ class RequestorMachine:
     # -- deciding ----------------------------------------------------------------------
 
     def _decide(self, c: _Conversation, now: float, effects: list[Effect]) -> None:
+        if c.lookup_until is not None:
+            c.decision_due = True  # holders of an earlier placement may yet answer
+            return
+        if c.yield_to and not c.awards and not c.placed:
+            self._stand_back(c, now, effects)
+            return
         usable = self._usable(c, now, effects)
         needed = c.needed()
         if needed <= 0:
@@ -572,22 +648,38 @@ class RequestorMachine:
                 del c.pool[reservation_id]
                 effects.append(self._release(c, held.offer))
 
+    def _stand_back(self, c: _Conversation, now: float, effects: list[Effect]) -> None:
+        """Another requestor with precedence is placing this id: let go of what we hold
+        and ask again after a pause."""
+        c.note = f"the same request id is being placed by {', '.join(sorted(c.yield_to))}"
+        c.yield_to.clear()
+        for held in c.pool.values():
+            effects.append(self._release(c, held.offer))
+        c.pool.clear()
+        self._back_off(c, now, effects)
+
+    def _back_off(self, c: _Conversation, now: float, effects: list[Effect]) -> None:
+        c.phase = _Phase.BACKING_OFF
+        backoff_s = min(self.config.busy_retry_s * 2**c.busy_rounds, self.config.max_busy_retry_s)
+        c.busy_rounds += 1
+        effects.append(CancelTimer((c.request_id, _COLLECT, c.attempt)))
+        effects.append(CancelTimer((c.request_id, _WIDEN, c.attempt)))
+        effects.append(SetTimer((c.request_id, _RETRY), now + backoff_s))
+
     def _widen(self, c: _Conversation, now: float, effects: list[Effect]) -> None:
         if c.tier_index + 1 < len(self.config.tiers):
             c.tier_index += 1
             self._broadcast(c, now, effects)
+            return
+        if c.yield_to and now < c.deadline:
+            self._stand_back(c, now, effects)
             return
         have = len(c.placed) + c.awarded_slots()
         held = sum(h.offer.slots for h in self._eligible(c, self._usable(c, now, effects))[0])
         if c.busy_nodes and now + self.config.busy_retry_s < c.deadline:
             # Every tier is tried, but some nodes only lacked room that other requests'
             # reservations hold: those free up within a TTL, so ask again shortly.
-            c.phase = _Phase.BACKING_OFF
-            backoff_s = min(
-                self.config.busy_retry_s * 2**c.busy_rounds, self.config.max_busy_retry_s
-            )
-            c.busy_rounds += 1
-            effects.append(SetTimer((c.request_id, _RETRY), now + backoff_s))
+            self._back_off(c, now, effects)
             return
         minimum = c.spec.min_count
         if minimum is not None and have + held >= minimum:
@@ -596,6 +688,9 @@ class RequestorMachine:
                 self._decide(c, now, effects)
             else:
                 self._maybe_complete(c, now, effects)
+            return
+        if c.lookup_until is not None:
+            c.decision_due = True  # fail only once holders could have said "placed"
             return
         self._fail(c, now, effects, timed_out=False)
 
@@ -621,17 +716,7 @@ class RequestorMachine:
             if stray:
                 # Allocations for a request that failed, or that is placed without them:
                 # free them so nothing stays allocated that nobody asked for.
-                effects.append(
-                    Send(
-                        address,
-                        Free(
-                            request_id=request_id,
-                            sender=self.config.requestor_id,
-                            reply_to=self.config.reply_to,
-                            allocation_ids=stray,
-                        ),
-                    )
-                )
+                self._free(request_id, [_FreeTarget(address, node, stray)], now, effects)
                 effects.append(
                     Dropped(
                         "late_accept",
@@ -647,11 +732,12 @@ class RequestorMachine:
                 effects.append(Dropped("foreign_accept", f"{reservation_id} from {node}"))
                 return
             c.awards.pop(reservation_id, None)
+        abandoned = reservation_id is not None and reservation_id in c.abandoned
         surplus = []
         for info in allocations:
             if info.allocation_id in c.placed:
                 continue
-            if len(c.placed) >= c.target:
+            if abandoned or len(c.placed) >= c.target:
                 surplus.append(info.allocation_id)
                 continue
             c.placed[info.allocation_id] = PlacedAllocation(
@@ -661,18 +747,8 @@ class RequestorMachine:
                 resources=dict(info.resources),
                 numa=info.numa,
             )
-        if surplus:
-            effects.append(
-                Send(
-                    address,
-                    Free(
-                        request_id=request_id,
-                        sender=self.config.requestor_id,
-                        reply_to=self.config.reply_to,
-                        allocation_ids=tuple(surplus),
-                    ),
-                )
-            )
+        if surplus and not abandoned:  # an abandoned award is being freed already
+            self._free(request_id, [_FreeTarget(address, node, tuple(surplus))], now, effects)
         self._maybe_complete(c, now, effects)
 
     def _on_refused(self, refused: Refused, now: float, effects: list[Effect]) -> None:
@@ -697,20 +773,14 @@ class RequestorMachine:
         for reservation_id, award in list(c.awards.items()):
             if now - award.first_sent_at >= give_up_after_s:
                 del c.awards[reservation_id]
+                c.abandoned.add(reservation_id)
                 gap = True
-                # The node may yet have allocated: a Free for the whole request on that
-                # node makes sure nothing of it stays behind there.
-                effects.append(
-                    Send(
-                        award.offer.reply_to,
-                        Free(
-                            request_id=c.request_id,
-                            sender=self.config.requestor_id,
-                            reply_to=self.config.reply_to,
-                            allocation_ids=(),
-                        ),
-                    )
+                # The node may yet have allocated: freeing that reservation's allocations
+                # (until the node confirms) makes sure nothing of it stays behind there.
+                target = _FreeTarget(
+                    award.offer.reply_to, award.offer.sender, reservation_id=reservation_id
                 )
+                self._free(c.request_id, [target], now, effects)
                 c.note = f"{award.offer.sender} never answered its award"
             elif now - award.last_sent_at >= self.config.award_retry_s:
                 award.last_sent_at = now
@@ -744,23 +814,10 @@ class RequestorMachine:
             effects.append(self._release(c, held.offer))
         c.pool.clear()
         # All or nothing: whatever was allocated or awarded goes back.
-        nodes: dict[str, str] = {}
-        for award in c.awards.values():
-            nodes[award.offer.reply_to] = award.offer.sender
-        for allocation in c.placed.values():
-            nodes[allocation.address] = allocation.node
-        for address in sorted(nodes):
-            effects.append(
-                Send(
-                    address,
-                    Free(
-                        request_id=c.request_id,
-                        sender=self.config.requestor_id,
-                        reply_to=self.config.reply_to,
-                        allocation_ids=(),
-                    ),
-                )
-            )
+        targets = {_FreeTarget(a.offer.reply_to, a.offer.sender) for a in c.awards.values()}
+        targets |= {_FreeTarget(a.address, a.node) for a in c.placed.values()}
+        if targets:
+            self._free(c.request_id, sorted(targets, key=lambda t: t.address), now, effects)
         found = len(c.placed) + c.awarded_slots()
         c.awards.clear()
         c.placed.clear()
@@ -785,7 +842,7 @@ class RequestorMachine:
 
     def _finish(self, c: _Conversation, outcome: Placement | None, effects: list[Effect]) -> None:
         del self._active[c.request_id]
-        for what in (_DEADLINE, _AWARD, _RETRY):
+        for what in (_DEADLINE, _AWARD, _RETRY, _LOOKUP):
             effects.append(CancelTimer((c.request_id, what)))
         effects.append(CancelTimer((c.request_id, _COLLECT, c.attempt)))
         effects.append(CancelTimer((c.request_id, _WIDEN, c.attempt)))
@@ -796,38 +853,79 @@ class RequestorMachine:
 
     # -- freeing -----------------------------------------------------------------------
 
-    def _send_frees(self, freeing: _Freeing, now: float, effects: list[Effect]) -> None:
-        for address, (_node, ids) in sorted(freeing.pending.items()):
-            effects.append(
-                Send(
-                    address,
-                    Free(
-                        request_id=freeing.request_id,
-                        sender=self.config.requestor_id,
-                        reply_to=self.config.reply_to,
-                        allocation_ids=ids,
-                    ),
-                )
-            )
-        effects.append(SetTimer((freeing.request_id, _FREE), now + self.config.free_retry_s))
+    def _free(
+        self,
+        request_id: str,
+        targets: Iterable[_FreeTarget],
+        now: float,
+        effects: list[Effect],
+        *,
+        notify: bool = False,
+    ) -> None:
+        """Send each target its Free and keep re-sending until the node confirms."""
+        job = self._freeing.setdefault((request_id, notify), _FreeJob(request_id, notify))
+        new = [t for t in targets if t not in job.pending]
+        job.pending.update(new)
+        effects.extend(self._free_message(request_id, t) for t in new)
+        if job.attempts == 0:
+            job.attempts = 1
+            effects.append(SetTimer((request_id, _FREE, notify), now + self.config.free_retry_s))
 
-    def _retry_frees(self, freeing: _Freeing, now: float, effects: list[Effect]) -> None:
-        if freeing.attempts >= self.config.free_attempts:
-            del self._freeing[freeing.request_id]
-            missing = tuple(sorted(node for node, _ in freeing.pending.values()))
-            effects.append(FreeCompleted(freeing.request_id, tuple(freeing.freed), missing))
+    def _free_message(self, request_id: str, target: _FreeTarget) -> Send:
+        return Send(
+            target.address,
+            Free(
+                request_id=request_id,
+                sender=self.config.requestor_id,
+                reply_to=self.config.reply_to,
+                allocation_ids=target.allocation_ids,
+                reservation_id=target.reservation_id,
+            ),
+        )
+
+    def _retry_frees(self, job: _FreeJob, now: float, effects: list[Effect]) -> None:
+        if job.attempts >= self.config.free_attempts:
+            del self._freeing[(job.request_id, job.notify)]
+            missing = tuple(sorted({t.node for t in job.pending}))
+            if job.notify:
+                effects.append(FreeCompleted(job.request_id, tuple(job.freed), missing))
+            else:
+                effects.append(
+                    Dropped("free_unconfirmed", f"{job.request_id} on {', '.join(missing)}")
+                )
             return
-        freeing.attempts += 1
-        self._send_frees(freeing, now, effects)
+        job.attempts += 1
+        effects.extend(
+            self._free_message(job.request_id, t)
+            for t in sorted(job.pending, key=lambda t: t.address)
+        )
+        effects.append(
+            SetTimer((job.request_id, _FREE, job.notify), now + self.config.free_retry_s)
+        )
 
     def _on_freed(self, freed: Freed, effects: list[Effect]) -> None:
-        freeing = self._freeing.get(freed.request_id)
-        if freeing is None or freed.reply_to not in freeing.pending:
-            effects.append(Dropped("late_freed", f"{freed.request_id} from {freed.sender}"))
+        target_key = (freed.allocation_ids, freed.reservation_id)
+        for notify in (True, False):
+            job = self._freeing.get((freed.request_id, notify))
+            if job is None:
+                continue
+            target = next(
+                (
+                    t
+                    for t in job.pending
+                    if t.address == freed.reply_to
+                    and (t.allocation_ids, t.reservation_id) == target_key
+                ),
+                None,
+            )
+            if target is None:
+                continue
+            job.pending.discard(target)
+            job.freed.extend(freed.freed)
+            if not job.pending:
+                del self._freeing[(freed.request_id, notify)]
+                effects.append(CancelTimer((freed.request_id, _FREE, notify)))
+                if notify:
+                    effects.append(FreeCompleted(freed.request_id, tuple(job.freed), ()))
             return
-        _node, ids = freeing.pending.pop(freed.reply_to)
-        freeing.freed.extend(ids)
-        if not freeing.pending:
-            del self._freeing[freed.request_id]
-            effects.append(CancelTimer((freed.request_id, _FREE)))
-            effects.append(FreeCompleted(freed.request_id, tuple(freeing.freed), ()))
+        effects.append(Dropped("late_freed", f"{freed.request_id} from {freed.sender}"))

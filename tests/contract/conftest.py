@@ -1,8 +1,10 @@
 """Fixtures for the broker contract: every adapter runs the same tests.
 
 To put another broker under contract, add one ``pytest.param`` to ``BROKERS``: a factory
-that returns a connected :class:`~reservoir.broker.Broker` (skip inside it when the broker
-is not reachable), an id, and a mark such as ``pytest.mark.rabbitmq`` if it needs one.
+that takes the fixture request and returns a connected :class:`~reservoir.broker.Broker`
+(it may ask the request for fixtures such as ``reservoir_amqp_url``, which skips when no
+broker is reachable, and register finalizers, which run after the broker is closed), an
+id, and a mark such as ``pytest.mark.rabbitmq`` if it needs one.
 
 Tests never sleep: a :class:`Collector` wakes the test on a condition when deliveries
 arrive, and a test that must show something did *not* arrive sends a marker after it on the
@@ -24,19 +26,62 @@ from reservoir.broker import Broker, Delivery, Endpoint
 WAIT_S = 10.0
 
 
-def _inprocess() -> Broker:
+def _inprocess(request: pytest.FixtureRequest) -> Broker:
     return InProcessBroker()
+
+
+def _kombu(request: pytest.FixtureRequest) -> Broker:
+    """The kombu adapter on a real RabbitMQ, on an exchange of its own, deleted afterwards."""
+    from kombu import Connection
+
+    from brokers.kombu_broker import KombuBroker
+
+    amqp_url: str = request.getfixturevalue("reservoir_amqp_url")
+    exchange = f"contract-{uuid.uuid4().hex}"
+
+    def delete_exchange() -> None:
+        with Connection(amqp_url) as admin:
+            admin.default_channel.exchange_delete(exchange)
+
+    # Registered before the broker fixture's own teardown, so it runs after broker.close().
+    request.addfinalizer(delete_exchange)
+    separator = "&" if "?" in amqp_url else "?"
+    return KombuBroker(f"kombu+{amqp_url}{separator}exchange={exchange}")
+
+
+def _pika(request: pytest.FixtureRequest) -> Broker:
+    """The pika adapter on a real RabbitMQ, on an exchange of its own, deleted afterwards."""
+    import pika
+
+    from brokers.pika_broker import PikaBroker
+
+    amqp_url: str = request.getfixturevalue("reservoir_amqp_url")
+    exchange = f"contract-{uuid.uuid4().hex}"
+
+    def delete_exchange() -> None:
+        connection = pika.BlockingConnection(pika.URLParameters(amqp_url))
+        try:
+            connection.channel().exchange_delete(exchange)
+        finally:
+            connection.close()
+
+    # Registered before the broker fixture's own teardown, so it runs after broker.close().
+    request.addfinalizer(delete_exchange)
+    separator = "&" if "?" in amqp_url else "?"
+    return PikaBroker(f"{amqp_url}{separator}exchange={exchange}")
 
 
 BROKERS = [
     pytest.param(_inprocess, id="inprocess"),
+    pytest.param(_kombu, id="kombu", marks=pytest.mark.rabbitmq),
+    pytest.param(_pika, id="pika", marks=pytest.mark.rabbitmq),
 ]
 
 
 @pytest.fixture(params=BROKERS)
 def broker(request: pytest.FixtureRequest) -> Iterator[Broker]:
-    factory: Callable[[], Broker] = request.param
-    opened = factory()
+    factory: Callable[[pytest.FixtureRequest], Broker] = request.param
+    opened = factory(request)
     try:
         yield opened
     finally:

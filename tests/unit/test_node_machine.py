@@ -250,11 +250,18 @@ def test_a_request_for_a_placed_id_is_answered_with_the_existing_allocations() -
     assert node.ledger.reservations == {}
 
 
-def test_the_same_request_id_from_another_requestor_is_not_reserved_twice() -> None:
+def test_the_same_request_id_from_two_requestors_is_reserved_once_and_both_are_told() -> None:
     node = a_node()
     node.handle(a_request(), T0)
     effects = node.handle(a_request(sender="req-2", reply_to="elsewhere"), T0)
-    assert sent(effects) == []
+    to_newcomer, to_holder = [e for e in effects if isinstance(e, Send)]
+    assert to_newcomer.address == "elsewhere" and to_holder.address == REPLY
+    assert [(r.code, r.subject) for r in to_newcomer.message.reasons] == [  # type: ignore[union-attr]
+        ("in_flight_elsewhere", REQUESTOR)
+    ]
+    assert [(r.code, r.subject) for r in to_holder.message.reasons] == [  # type: ignore[union-attr]
+        ("in_flight_elsewhere", "req-2")
+    ]
     assert len(node.ledger.reservations) == 1
 
 

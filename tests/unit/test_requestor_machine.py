@@ -27,6 +27,7 @@ from reservoir.protocol.messages import (
     Decline,
     Free,
     Freed,
+    Lookup,
     Message,
     Offer,
     Reason,
@@ -419,3 +420,49 @@ def test_freeing_a_placement_sends_free_to_each_node_and_completes_on_confirmati
     (completed,) = [e for e in done if type(e).__name__ == "FreeCompleted"]
     assert completed.missing == ()  # type: ignore[union-attr]
     assert machine.placement_of("r1") is None
+
+
+def test_a_requestor_stands_back_when_one_with_precedence_places_the_same_id() -> None:
+    machine = a_requestor()  # "req"
+    machine.place(spec(), "r1", T0, TIMEOUT_S)
+    first = machine.handle(offer("n1"), T0 + 0.01)
+    contended = Decline(
+        request_id="r1",
+        sender="n2",
+        reply_to="addr-n2",
+        attempt=1,
+        reasons=(Reason(code="in_flight_elsewhere", subject="another-req"),),
+    )
+    machine.handle(contended, T0 + 0.01)
+    decided = collect(machine, first, T0 + 0.01)
+    assert sent(decided, Award) == []
+    assert [s.address for s in sent(decided, Release)] == ["addr-n1"]
+    key, at = timer_at(decided, "retry")
+    retry = machine.on_timer(key, at)
+    again, lookup = [e.message for e in retry if isinstance(e, Publish)]
+    assert isinstance(lookup, Lookup)  # the other may have placed it by now: ask everyone
+    held = AlreadyPlaced(
+        request_id="r1",
+        sender="n2",
+        reply_to="addr-n2",
+        allocations=(AllocationInfo(allocation_id="n2.x/0", resources={"VCPU": 2}),),
+    )
+    placed = outcome(machine.handle(held, at + 0.01))
+    assert isinstance(placed, Placed) and placed.placement.nodes == ("n2",)
+    assert again.attempt == 2
+
+
+def test_a_requestor_with_precedence_goes_on_despite_contention() -> None:
+    machine = a_requestor()  # "req" sorts before "zed"
+    machine.place(spec(), "r1", T0, TIMEOUT_S)
+    first = machine.handle(offer("n1"), T0 + 0.01)
+    contended = Decline(
+        request_id="r1",
+        sender="n2",
+        reply_to="addr-n2",
+        attempt=1,
+        reasons=(Reason(code="in_flight_elsewhere", subject="zed"),),
+    )
+    machine.handle(contended, T0 + 0.01)
+    (award,) = sent(collect(machine, first, T0 + 0.01), Award)
+    assert award.address == "addr-n1"

@@ -107,13 +107,13 @@ Reply path: exclusive named queue, not direct reply-to (measured)
 
     Direct reply-to was *slower* in every run: x1.17-1.19 the p50 latency and x0.58-0.86
     the throughput (two earlier runs with the responder as a thread agreed: x1.15-1.18,
-    x0.77-0.87). Tails are noise on two CPUs. The hop direct reply-to saves (a queue) is
-    not where the time goes; the client is. And it cannot meet the contract: its address
-    is only valid on the channel that published the request, cannot be bound, sent to by
-    a third party or kept across a reconnect, and a reply to a vanished requestor is
-    dropped silently instead of returned. So every endpoint, requestors included, is an
-    exclusive named queue: a stable address, mandatory returns and bindings, and no
-    measured cost.
+    x0.77-0.87). Tails are noise on two CPUs. The queue hop direct reply-to saves is
+    evidently not where the time goes. And it cannot meet the contract: its address exists
+    only while the channel that published the request lives (a reply after a reconnect is
+    returned, the requestor never sees it), only someone who received a request can learn
+    it, and it cannot be bound to a topic. So every endpoint, requestors included, is an
+    exclusive named queue: a stable address across reconnects, mandatory returns,
+    bindings, and no measured cost.
 """
 
 from __future__ import annotations

@@ -60,6 +60,7 @@ from reservoir.protocol.messages import (
     Release,
     ReservationRequest,
 )
+from reservoir.protocol.node import IN_FLIGHT_ELSEWHERE
 from reservoir.protocol.placement import (
     Explanation,
     PlacedAllocation,
@@ -69,7 +70,6 @@ from reservoir.protocol.placement import (
     PlacementTimeout,
     reason_label,
 )
-from reservoir.protocol.node import IN_FLIGHT_ELSEWHERE
 from reservoir.protocol.policies import Candidate, Policy, Spread
 from reservoir.protocol.tiers import TierLadder
 

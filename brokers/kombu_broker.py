@@ -870,6 +870,10 @@ class KombuBroker(Broker):
             # The heartbeat tick does not run while the IO thread waits for a reply, so the
             # socket's own timeout keeps a silent server from holding an RPC for ever.
             sock.settimeout(self._timeout_s)
+            connection.connection.client_properties.get("capabilities", {})["connection.blocked"] = False
+            transport = connection.connection.transport
+            if transport._quick_recv == sock.recv:
+                transport._quick_recv = _BufferedRecv(sock)
             control = connection.channel()
             self._exchange(control).declare()
             user_id = connection.userid if connection.login_method != "EXTERNAL" else None
@@ -1164,3 +1168,22 @@ def _readable_now(sock: socket.socket) -> bool:
         poller.register(sock, select.POLLIN)
         return bool(poller.poll(0))
     return bool(select.select([sock], [], [], 0)[0])
+
+
+class _BufferedRecv:
+    def __init__(self, sock: socket.socket) -> None:
+        self._recv = sock.recv
+        self._view = memoryview(b"")
+
+    def __call__(self, n: int) -> bytes:
+        view = self._view
+        if not view:
+            data = self._recv(max(n, 65536))
+            if len(data) <= n:
+                return data
+            view = memoryview(data)
+        chunk, self._view = view[:n], view[n:]
+        return bytes(chunk)
+
+    def pending(self) -> bool:
+        return bool(self._view)

@@ -78,10 +78,12 @@ Reconnection
     capped at ``max_pending`` (default 50 000); past it, ``publish``/``send`` raise
     ``BrokerError`` at once rather than grow without bound or block. After a reconnect the
     messages that were in flight unconfirmed are published again, before the buffered ones,
-    so each sender's order holds: delivery is at-least-once across a reconnect, which the
+    so each sender's order holds: publishing is at-least-once across a reconnect, which the
     protocol tolerates (every message is idempotent by ``request_id``; late ones are
     harmless). Failing fast on every disconnect would instead turn a one-second broker blip
-    into failed placements and a lost ``Release`` into a reservation held to its TTL.
+    into failed placements and a lost ``Release`` into a reservation held to its TTL. What
+    RabbitMQ had already queued for *our* endpoints when the connection dropped is lost
+    with their exclusive queues; reservation expiry and widening recover from that.
 
     Each connection announces ``connection_name`` ``reservoir:<pid>:<n>`` (``n`` counts
     brokers in this process), the same across reconnects, so an operator (or a test) can
@@ -244,6 +246,12 @@ def _check_key(value: object, what: str) -> str:
 def _resolve(future: concurrent.futures.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
+
+
+def _settle(future: concurrent.futures.Future[Any], value: Any) -> None:
+    # A late answer (after a timeout failed the future) must not raise inside pika's loop.
+    if not future.done():
+        future.set_result(value)
 
 
 def _fail(future: concurrent.futures.Future[Any], error: BaseException) -> None:
@@ -555,8 +563,7 @@ class PikaBroker(Broker):
     ) -> None:
         pika_url, ours = strip_reservoir_params(url)
         self.url = _mask(url)
-        self.exchange: str = exchange if exchange is not None else ours.get("exchange") or ""
-        self.exchange = self.exchange or DEFAULT_EXCHANGE
+        self.exchange: str = exchange or ours.get("exchange") or DEFAULT_EXCHANGE
         _check_key(self.exchange, "exchange name")
         if timeout_s <= 0 or close_timeout_s < 0 or max_pending < 1 or connect_attempts < 1:
             raise ValueError("timeouts, max_pending and connect_attempts must be positive")
@@ -907,12 +914,7 @@ class PikaBroker(Broker):
     def _call(self, session: _Session, issue: Callable[[Callable[[Frame], None]], None]) -> Any:
         """One RPC during set-up: ``issue(callback)`` sends it; wait for the answer."""
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-
-        def answered(frame: Frame) -> None:
-            if not future.done():
-                future.set_result(frame)
-
-        issue(answered)
+        issue(partial(_settle, future))
         return self._await(session, future)
 
     def _establish(self) -> None:
@@ -980,7 +982,7 @@ class PikaBroker(Broker):
 
     def _open_channel(self, session: _Session, role: str) -> Channel:
         future: concurrent.futures.Future[Channel] = concurrent.futures.Future()
-        session.connection.channel(on_open_callback=future.set_result)
+        session.connection.channel(on_open_callback=partial(_settle, future))
         channel = self._await(session, future)
         channel.add_on_close_callback(partial(self._on_channel_closed, session, role))
         return channel
@@ -1035,7 +1037,14 @@ class PikaBroker(Broker):
         session = self._session
         assert session is not None
         while not session.closed.done():
-            self._ioloop.start()
+            try:
+                self._ioloop.start()
+            except Exception:
+                # A bug in one of our callbacks (or pika's) must cost a reconnect, not the
+                # broker: the connection's state is suspect, so start over.
+                log.exception("%s: a callback on the IO thread failed", self.connection_name)
+                self._reset(session, "a callback on the IO thread failed")
+                self._ioloop.call_later(self._close_timeout_s, partial(self._abandon, session))
 
     def _after_session(self) -> None:
         """The connection is gone: mark everything for the next one."""
@@ -1139,7 +1148,7 @@ class PikaBroker(Broker):
 
     def _abandon(self, session: _Session) -> None:
         if not session.closed.done():
-            log.warning("%s: RabbitMQ did not confirm the close", self.connection_name)
+            log.warning("%s: the connection did not close in time", self.connection_name)
             _resolve(session.closed)
             self._ioloop.stop()
 
@@ -1172,8 +1181,8 @@ class PikaBroker(Broker):
                 lost.__cause__ = reason if isinstance(reason, BaseException) else None
                 _fail(waiter, lost)
             return
-        if session.closing:
-            return
+        if session.closing or not session.connection.is_open:
+            return  # the whole connection is going: its close callback handles that
         if role == "control" and channel is not session.control:
             return  # a control channel we already replaced
         if role == "control" and isinstance(reason, pika.exceptions.ChannelClosedByBroker):

@@ -58,15 +58,16 @@ class Inventory:
         # The epsilon keeps 0.1-style ratios from losing a unit to float rounding.
         return math.floor((self.total - self.reserved) * self.allocation_ratio + 1e-9)
 
-    def unit_problem(self, amount: int) -> str | None:
-        """Why one instance can never take ``amount`` of this class here, or None."""
-        if amount < self.min_unit:
-            return f"{amount} is below the minimum unit {self.min_unit}"
+    def unit_problem(self, amount: int) -> tuple[str, str] | None:
+        """Why one instance can never take ``amount`` of this class here, as a reason code
+        and a detail, or None."""
         max_unit = self.total if self.max_unit is None else self.max_unit
         if amount > max_unit:
-            return f"{amount} is above the maximum unit {max_unit}"
+            return "too_large", f"asks {amount}, the most one instance may take is {max_unit}"
+        if amount < self.min_unit:
+            return "unit", f"asks {amount}, below the minimum unit {self.min_unit}"
         if amount % self.step_size:
-            return f"{amount} is not a multiple of the step size {self.step_size}"
+            return "unit", f"asks {amount}, not a multiple of the step size {self.step_size}"
         return None
 
 
@@ -203,7 +204,8 @@ class Ledger:
                 continue
             problem = inventory.unit_problem(amount)
             if problem is not None:
-                reasons.append(Reason(code="unit", subject=rc, detail=problem))
+                code, detail = problem
+                reasons.append(Reason(code=code, subject=rc, detail=f"{rc}: {detail}"))
                 slots = slots_without = 0
                 continue
             usage = self.usage(rc)

@@ -65,7 +65,8 @@ class Placement:
 _LABELS: Mapping[str, str] = {
     "insufficient": "{subject} exhausted",
     "missing": "no {subject} inventory",
-    "unit": "{subject} amount outside the inventory's units",
+    "too_large": "{subject} larger than one instance may take",
+    "unit": "{subject} amount off the inventory's min_unit/step_size",
     "trait_missing": "trait {subject} missing",
     "trait_forbidden": "forbidden trait {subject} present",
     "anti_affinity": "anti-affinity group {subject} already on the node",

@@ -334,7 +334,7 @@ class RequestorMachine:
         if isinstance(message, Offer):
             self._on_offer(message, now, effects)
         elif isinstance(message, Decline):
-            self._on_decline(message, effects)
+            self._on_decline(message, now, effects)
         elif isinstance(message, Accepted):
             self._on_accepted(
                 message.request_id,
@@ -478,15 +478,7 @@ class RequestorMachine:
             effects.append(release)
             effects.append(Dropped("late_offer", f"{offer.reservation_id} for {offer.request_id}"))
             return
-        if offer.attempt == c.attempt and not c.collect_timer_set:
-            # The first answer to this broadcast, even a repeat of an offer we hold (a node
-            # that heard an earlier tier hears this one too), opens the collect window.
-            latency_s = now - c.broadcast_at
-            self.latency.add(latency_s)
-            window_s = max(latency_s, self.latency.mean_s or 0.0) * self.config.collect_factor
-            window_s = min(max(window_s, self.config.min_collect_s), self.config.max_collect_s)
-            effects.append(SetTimer((c.request_id, _COLLECT, c.attempt), now + window_s))
-            c.collect_timer_set = True
+        self._answered(c, offer.attempt, now, effects)
         if offer.reservation_id in c.seen:
             effects.append(Dropped("duplicate_offer", offer.reservation_id))
             return
@@ -505,11 +497,25 @@ class RequestorMachine:
             else:
                 self._release_surplus(c, effects, keep_spares=True)
 
-    def _on_decline(self, decline: Decline, effects: list[Effect]) -> None:
+    def _answered(self, c: _Conversation, attempt: int, now: float, effects: list[Effect]) -> None:
+        """The first answer to a broadcast, offer or decline, even a repeat of an offer we
+        hold (a node that heard an earlier tier hears this one too), opens the collect
+        window: the other nodes of the tier answer within about as long again."""
+        if attempt != c.attempt or c.collect_timer_set or c.phase is not _Phase.COLLECTING:
+            return
+        latency_s = now - c.broadcast_at
+        self.latency.add(latency_s)
+        window_s = max(latency_s, self.latency.mean_s or 0.0) * self.config.collect_factor
+        window_s = min(max(window_s, self.config.min_collect_s), self.config.max_collect_s)
+        effects.append(SetTimer((c.request_id, _COLLECT, c.attempt), now + window_s))
+        c.collect_timer_set = True
+
+    def _on_decline(self, decline: Decline, now: float, effects: list[Effect]) -> None:
         c = self._active.get(decline.request_id)
         if c is None:
             effects.append(Dropped("late_decline", decline.request_id))
             return
+        self._answered(c, decline.attempt, now, effects)
         c.declines[decline.sender] = decline
         if decline.busy:
             c.busy_nodes.add(decline.sender)

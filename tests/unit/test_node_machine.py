@@ -114,7 +114,8 @@ def test_a_node_that_cannot_fit_explains_itself_when_asked() -> None:
     assert isinstance(decline, Decline)
     assert not decline.busy
     (reason,) = decline.reasons
-    assert reason.code == "unit" and reason.subject == "VCPU"
+    assert reason.code == "too_large"
+    assert reason.subject == "VCPU"
 
 
 def test_an_explained_shortage_names_the_class_and_how_much_is_missing() -> None:

@@ -1,0 +1,607 @@
+"""The ``reservoir`` command: ``demo``, ``node``, ``request`` and ``inspect``.
+
+Every command reads ``RESERVOIR_BROKER_URL`` (and the other ``RESERVOIR_*`` settings) when
+the matching option is absent. Exit status: 0 on success, 1 when a request could not be
+placed, 2 on bad usage or a broken invariant, 3 when the broker cannot be reached.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import click
+from pydantic import ValidationError
+
+from reservoir.broker import BrokerError
+from reservoir.protocol.ledger import Inventory
+from reservoir.protocol.messages import GroupSpec, NumaSpec
+from reservoir.protocol.placement import Placement, PlacementError, PlacementRequest
+from reservoir.settings import Settings
+
+EXIT_NOT_PLACED = 1
+EXIT_USAGE = 2
+EXIT_BROKER = 3
+
+BROKER_HELP = (
+    "Broker URL: memory://, amqp://user:pass@host:5672/vhost or kombu+amqp://... "
+    "[env: RESERVOIR_BROKER_URL]"
+)
+
+
+def _settings(**overrides: Any) -> Settings:
+    try:
+        return Settings(**{k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as error:
+        raise click.UsageError(f"bad setting: {error}") from None
+
+
+def _configure_logging(verbose: int) -> None:
+    level = logging.WARNING - 10 * verbose
+    logging.basicConfig(
+        level=max(level, logging.DEBUG),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="reservoir")
+@click.option("-v", "--verbose", count=True, help="More logging on stderr (-vv for debug).")
+def main(verbose: int) -> None:
+    """reservoir places work on compute nodes with a fanout reservation protocol.
+
+    A requestor broadcasts a reservation request on utilisation-tiered topics; every node
+    that can take it reserves the resources and answers; the requestor awards a winner
+    and releases the rest; unclaimed reservations expire after a TTL (5 s).
+    """
+    _configure_logging(verbose)
+
+
+# -- demo ----------------------------------------------------------------------------------
+
+
+@main.command()
+@click.option(
+    "--nodes",
+    default=50,
+    show_default=True,
+    type=click.IntRange(1, 5000),
+    help="Node agents to start, with varied capacities.",
+)
+@click.option(
+    "--requests",
+    default=2000,
+    show_default=True,
+    type=click.IntRange(0),
+    help="Requests to place, of mixed flavours.",
+)
+@click.option(
+    "--concurrency",
+    default=8,
+    show_default=True,
+    type=click.IntRange(1, 512),
+    help="Requestors placing at the same time (one worker thread each).",
+)
+@click.option(
+    "--seed", default=0, show_default=True, type=int, help="Seed for node shapes and the workload."
+)
+@click.option(
+    "--broker",
+    "broker_url",
+    envvar="RESERVOIR_BROKER_URL",
+    default="memory://",
+    show_default=True,
+    help=BROKER_HELP,
+)
+@click.option(
+    "--policy",
+    type=click.Choice(["spread", "pack", "least-utilised"]),
+    default=None,
+    help="How requestors pick winners [default: spread].",
+)
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print exactly one JSON object with the results, nothing else on stdout.",
+)
+def demo(
+    nodes: int,
+    requests: int,
+    concurrency: int,
+    seed: int,
+    broker_url: str,
+    policy: str | None,
+    as_json: bool,
+) -> None:
+    """Start NODES node agents and CONCURRENCY requestors placing REQUESTS requests, then
+    audit every node's ledger and print a summary.
+
+    The audit checks the protocol's invariants independently of the requestors' view:
+    no resource class overcommitted on any node, no reservation alive past its TTL, no
+    request placed more than once.
+    """
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    from reservoir.demo import run_demo
+
+    settings = _settings(broker_url=broker_url, policy=policy)
+    stderr = Console(stderr=True)
+    columns = (
+        "[progress.description]{task.description}",
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
+    try:
+        with Progress(
+            *columns, console=stderr, transient=as_json, disable=not stderr.is_terminal
+        ) as bar:
+            task = bar.add_task("placing", total=requests)
+            result = run_demo(
+                nodes=nodes,
+                requests=requests,
+                concurrency=concurrency,
+                seed=seed,
+                broker_url=broker_url,
+                settings=settings,
+                progress=lambda n: bar.advance(task, n),
+            )
+    except BrokerError as error:
+        click.echo(f"reservoir demo: cannot use the broker at {broker_url}: {error}", err=True)
+        sys.exit(EXIT_BROKER)
+    if as_json:
+        click.echo(json.dumps(result.as_json(), sort_keys=True))
+    else:
+        _print_demo(result)
+    if not result.invariants_hold:
+        if result.audit is not None and not as_json:
+            for problem in [
+                *result.audit.overcommitted,
+                *result.audit.leaked_reservations,
+                *result.audit.duplicate_placements,
+            ][:20]:
+                click.echo(f"  {problem}", err=True)
+        sys.exit(EXIT_USAGE)
+
+
+def _print_demo(result: Any) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    table = Table(
+        title=f"reservoir demo: {result.nodes} nodes, {result.requests} requests, "
+        f"{result.concurrency} concurrent requestors on {result.broker}"
+    )
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    rows = [
+        ("placed", f"{result.placed}"),
+        ("failed", f"{result.failed}"),
+        ("overcommitted (audit)", f"{result.overcommitted}"),
+        ("leaked reservations (audit)", f"{result.leaked_reservations}"),
+        ("duplicate placements (audit)", f"{result.duplicate_placements}"),
+        ("latency p50", f"{result.p50_ms:.2f} ms"),
+        ("latency p99", f"{result.p99_ms:.2f} ms"),
+        ("placements per second", f"{result.placements_per_s:.1f}"),
+        ("messages per placement", f"{result.messages_per_placement:.1f}"),
+        ("wall time", f"{result.elapsed_s:.2f} s"),
+        ("mean node utilisation", f"{result.mean_utilisation:.0%}"),
+        ("placed at tier", ", ".join(f"{k}: {v}" for k, v in result.tiers_used.items())),
+        ("nodes per tier now", ", ".join(f"{k}: {v}" for k, v in result.node_tiers.items())),
+    ]
+    if result.dropped:
+        rows.append(("messages dropped", ", ".join(f"{k}: {v}" for k, v in result.dropped.items())))
+    for name, value in rows:
+        table.add_row(name, value)
+    console.print(table)
+    verdict = "[green]invariants hold[/]" if result.invariants_hold else "[red]INVARIANTS BROKEN[/]"
+    console.print(verdict)
+    for failure in result.failures[:5]:
+        console.print(f"[yellow]failed:[/] {failure}")
+
+
+# -- node ----------------------------------------------------------------------------------
+
+
+def _parse_pairs(values: Sequence[str], what: str) -> dict[str, str]:
+    pairs = {}
+    for value in values:
+        key, sep, rest = value.partition("=")
+        if not sep or not key or not rest:
+            raise click.BadParameter(f"{value!r}: expected {what}")
+        pairs[key.strip().upper()] = rest.strip()
+    return pairs
+
+
+def _node_inventories(
+    vcpus: int | None,
+    memory_mb: int | None,
+    disk_gb: int | None,
+    inventory: Sequence[str],
+    ratio: Sequence[str],
+    reserved: Sequence[str],
+) -> dict[str, Inventory]:
+    totals: dict[str, int] = {}
+    for rc, amount in {"VCPU": vcpus, "MEMORY_MB": memory_mb, "DISK_GB": disk_gb}.items():
+        if amount is not None:
+            totals[rc] = amount
+    for rc, total in _parse_pairs(inventory, "CLASS=TOTAL").items():
+        try:
+            totals[rc] = int(total)
+        except ValueError:
+            raise click.BadParameter(f"{rc}={total}: the total must be a whole number") from None
+    ratios = _parse_pairs(ratio, "CLASS=RATIO")
+    reserve = _parse_pairs(reserved, "CLASS=AMOUNT")
+    for rc in (*ratios, *reserve):
+        if rc not in totals:
+            raise click.BadParameter(f"{rc} has no inventory: give its total first")
+    if not totals:
+        raise click.UsageError(
+            "a node needs an inventory: --vcpus, --memory-mb, --disk-gb or --inventory CLASS=TOTAL"
+        )
+    try:
+        return {
+            rc: Inventory(
+                total=total,
+                allocation_ratio=float(ratios.get(rc, 1.0)),
+                reserved=int(reserve.get(rc, 0)),
+            )
+            for rc, total in totals.items()
+        }
+    except ValueError as error:
+        raise click.BadParameter(str(error)) from None
+
+
+@main.command()
+@click.option(
+    "--broker", "broker_url", envvar="RESERVOIR_BROKER_URL", default=None, help=BROKER_HELP
+)
+@click.option("--name", required=True, help="The node's name; its inbox is reservoir.node.NAME.")
+@click.option("--vcpus", type=click.IntRange(0), help="VCPU inventory.")
+@click.option("--memory-mb", type=click.IntRange(0), help="MEMORY_MB inventory.")
+@click.option("--disk-gb", type=click.IntRange(0), help="DISK_GB inventory.")
+@click.option(
+    "--inventory",
+    multiple=True,
+    metavar="CLASS=TOTAL",
+    help="Any other resource class, e.g. CUSTOM_GPU=4 or PCPU=16. Repeatable.",
+)
+@click.option(
+    "--allocation-ratio",
+    "ratio",
+    multiple=True,
+    metavar="CLASS=RATIO",
+    help="Overcommit a class, e.g. VCPU=4.0. Repeatable.",
+)
+@click.option(
+    "--reserved",
+    multiple=True,
+    metavar="CLASS=AMOUNT",
+    help="Keep some of a class for the host, e.g. MEMORY_MB=2048. Repeatable.",
+)
+@click.option("--trait", "traits", multiple=True, help="A trait the node has, e.g. HW_GPU.")
+@click.option(
+    "--state-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    envvar="RESERVOIR_STATE_DIR",
+    help="Keep allocations durably (SQLite) here, so a restart keeps them.",
+)
+@click.option(
+    "--ttl-s",
+    type=click.FloatRange(0.001),
+    default=None,
+    help="Longest reservation this node grants [default: from requests, <= 60 s].",
+)
+def node(
+    broker_url: str | None,
+    name: str,
+    vcpus: int | None,
+    memory_mb: int | None,
+    disk_gb: int | None,
+    inventory: tuple[str, ...],
+    ratio: tuple[str, ...],
+    reserved: tuple[str, ...],
+    traits: tuple[str, ...],
+    state_dir: Path | None,
+    ttl_s: float | None,
+) -> None:
+    """Run a node agent until SIGTERM or SIGINT.
+
+    On a signal it stops taking requests, withdraws its live reservations and closes
+    cleanly; allocations stay in --state-dir for the next start.
+    """
+    from reservoir.node_agent import NodeAgent
+    from reservoir.store import StateError
+
+    inventories = _node_inventories(vcpus, memory_mb, disk_gb, inventory, ratio, reserved)
+    settings = _settings(broker_url=broker_url, state_dir=state_dir)
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        agent = NodeAgent(
+            settings.broker_url,
+            name=name,
+            inventories=inventories,
+            traits=traits,
+            settings=settings,
+        )
+    except StateError as error:
+        click.echo(f"reservoir node: {error}", err=True)
+        sys.exit(EXIT_USAGE)
+    except BrokerError as error:
+        click.echo(f"reservoir node: cannot reach the broker: {error}", err=True)
+        sys.exit(EXIT_BROKER)
+    except ValueError as error:
+        raise click.UsageError(str(error)) from None
+    snapshot = agent.snapshot()
+    click.echo(
+        f"node {name}: ready on {settings.broker_url.split('@')[-1]}; "
+        f"{len(snapshot.allocations)} allocation(s) held, utilisation "
+        f"{snapshot.utilisation:.0%}, tier {snapshot.tier}%",
+        err=True,
+    )
+    try:
+        while not stop.wait(1.0):
+            pass
+    finally:
+        agent.close()
+        click.echo(f"node {name}: stopped", err=True)
+
+
+# -- request -------------------------------------------------------------------------------
+
+
+def _placement_json(placement: Placement) -> dict[str, Any]:
+    return {
+        "placed": True,
+        "request_id": placement.request_id,
+        "partial": placement.partial,
+        "allocations": [
+            {
+                "node": a.node,
+                "allocation_id": a.allocation_id,
+                "resources": dict(a.resources),
+                **({"numa": a.numa.model_dump()} if a.numa else {}),
+            }
+            for a in placement.allocations
+        ],
+        "tiers_tried": list(placement.tiers_tried),
+        "elapsed_s": round(placement.elapsed_s, 4),
+    }
+
+
+@main.command()
+@click.option(
+    "--broker", "broker_url", envvar="RESERVOIR_BROKER_URL", default=None, help=BROKER_HELP
+)
+@click.option("--vcpus", type=click.IntRange(0), help="VCPUs per instance.")
+@click.option("--memory-mb", type=click.IntRange(0), help="Memory per instance, MiB.")
+@click.option("--disk-gb", type=click.IntRange(0), help="Disk per instance, GiB.")
+@click.option(
+    "--resource",
+    "resources",
+    multiple=True,
+    metavar="CLASS=AMOUNT",
+    help="Any other resource class per instance, e.g. CUSTOM_GPU=1. Repeatable.",
+)
+@click.option(
+    "--count",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Instances wanted; all or nothing unless --min-count.",
+)
+@click.option(
+    "--min-count", type=click.IntRange(1), help="Accept a partial placement of this many."
+)
+@click.option(
+    "--require",
+    "required",
+    multiple=True,
+    metavar="TRAIT",
+    help="A trait the node must have. Repeatable.",
+)
+@click.option(
+    "--forbid",
+    "forbidden",
+    multiple=True,
+    metavar="TRAIT",
+    help="A trait the node must not have. Repeatable.",
+)
+@click.option("--group", help="Server group the instances join.")
+@click.option(
+    "--policy",
+    "group_policy",
+    type=click.Choice(["affinity", "anti-affinity", "soft-affinity", "soft-anti-affinity"]),
+    help="The server group's policy (with --group).",
+)
+@click.option(
+    "--numa-nodes", type=click.IntRange(1), help="Spread each instance over N NUMA cells."
+)
+@click.option("--pinned", is_flag=True, help="Dedicated (pinned) CPUs, with --numa-nodes.")
+@click.option(
+    "--hint",
+    "hints",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Free-form hint for node-side filters. Repeatable.",
+)
+@click.option("--request-id", help="Idempotency key: asking again returns the same placement.")
+@click.option("--explain", is_flag=True, help="Ask nodes that cannot take it to say why.")
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=click.FloatRange(0.1),
+    default=30.0,
+    show_default=True,
+    help="Give up after this many seconds.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def request(
+    broker_url: str | None,
+    vcpus: int | None,
+    memory_mb: int | None,
+    disk_gb: int | None,
+    resources: tuple[str, ...],
+    count: int,
+    min_count: int | None,
+    required: tuple[str, ...],
+    forbidden: tuple[str, ...],
+    group: str | None,
+    group_policy: str | None,
+    numa_nodes: int | None,
+    pinned: bool,
+    hints: tuple[str, ...],
+    request_id: str | None,
+    explain: bool,
+    timeout_s: float,
+    as_json: bool,
+) -> None:
+    """Place one request and print the placement, or the failure with its explanation
+    (exit status 1)."""
+    from reservoir.requestor import Requestor
+
+    amounts: dict[str, int] = {}
+    for rc, given in {"VCPU": vcpus, "MEMORY_MB": memory_mb, "DISK_GB": disk_gb}.items():
+        if given:
+            amounts[rc] = given
+    for rc, text in _parse_pairs(resources, "CLASS=AMOUNT").items():
+        try:
+            amounts[rc] = int(text)
+        except ValueError:
+            raise click.BadParameter(f"{rc}={text}: a whole number") from None
+    if (group is None) != (group_policy is None):
+        raise click.UsageError("--group and --policy go together")
+    if pinned and numa_nodes is None:
+        numa_nodes = 1
+    try:
+        spec = PlacementRequest(
+            resources=amounts,
+            count=count,
+            min_count=min_count,
+            required_traits=frozenset(t.upper() for t in required),
+            forbidden_traits=frozenset(t.upper() for t in forbidden),
+            group=GroupSpec.model_validate({"name": group, "policy": group_policy})
+            if group
+            else None,
+            numa=NumaSpec(nodes=numa_nodes, dedicated_cpus=pinned) if numa_nodes else None,
+            explain=explain,
+            hints=dict(_parse_pairs(hints, "KEY=VALUE")) if hints else {},
+            request_id=request_id,
+        )
+    except ValidationError as error:
+        raise click.UsageError(f"not a valid request: {error}") from None
+    settings = _settings(broker_url=broker_url)
+    try:
+        requestor = Requestor(settings.broker_url, settings=settings)
+    except BrokerError as error:
+        click.echo(f"reservoir request: cannot reach the broker: {error}", err=True)
+        sys.exit(EXIT_BROKER)
+    with requestor:
+        try:
+            placement = requestor.reserve(spec, timeout_s=timeout_s)
+        except PlacementError as error:
+            explanation = error.explanation
+            if as_json:
+                click.echo(
+                    json.dumps(
+                        {
+                            "placed": False,
+                            "request_id": explanation.request_id,
+                            "explanation": str(explanation),
+                            "reasons": dict(explanation.reasons),
+                            "tiers_tried": list(explanation.tiers_tried),
+                            "offers_received": explanation.offers_received,
+                            "timed_out": type(error).__name__ == "PlacementTimeout",
+                        },
+                        sort_keys=True,
+                    )
+                )
+            else:
+                click.echo(f"not placed: {explanation}", err=True)
+            sys.exit(EXIT_NOT_PLACED)
+    if as_json:
+        click.echo(json.dumps(_placement_json(placement), sort_keys=True))
+        return
+    click.echo(
+        f"placed {placement.request_id}: {len(placement.allocations)} instance(s) "
+        f"after tiers {', '.join(f'{t}%' for t in placement.tiers_tried)}"
+    )
+    for allocation in placement.allocations:
+        shown = ", ".join(f"{rc}={n}" for rc, n in sorted(allocation.resources.items()))
+        click.echo(f"  {allocation.node}  {allocation.allocation_id}  {shown}")
+
+
+# -- inspect -------------------------------------------------------------------------------
+
+
+@main.command()
+@click.option(
+    "--state-dir",
+    type=click.Path(file_okay=False, exists=True, path_type=Path),
+    required=True,
+    envvar="RESERVOIR_STATE_DIR",
+    help="The node's state directory.",
+)
+@click.option("--name", required=True, help="The node's name.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def inspect(state_dir: Path, name: str, as_json: bool) -> None:
+    """Show the allocations a node's durable ledger holds (the node may be stopped)."""
+    from reservoir.store import SqliteStore, StateError
+
+    path = state_dir / f"{name}.sqlite3"
+    if not path.exists():
+        click.echo(f"reservoir inspect: no state file {path}", err=True)
+        sys.exit(EXIT_USAGE)
+    try:
+        store = SqliteStore(path, node_name=name)
+        allocations = store.load()
+        store.close()
+    except StateError as error:
+        click.echo(f"reservoir inspect: {error}", err=True)
+        sys.exit(EXIT_USAGE)
+    if as_json:
+        click.echo(
+            json.dumps(
+                {
+                    "node": name,
+                    "allocations": [
+                        {
+                            "allocation_id": a.allocation_id,
+                            "request_id": a.request_id,
+                            "resources": dict(a.resources),
+                            "group": a.group,
+                            **({"numa": a.numa.model_dump()} if a.numa else {}),
+                        }
+                        for a in allocations
+                    ],
+                },
+                sort_keys=True,
+            )
+        )
+        return
+    click.echo(f"node {name}: {len(allocations)} allocation(s)")
+    for a in allocations:
+        shown = ", ".join(f"{rc}={n}" for rc, n in sorted(a.resources.items()))
+        click.echo(f"  {a.allocation_id}  request {a.request_id}  {shown}")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

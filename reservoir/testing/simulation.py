@@ -73,11 +73,12 @@ class Simulation:
         pending = list(futures)
         return self.scheduler.run_until(lambda: all(f.done() for f in pending), timeout_s=timeout_s)
 
-    def place(self, requestor: Requestor, timeout_s: float = 120.0, **fields: Any) -> Placement:
-        """Submit one request and run until it is decided; raises as ``reserve`` would."""
+    def place(self, requestor: Requestor, *, wait_s: float = 600.0, **fields: Any) -> Placement:
+        """Submit one request (keyword fields as for ``Requestor.submit``, ``timeout_s``
+        included) and run virtual time until it is decided; raises as ``reserve`` would."""
         future = requestor.submit(**fields)
-        if not self.run_until_done([future], timeout_s=timeout_s):
-            raise TimeoutError(f"no verdict within {timeout_s}s of virtual time")
+        if not self.run_until_done([future], timeout_s=wait_s):
+            raise TimeoutError(f"no verdict within {wait_s}s of virtual time")
         return future.result(timeout=0)
 
     def advance(self, seconds: float) -> None:

@@ -1,0 +1,134 @@
+"""The embedded library in real time: many threads and an asyncio loop share one Requestor
+over the in-process broker; every test audits the nodes afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from brokers.inprocess import InProcessBroker
+from reservoir import NodeAgent, Placement, PlacementError, Requestor, audit
+
+
+@pytest.fixture
+def cluster() -> Iterator[tuple[InProcessBroker, list[NodeAgent]]]:
+    broker = InProcessBroker()
+    nodes = [NodeAgent(broker, name=f"live-{i}", vcpus=16, memory_mb=32768) for i in range(6)]
+    yield broker, nodes
+    for node in nodes:
+        node.close()
+    broker.close()
+
+
+def audited(nodes: list[NodeAgent], placements: list[Placement]) -> None:
+    report = audit([n.snapshot() for n in nodes], placements)
+    report.raise_if_failed(allow_orphans=False)
+
+
+def test_many_threads_share_one_requestor(
+    cluster: tuple[InProcessBroker, list[NodeAgent]],
+) -> None:
+    broker, nodes = cluster
+    placements: list[Placement] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+    with Requestor(broker) as requestor:
+
+        def place_some() -> None:
+            for _ in range(10):
+                try:
+                    placement = requestor.reserve(vcpus=1, memory_mb=512, timeout_s=10)
+                except BaseException as error:  # noqa: BLE001 - collected, then asserted
+                    errors.append(error)
+                else:
+                    with lock:
+                        placements.append(placement)
+
+        threads = [threading.Thread(target=place_some) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        assert errors == []
+        assert len(placements) == 80
+        assert len({p.request_id for p in placements}) == 80
+        audited(nodes, placements)
+
+
+def test_reserve_async_never_blocks_the_event_loop(
+    cluster: tuple[InProcessBroker, list[NodeAgent]],
+) -> None:
+    broker, nodes = cluster
+
+    async def main() -> tuple[list[Placement], int]:
+        ticks = 0
+        stop = asyncio.Event()
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while not stop.is_set():
+                ticks += 1
+                await asyncio.sleep(0)
+
+        async with Requestor(broker) as requestor:
+            beat = asyncio.create_task(ticker())
+            placements = await asyncio.gather(
+                *(requestor.reserve_async(vcpus=1, memory_mb=256) for _ in range(30))
+            )
+            stop.set()
+            await beat
+        return list(placements), ticks
+
+    placements, ticks = asyncio.run(main())
+    assert len(placements) == 30
+    assert ticks > 30  # the loop kept running while the placements were under way
+    audited(nodes, placements)
+
+
+def test_a_retry_with_the_same_request_id_returns_the_same_placement(
+    cluster: tuple[InProcessBroker, list[NodeAgent]],
+) -> None:
+    broker, nodes = cluster
+    with Requestor(broker) as first:
+        placement = first.reserve(vcpus=2, request_id="order-42")
+        assert first.reserve(vcpus=2, request_id="order-42") == placement
+    with Requestor(broker) as restarted:  # a new requestor knows nothing of it
+        again = restarted.reserve(vcpus=2, request_id="order-42")
+    assert again.allocations == placement.allocations
+    audited(nodes, [placement])
+
+
+def test_concurrent_calls_with_one_request_id_share_one_placement(
+    cluster: tuple[InProcessBroker, list[NodeAgent]],
+) -> None:
+    broker, nodes = cluster
+    with Requestor(broker) as requestor:
+        futures = [requestor.submit(vcpus=1, request_id="same") for _ in range(10)]
+        results = [f.result(timeout=10).allocations for f in futures]
+    assert all(result == results[0] for result in results)
+    assert sum(len(n.allocations()) for n in nodes) == 1
+
+
+def test_a_closed_requestor_refuses_new_work(
+    cluster: tuple[InProcessBroker, list[NodeAgent]],
+) -> None:
+    broker, _nodes = cluster
+    requestor = Requestor(broker)
+    requestor.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        requestor.reserve(vcpus=1)
+
+
+def test_nothing_is_left_running_after_close() -> None:
+    before = {t.name for t in threading.enumerate()}
+    broker = InProcessBroker()
+    with NodeAgent(broker, name="n", vcpus=2), Requestor(broker) as requestor:
+        requestor.reserve(vcpus=1)
+        with pytest.raises(PlacementError):
+            requestor.reserve(vcpus=2, timeout_s=2)
+    broker.close()
+    after = {t.name for t in threading.enumerate() if t.is_alive()}
+    assert after <= before

@@ -19,6 +19,7 @@ from reservoir.clock import (
 from reservoir.node_agent import NodeAgent
 from reservoir.protocol.ledger import Allocation, Inventory
 from reservoir.protocol.messages import GroupSpec, NumaSpec
+from reservoir.protocol.numa import NumaCell, NumaTopology
 from reservoir.protocol.placement import (
     Explanation,
     PlacedAllocation,
@@ -50,7 +51,9 @@ __all__ = [
     "Inventory",
     "NodeAgent",
     "NodeSnapshot",
+    "NumaCell",
     "NumaSpec",
+    "NumaTopology",
     "PlacedAllocation",
     "Placement",
     "PlacementError",

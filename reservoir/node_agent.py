@@ -16,11 +16,13 @@ from reservoir.broker import Broker
 from reservoir.clock import Scheduler, ThreadScheduler
 from reservoir.driver import Driver
 from reservoir.metrics import Metrics
+from reservoir.plugins import load_filters, load_weighers
 from reservoir.protocol.effects import DeleteAllocation, Effect, StoreAllocation
-from reservoir.protocol.filters import DEFAULT_FILTERS, DEFAULT_WEIGHERS, Filter, Weigher
+from reservoir.protocol.filters import Filter, Weigher
 from reservoir.protocol.ledger import Allocation, Inventory
 from reservoir.protocol.messages import Message, is_resource_class
 from reservoir.protocol.node import NodeConfig, NodeMachine
+from reservoir.protocol.numa import NumaTopology
 from reservoir.settings import Settings
 from reservoir.store import AllocationStore, MemoryStore, SqliteStore
 
@@ -74,7 +76,7 @@ class NodeAgent(Driver):
         memory_mb: int | None = None,
         disk_gb: int | None = None,
         traits: Iterable[str] = (),
-        numa: object | None = None,
+        numa: NumaTopology | None = None,
         settings: Settings | None = None,
         scheduler: Scheduler | None = None,
         store: AllocationStore | None = None,
@@ -101,8 +103,10 @@ class NodeAgent(Driver):
             traits=frozenset(traits),
             tiers=self.settings.ladder,
             incarnation=secrets.token_hex(4),
-            filters=tuple(filters) if filters is not None else DEFAULT_FILTERS,
-            weighers=tuple(weighers) if weighers is not None else DEFAULT_WEIGHERS,
+            filters=tuple(filters) if filters is not None else load_filters(self.settings.filters),
+            weighers=tuple(weighers)
+            if weighers is not None
+            else load_weighers(self.settings.weighers),
             numa=numa,
         )
         self.machine = NodeMachine(config, allocations=self.store.load())

@@ -43,6 +43,10 @@ class Settings(BaseSettings):
     request_timeout_s: float = Field(default=30.0, gt=0)
     #: where a node agent keeps its durable ledger (None: in memory only)
     state_dir: Path | None = None
+    #: node-side filters to run, by entry point name, in order (None: every one found)
+    filters: tuple[str, ...] | None = None
+    #: node-side weighers to use, by entry point name (None: every one found)
+    weighers: tuple[str, ...] | None = None
 
     @field_validator("tiers")
     @classmethod

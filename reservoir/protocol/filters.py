@@ -15,6 +15,7 @@ from typing import Protocol, runtime_checkable
 
 from reservoir.protocol.ledger import Ledger
 from reservoir.protocol.messages import NumaPlacement, Reason, ReservationRequest
+from reservoir.protocol.numa import NumaTopology, fit_numa
 
 __all__ = [
     "DEFAULT_FILTERS",
@@ -22,6 +23,7 @@ __all__ = [
     "Filter",
     "GroupFilter",
     "NodeView",
+    "NumaFilter",
     "ResourceFilter",
     "SoftGroupWeigher",
     "TraitFilter",
@@ -38,8 +40,8 @@ class NodeView:
     name: str
     traits: frozenset[str]
     ledger: Ledger
-    #: the node's NUMA topology, when it describes one (see reservoir.protocol.numa)
-    numa: object | None = None
+    #: the node's NUMA topology, when it describes one
+    numa: NumaTopology | None = None
 
 
 @dataclass(frozen=True)
@@ -159,6 +161,26 @@ class GroupFilter:
         return Verdict(max_slots=max_slots)
 
 
+class NumaFilter:
+    """Fits NUMA-shaped requests onto the node's cells and chooses their CPUs (see
+    :mod:`reservoir.protocol.numa`)."""
+
+    name = "numa"
+
+    def check(self, request: ReservationRequest, node: NodeView, max_slots: int) -> Verdict:
+        if request.numa is None:
+            return Verdict(max_slots=max_slots)
+        if node.numa is None:
+            return Verdict(
+                max_slots=0,
+                reasons=(Reason(code="numa", detail="the node describes no NUMA topology"),),
+            )
+        placements, why = fit_numa(node.numa, node.ledger.numa_placements(), request, max_slots)
+        if not placements:
+            return Verdict(max_slots=0, reasons=(Reason(code="numa", detail=why),))
+        return Verdict(max_slots=len(placements), numa=tuple(placements))
+
+
 class SoftGroupWeigher:
     """Soft affinity prefers nodes holding members of the group; soft anti-affinity avoids
     them. Neither ever excludes a node."""
@@ -177,7 +199,7 @@ class SoftGroupWeigher:
         return closeness if group.policy == "soft-affinity" else -closeness
 
 
-DEFAULT_FILTERS: tuple[Filter, ...] = (TraitFilter(), ResourceFilter(), GroupFilter())
+DEFAULT_FILTERS: tuple[Filter, ...] = (TraitFilter(), ResourceFilter(), GroupFilter(), NumaFilter())
 DEFAULT_WEIGHERS: tuple[Weigher, ...] = (SoftGroupWeigher(),)
 
 

@@ -122,11 +122,14 @@ class NumaSpec(_Frozen):
 
 
 class NumaPlacement(_Frozen):
-    """Where on the node's NUMA topology one instance landed."""
+    """Where on the node's NUMA topology one instance landed: its cells, its pinned host
+    CPUs (dedicated only), and what it takes from each cell."""
 
     cells: tuple[int, ...]
     cpus: tuple[int, ...] = ()
     memory_mb_per_cell: tuple[int, ...] = ()
+    vcpus_per_cell: tuple[int, ...] = ()
+    hugepage_kb: int | None = None
 
 
 class AllocationInfo(_Frozen):

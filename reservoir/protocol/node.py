@@ -63,6 +63,7 @@ from reservoir.protocol.messages import (
     Release,
     ReservationRequest,
 )
+from reservoir.protocol.numa import NumaTopology
 from reservoir.protocol.tiers import TierLadder
 
 __all__ = ["EXPIRY_TIMER", "IN_FLIGHT_ELSEWHERE", "NodeConfig", "NodeMachine"]
@@ -90,8 +91,8 @@ class NodeConfig:
     weighers: Sequence[Weigher] = DEFAULT_WEIGHERS
     #: a request's ttl_s is honoured up to this bound
     max_ttl_s: float = 60.0
-    #: the node's NUMA topology (reservoir.protocol.numa.NumaTopology), if it has one
-    numa: object | None = None
+    #: the node's NUMA cells, if it describes them
+    numa: NumaTopology | None = None
 
 
 class NodeMachine:

@@ -325,6 +325,31 @@ def test_a_handler_may_close_the_broker(open_broker: OpenBroker) -> None:
     assert _threads_of(broker) == set()
 
 
+@pytest.mark.rabbitmq
+def test_publishes_wait_while_rabbitmq_blocks_publishing(open_broker: OpenBroker) -> None:
+    # A real resource alarm would block every client of the shared RabbitMQ, so this
+    # drives the adapter's connection.blocked / unblocked callbacks on its IO thread.
+    broker = open_broker()
+    ns = f"k{uuid.uuid4().hex[:10]}"
+    receiver = Inbox()
+    receiving = broker.open_endpoint(receiver)
+    receiving.bind(f"{ns}.a")
+    sender = broker.open_endpoint(Inbox())
+    broker._call(None, lambda: broker._on_blocked("test alarm"), "block")
+
+    for i in range(3):
+        sender.publish(f"{ns}.a", b"held %d" % i)
+    receiving.bind(f"{ns}.b")  # other operations go on meanwhile
+    held = broker._call(None, lambda: len(broker._held), "count held")
+    assert held == 3
+    assert receiver.deliveries == []
+
+    broker._call(None, broker._on_unblocked, "unblock")
+    sender.publish(f"{ns}.b", b"after")
+    receiver.wait_for_count(4)
+    assert [d.body for d in receiver.deliveries] == [b"held 0", b"held 1", b"held 2", b"after"]
+
+
 # -- recovery -------------------------------------------------------------------------------
 
 

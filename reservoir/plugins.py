@@ -1,0 +1,89 @@
+"""Finding node-side filters and weighers through entry points.
+
+Filters are registered in the ``reservoir.filters`` entry point group and weighers in
+``reservoir.weighers``; reservoir registers its own built-in checks there too, so an
+operator's check is installed, discovered and ordered exactly like the built-in ones.
+Each entry point names a class (or any callable) that returns the filter or weigher.
+
+Order: the built-ins first, in :data:`BUILT_IN_FILTERS` order (cheap checks first), then
+every other one by name. ``Settings.filters`` / ``RESERVOIR_FILTERS`` names the ones to use,
+in order, when an operator wants to choose.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from importlib.metadata import EntryPoint, entry_points
+
+from reservoir.protocol.filters import (
+    Filter,
+    GroupFilter,
+    NumaFilter,
+    ResourceFilter,
+    SoftGroupWeigher,
+    TraitFilter,
+    Weigher,
+)
+
+__all__ = ["BUILT_IN_FILTERS", "BUILT_IN_WEIGHERS", "PluginError", "load_filters", "load_weighers"]
+
+FILTER_GROUP = "reservoir.filters"
+WEIGHER_GROUP = "reservoir.weighers"
+
+BUILT_IN_FILTERS: dict[str, type] = {
+    "traits": TraitFilter,
+    "resources": ResourceFilter,
+    "server_group": GroupFilter,
+    "numa": NumaFilter,
+}
+BUILT_IN_WEIGHERS: dict[str, type] = {"soft_server_group": SoftGroupWeigher}
+
+
+class PluginError(RuntimeError):
+    """A filter or weigher could not be found or loaded."""
+
+
+def _discovered(group: str, built_in: dict[str, type]) -> dict[str, EntryPoint | type]:
+    found: dict[str, EntryPoint | type] = dict(built_in)
+    for entry_point in sorted(entry_points(group=group), key=lambda ep: ep.name):
+        if entry_point.name not in built_in:
+            found[entry_point.name] = entry_point
+    return found
+
+
+def _load(group: str, name: str, source: EntryPoint | type) -> object:
+    try:
+        factory = source.load() if isinstance(source, EntryPoint) else source
+        return factory()
+    except Exception as error:  # an operator's plugin may fail in any way: say which
+        raise PluginError(f"{group} entry point {name!r} failed to load: {error}") from error
+
+
+def load_filters(names: Sequence[str] | None = None) -> tuple[Filter, ...]:
+    """Every discovered filter, or those named, in order."""
+    found = _discovered(FILTER_GROUP, BUILT_IN_FILTERS)
+    chosen = list(found) if names is None else list(names)
+    filters: list[Filter] = []
+    for name in chosen:
+        if name not in found:
+            raise PluginError(f"no filter named {name!r}; known: {', '.join(found)}")
+        loaded = _load(FILTER_GROUP, name, found[name])
+        if not isinstance(loaded, Filter):
+            raise PluginError(f"filter {name!r} has no name or check(request, node, max_slots)")
+        filters.append(loaded)
+    return tuple(filters)
+
+
+def load_weighers(names: Sequence[str] | None = None) -> tuple[Weigher, ...]:
+    """Every discovered weigher, or those named, in order."""
+    found = _discovered(WEIGHER_GROUP, BUILT_IN_WEIGHERS)
+    chosen = list(found) if names is None else list(names)
+    weighers: list[Weigher] = []
+    for name in chosen:
+        if name not in found:
+            raise PluginError(f"no weigher named {name!r}; known: {', '.join(found)}")
+        loaded = _load(WEIGHER_GROUP, name, found[name])
+        if not isinstance(loaded, Weigher):
+            raise PluginError(f"weigher {name!r} has no name, multiplier or weigh()")
+        weighers.append(loaded)
+    return tuple(weighers)

@@ -180,9 +180,10 @@ class _Op:
 
     run: Callable[[], Any]
     future: Future[Any] | None
-    #: run it again after a reconnect if the connection failed under it (publishes are
-    #: not: a publish in flight is in the unconfirmed buffer, which recovery replays)
-    retry_after_reconnect: bool = True
+    #: a publish or send: held while RabbitMQ blocks publishing, and not run again when
+    #: the connection fails under it (it is in the unconfirmed buffer, which recovery
+    #: replays); every other operation is run again after the reconnect
+    publish: bool = False
     started: bool = False
 
 
@@ -403,7 +404,11 @@ class KombuBroker(Broker):
         #: publishes and sends accepted and not yet settled (acked, nacked or dropped)
         self._pending = 0
         self._failure: BaseException | None = None
-        self._link: _Link | None = None  # IO thread only
+        # -- IO thread only --
+        self._link: _Link | None = None
+        #: RabbitMQ said connection.blocked (a resource alarm): publishes wait in _held
+        self._blocked = False
+        self._held: deque[_Op] = deque()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -549,6 +554,10 @@ class KombuBroker(Broker):
             self._ops.appendleft(op)
         else:
             self._ops.append(op)
+        return self._enqueue_wake()
+
+    def _enqueue_wake(self) -> bool:
+        """Under the lock: whether the IO thread needs a wake-up byte for new work."""
         if self._wake_pending:
             return False
         self._wake_pending = True
@@ -568,7 +577,7 @@ class KombuBroker(Broker):
                     f"(connected: {self._link is not None}); refusing more"
                 )
             self._pending += 1
-            wake = self._enqueue(_Op(partial(self._publish_io, endpoint, outgoing), None, False))
+            wake = self._enqueue(_Op(partial(self._publish_io, endpoint, outgoing), None, True))
         if wake:
             self._wake()
 
@@ -733,6 +742,9 @@ class KombuBroker(Broker):
             batch = list(self._ops)
             self._ops.clear()
             self._wake_pending = False
+        if self._held and not self._blocked:
+            batch[:0] = self._held
+            self._held.clear()
         for index, op in enumerate(batch):
             if (
                 op.future is not None
@@ -740,6 +752,10 @@ class KombuBroker(Broker):
                 and not op.future.set_running_or_notify_cancel()
             ):
                 continue  # the caller gave up waiting before it started
+            if op.publish and (self._blocked or self._held):
+                # Behind any still held (an unblock mid-batch releases them next time).
+                self._held.append(op)
+                continue
             op.started = True
             try:
                 result = op.run()
@@ -748,7 +764,7 @@ class KombuBroker(Broker):
                     self._fail_op(op, error)
                     continue
                 # The connection is gone: this operation and the rest wait for the next.
-                retry = [op] if op.retry_after_reconnect else []
+                retry = [] if op.publish else [op]
                 with self._lock:
                     self._ops.extendleft(reversed(retry + batch[index + 1 :]))
                 raise
@@ -807,7 +823,11 @@ class KombuBroker(Broker):
             self._kombu_url,
             heartbeat=self._heartbeat_s,
             connect_timeout=self._connect_timeout_s,
-            transport_options={"client_properties": {"connection_name": self._connection_name}},
+            transport_options={
+                "client_properties": {"connection_name": self._connection_name},
+                "on_blocked": self._on_blocked,
+                "on_unblocked": self._on_unblocked,
+            },
         )
 
     def _connect_with_retries(self, *, initial: bool) -> None:
@@ -870,10 +890,13 @@ class KombuBroker(Broker):
             # The heartbeat tick does not run while the IO thread waits for a reply, so the
             # socket's own timeout keeps a silent server from holding an RPC for ever.
             sock.settimeout(self._timeout_s)
-            connection.connection.client_properties.get("capabilities", {})["connection.blocked"] = False
-            transport = connection.connection.transport
-            if transport._quick_recv == sock.recv:
-                transport._quick_recv = _BufferedRecv(sock)
+            # py-amqp polls the socket (drain_events(timeout=0)) before every publish when
+            # the server supports connection.blocked, to see a Blocked notification early.
+            # This thread reads the socket whenever it is readable anyway, so the poll only
+            # costs syscalls: without it a connection carries twice the messages (measured
+            # 4 000 -> 8 000 msg/s). Blocked/Unblocked still arrive, and are logged.
+            capabilities = connection.connection.client_properties.get("capabilities", {})
+            capabilities["connection.blocked"] = False
             control = connection.channel()
             self._exchange(control).declare()
             user_id = connection.userid if connection.login_method != "EXTERNAL" else None
@@ -903,6 +926,7 @@ class KombuBroker(Broker):
     def _drop_link(self, connection: Any = None) -> None:
         """Forget the current connection without talking to the server (it may be gone)."""
         link, self._link = self._link, None
+        self._release_held()
         if connection is None and link is not None:
             connection = link.connection
         if connection is not None:
@@ -1037,6 +1061,33 @@ class KombuBroker(Broker):
 
     # -- the IO thread: callbacks from py-amqp ------------------------------------------------
 
+    def _on_blocked(self, reason: str) -> None:
+        # Writing now would only fill the socket until the write timed out and the link
+        # were dropped: publishes wait in memory (up to max_pending) until unblocked.
+        log.warning(
+            "%s: RabbitMQ blocks publishing (%s); holding publishes",
+            self._connection_name,
+            reason,
+        )
+        self._blocked = True
+
+    def _on_unblocked(self) -> None:
+        log.warning(
+            "%s: RabbitMQ accepts publishes again; sending %d held",
+            self._connection_name,
+            len(self._held),
+        )
+        self._release_held()
+
+    def _release_held(self) -> None:
+        """Let held publishes go: the next ``_run_ops`` runs them first, in order."""
+        self._blocked = False
+        if self._held:
+            with self._lock:
+                wake = self._enqueue_wake()
+            if wake:
+                self._wake()
+
     def _on_message(self, endpoint: KombuEndpoint, message: Any) -> None:
         info = message.delivery_info
         # The default exchange means a direct send; anything else was a publish on a topic.
@@ -1168,22 +1219,3 @@ def _readable_now(sock: socket.socket) -> bool:
         poller.register(sock, select.POLLIN)
         return bool(poller.poll(0))
     return bool(select.select([sock], [], [], 0)[0])
-
-
-class _BufferedRecv:
-    def __init__(self, sock: socket.socket) -> None:
-        self._recv = sock.recv
-        self._view = memoryview(b"")
-
-    def __call__(self, n: int) -> bytes:
-        view = self._view
-        if not view:
-            data = self._recv(max(n, 65536))
-            if len(data) <= n:
-                return data
-            view = memoryview(data)
-        chunk, self._view = view[:n], view[n:]
-        return bytes(chunk)
-
-    def pending(self) -> bool:
-        return bool(self._view)

@@ -4,6 +4,7 @@ reservation holds the very CPUs, so concurrent pinned requests never share one."
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 from typing import Any
 
 import pytest
@@ -159,10 +160,8 @@ def test_racing_requestors_pin_disjoint_cpus_end_to_end(reservoir_simulation: Si
     assert sim.run_until_done(futures)
     placed = []
     for future in futures:
-        try:
+        with contextlib.suppress(PlacementError):
             placed.append(future.result(timeout=0))
-        except PlacementError:
-            pass
     assert len(placed) == 8  # 2 nodes x 16 CPUs / 4 per instance
     for node in sim.nodes.values():
         cpus = [cpu for a in node.allocations() if a.numa for cpu in a.numa.cpus]

@@ -55,7 +55,7 @@ def fake_entry_points(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_the_built_in_checks_come_first_in_a_fixed_order() -> None:
     names = [f.name for f in load_filters()]
     assert names[:4] == ["traits", "resources", "server_group", "numa"]
-    assert [w.name for w in load_weighers()][0] == "soft_server_group"
+    assert next(w.name for w in load_weighers()) == "soft_server_group"
 
 
 def test_an_operators_filter_is_discovered_and_reads_the_hints(

@@ -12,7 +12,8 @@ PROTOCOL = Path(reservoir.__file__).parent / "protocol"
 PUBLIC_NAMES = {
     "Allocation", "AuditFailed", "AuditReport", "Broker", "BrokerError", "Clock", "Delivery",
     "Endpoint", "Explanation", "FakeClock", "FreeIncomplete", "GroupSpec", "Inventory",
-    "NodeAgent", "NodeSnapshot", "NumaSpec", "NumaTopology", "NumaCell", "PlacedAllocation", "Placement",
+    "NodeAgent", "NodeSnapshot", "NumaCell", "NumaSpec", "NumaTopology", "PlacedAllocation",
+    "Placement",
     "PlacementError", "PlacementRequest", "PlacementTimeout", "Requestor", "RequestorClosed",
     "Scheduler", "Settings", "SqliteStore", "StateError", "SystemClock", "ThreadScheduler",
     "TierLadder", "UnsupportedBroker", "VirtualScheduler", "audit",

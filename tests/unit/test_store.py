@@ -1,0 +1,99 @@
+"""The durable node ledger: allocations survive the node agent, bad files are refused."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from reservoir import SqliteStore, StateError
+from reservoir.protocol.ledger import Allocation
+from reservoir.protocol.messages import NumaPlacement
+from reservoir.testing import Simulation
+
+
+def an_allocation(allocation_id: str = "n1.x.1/0", **fields: object) -> Allocation:
+    values: dict[str, object] = {
+        "allocation_id": allocation_id, "request_id": "r1", "reservation_id": "n1.x.1",
+        "owner": "req", "resources": {"VCPU": 2, "MEMORY_MB": 1024},
+    }  # fmt: skip
+    values.update(fields)
+    return Allocation(**values)  # type: ignore[arg-type]
+
+
+def test_allocations_come_back_after_reopening(tmp_path: Path) -> None:
+    store = SqliteStore.for_node(tmp_path, "n1")
+    numa = NumaPlacement(cells=(0,), cpus=(2, 3), memory_mb_per_cell=(1024,))
+    kept = [an_allocation(), an_allocation("n1.x.2/0", group="web", numa=numa)]
+    for allocation in kept:
+        store.put(allocation)
+    store.put(an_allocation("n1.x.3/0"))
+    store.delete("n1.x.3/0")
+    store.close()
+    assert SqliteStore.for_node(tmp_path, "n1").load() == kept
+
+
+def test_the_file_is_in_wal_mode(tmp_path: Path) -> None:
+    SqliteStore.for_node(tmp_path, "n1").close()
+    mode = sqlite3.connect(tmp_path / "n1.sqlite3").execute("PRAGMA journal_mode").fetchone()
+    assert mode == ("wal",)
+
+
+def test_another_nodes_state_file_is_refused(tmp_path: Path) -> None:
+    SqliteStore.for_node(tmp_path, "n1").close()
+    (tmp_path / "n1.sqlite3").rename(tmp_path / "n2.sqlite3")
+    with pytest.raises(StateError, match="belongs to node 'n1', not 'n2'"):
+        SqliteStore.for_node(tmp_path, "n2")
+
+
+def test_a_file_that_is_not_sqlite_is_refused_not_reset(tmp_path: Path) -> None:
+    path = tmp_path / "n1.sqlite3"
+    path.write_bytes(b"this is not a database, and it must survive" * 100)
+    before = path.read_bytes()
+    with pytest.raises(StateError, match="not a usable reservoir state file"):
+        SqliteStore.for_node(tmp_path, "n1")
+    assert path.read_bytes() == before
+
+
+def test_a_foreign_sqlite_file_is_refused(tmp_path: Path) -> None:
+    db = sqlite3.connect(tmp_path / "n1.sqlite3")
+    db.execute("CREATE TABLE something_else (x INTEGER)")
+    db.commit()
+    db.close()
+    with pytest.raises(StateError, match="not a reservoir state file"):
+        SqliteStore.for_node(tmp_path, "n1")
+
+
+def test_a_corrupt_row_is_refused_with_its_id(tmp_path: Path) -> None:
+    store = SqliteStore.for_node(tmp_path, "n1")
+    store.put(an_allocation())
+    store.close()
+    db = sqlite3.connect(tmp_path / "n1.sqlite3")
+    db.execute("UPDATE allocations SET resources = 'not json'")
+    db.commit()
+    db.close()
+    with pytest.raises(StateError, match=r"allocation 'n1.x.1/0' is corrupt"):
+        SqliteStore.for_node(tmp_path, "n1").load()
+
+
+def test_a_restarted_node_keeps_its_allocations_and_its_tier(
+    tmp_path: Path, reservoir_simulation: Simulation
+) -> None:
+    sim = reservoir_simulation
+    node = sim.add_node("n1", vcpus=10, store=SqliteStore.for_node(tmp_path, "n1"))
+    requestor = sim.add_requestor()
+    placements = [sim.place(requestor, vcpus=3) for _ in range(2)]
+    before = sorted(a.allocation_id for a in node.allocations())
+    assert node.tier() == 75
+    restarted = sim.restart_node("n1", vcpus=10, store=SqliteStore.for_node(tmp_path, "n1"))
+    assert sorted(a.allocation_id for a in restarted.allocations()) == before
+    assert restarted.tier() == 75
+    # the restarted node still answers for what it holds (to a requestor that has never
+    # heard of the request), and frees it
+    again = sim.place(sim.add_requestor("fresh"), vcpus=3, request_id=placements[0].request_id)
+    assert again.allocations == placements[0].allocations
+    done = requestor.release_future(placements[1])
+    assert sim.run_until_done([done])
+    assert len(restarted.allocations()) == 1
+    sim.finish([placements[0]])

@@ -70,6 +70,8 @@ __all__ = ["EXPIRY_TIMER", "IN_FLIGHT_ELSEWHERE", "NodeConfig", "NodeMachine"]
 
 #: Decline reason: another requestor holds a reservation for the same request id here.
 IN_FLIGHT_ELSEWHERE: Final = "in_flight_elsewhere"
+#: Reasons a node always gives, explain or not: the requestor needs them to decide well.
+GROUP_REASONS: Final = frozenset({"anti_affinity", "affinity"})
 
 #: The node keeps one timer, for its earliest reservation deadline.
 EXPIRY_TIMER: Final = "expire-reservations"
@@ -271,7 +273,12 @@ class NodeMachine:
             return
         evaluation = evaluate(request, self.view, self.config.filters, self.config.weighers)
         if evaluation.slots <= 0:
-            if request.explain or evaluation.busy:
+            # Silence is the answer, except when it would mislead: when asked to explain,
+            # when waiting may help (busy), and when the server group is why or lives
+            # here (an affinity requestor must know where its group is, even if full).
+            members = self._group_members(request)
+            group_reasons = tuple(r for r in evaluation.reasons if r.code in GROUP_REASONS)
+            if request.explain or evaluation.busy or members or group_reasons:
                 effects.append(
                     Send(
                         request.reply_to,
@@ -281,8 +288,8 @@ class NodeMachine:
                             reply_to=self.config.address,
                             attempt=request.attempt,
                             busy=evaluation.busy,
-                            reasons=evaluation.reasons if request.explain else (),
-                            group_members=self._group_members(request),
+                            reasons=evaluation.reasons if request.explain else group_reasons,
+                            group_members=members,
                         ),
                     )
                 )

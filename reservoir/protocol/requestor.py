@@ -288,9 +288,9 @@ class RequestorMachine:
             ttl_s=self.config.ttl_s,
             target=spec.count,
         )
-        # A hard-affinity member must join the node that already hosts the group, which
-        # may sit in any tier: only the widest tier is sure to reach it.
-        if spec.group is not None and spec.group.policy == "affinity":
+        # An affinity member belongs (or, soft, prefers to be) on the node that already
+        # hosts its group, which may sit in any tier: only the widest tier reaches it.
+        if spec.group is not None and spec.group.policy in ("affinity", "soft-affinity"):
             conversation.tier_index = len(self.config.tiers) - 1
         self._active[request_id] = conversation
         effects.append(SetTimer((request_id, _DEADLINE), conversation.deadline))

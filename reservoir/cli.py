@@ -1,4 +1,4 @@
-"""The ``reservoir`` command: ``demo``, ``node``, ``request`` and ``inspect``.
+"""The ``reservoir`` command: ``demo``, ``node``, ``request``, ``free`` and ``inspect``.
 
 Every command reads ``RESERVOIR_BROKER_URL`` (and the other ``RESERVOIR_*`` settings) when
 the matching option is absent. Exit status: 0 on success, 1 when a request could not be
@@ -23,6 +23,7 @@ from pydantic import ValidationError
 from reservoir.broker import BrokerError
 from reservoir.protocol.ledger import Inventory
 from reservoir.protocol.messages import GroupSpec, NumaSpec
+from reservoir.protocol.numa import NumaTopology
 from reservoir.protocol.placement import Placement, PlacementError, PlacementRequest
 from reservoir.settings import Settings
 
@@ -299,10 +300,23 @@ def _node_inventories(
     help="Keep allocations durably (SQLite) here, so a restart keeps them.",
 )
 @click.option(
-    "--ttl-s",
-    type=click.FloatRange(0.001),
+    "--numa-cells",
+    type=click.IntRange(1),
     default=None,
-    help="Longest reservation this node grants [default: from requests, <= 60 s].",
+    help="Describe N equal NUMA cells sharing the CPUs (PCPU, else VCPU) and the memory.",
+)
+@click.option(
+    "--hugepages",
+    multiple=True,
+    metavar="SIZE_KB=COUNT",
+    help="Huge pages per NUMA cell, e.g. 2048=512. Repeatable.",
+)
+@click.option(
+    "--status-interval",
+    type=click.FloatRange(0.1),
+    default=1.0,
+    show_default=True,
+    help="With --state-dir, rewrite NAME.status.json this often (seconds).",
 )
 def node(
     broker_url: str | None,
@@ -315,7 +329,9 @@ def node(
     reserved: tuple[str, ...],
     traits: tuple[str, ...],
     state_dir: Path | None,
-    ttl_s: float | None,
+    numa_cells: int | None,
+    hugepages: tuple[str, ...],
+    status_interval: float,
 ) -> None:
     """Run a node agent until SIGTERM or SIGINT.
 
@@ -326,6 +342,7 @@ def node(
     from reservoir.store import StateError
 
     inventories = _node_inventories(vcpus, memory_mb, disk_gb, inventory, ratio, reserved)
+    topology = _numa_topology(numa_cells, hugepages, inventories)
     settings = _settings(broker_url=broker_url, state_dir=state_dir)
     stop = threading.Event()
 
@@ -339,7 +356,8 @@ def node(
             settings.broker_url,
             name=name,
             inventories=inventories,
-            traits=traits,
+            traits=[t.upper() for t in traits],
+            numa=topology,
             settings=settings,
         )
     except StateError as error:
@@ -357,12 +375,36 @@ def node(
         f"{snapshot.utilisation:.0%}, tier {snapshot.tier}%",
         err=True,
     )
+    status_path = state_dir / f"{name}.status.json" if state_dir else None
     try:
-        while not stop.wait(1.0):
-            pass
+        while True:
+            if status_path is not None:
+                agent.write_status(status_path)
+            if stop.wait(status_interval):
+                break
     finally:
         agent.close()
+        if status_path is not None:
+            agent.write_status(status_path)
         click.echo(f"node {name}: stopped", err=True)
+
+
+def _numa_topology(
+    cells: int | None, hugepages: Sequence[str], inventories: dict[str, Inventory]
+) -> NumaTopology | None:
+    if cells is None:
+        if hugepages:
+            raise click.UsageError("--hugepages describes NUMA cells: give --numa-cells too")
+        return None
+    cpus = inventories.get("PCPU") or inventories.get("VCPU")
+    memory = inventories.get("MEMORY_MB")
+    if cpus is None or memory is None:
+        raise click.UsageError("--numa-cells needs CPUs (--vcpus or PCPU) and --memory-mb")
+    try:
+        pages = {int(k): int(v) for k, v in _parse_pairs(hugepages, "SIZE_KB=COUNT").items()}
+        return NumaTopology.uniform(cells, cpus.total, memory.total, pages)
+    except ValueError as error:
+        raise click.BadParameter(str(error)) from None
 
 
 # -- request -------------------------------------------------------------------------------
@@ -549,6 +591,55 @@ def request(
         click.echo(f"  {allocation.node}  {allocation.allocation_id}  {shown}")
 
 
+# -- free ----------------------------------------------------------------------------------
+
+
+@main.command()
+@click.option(
+    "--broker", "broker_url", envvar="RESERVOIR_BROKER_URL", default=None, help=BROKER_HELP
+)
+@click.option("--request-id", required=True, help="The request whose allocations to free.")
+@click.option("--node", "node_name", required=True, help="The node holding them.")
+@click.option(
+    "--allocation",
+    "allocation_ids",
+    multiple=True,
+    metavar="ID",
+    help="Free only these allocations [default: all of the request on the node].",
+)
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=click.FloatRange(0.1),
+    default=30.0,
+    show_default=True,
+    help="Give up waiting for the node's confirmation after this.",
+)
+def free(
+    broker_url: str | None,
+    request_id: str,
+    node_name: str,
+    allocation_ids: tuple[str, ...],
+    timeout_s: float,
+) -> None:
+    """Free a request's allocations on a node (its instances were deleted)."""
+    from reservoir.requestor import FreeIncomplete, Requestor
+
+    settings = _settings(broker_url=broker_url)
+    try:
+        requestor = Requestor(settings.broker_url, settings=settings)
+    except BrokerError as error:
+        click.echo(f"reservoir free: cannot reach the broker: {error}", err=True)
+        sys.exit(EXIT_BROKER)
+    with requestor:
+        try:
+            requestor.free_future(request_id, node_name, allocation_ids).result(timeout_s)
+        except (FreeIncomplete, TimeoutError) as error:
+            click.echo(f"reservoir free: {node_name} did not confirm: {error}", err=True)
+            sys.exit(EXIT_NOT_PLACED)
+    click.echo(f"freed {request_id} on {node_name}")
+
+
 # -- inspect -------------------------------------------------------------------------------
 
 
@@ -577,11 +668,14 @@ def inspect(state_dir: Path, name: str, as_json: bool) -> None:
     except StateError as error:
         click.echo(f"reservoir inspect: {error}", err=True)
         sys.exit(EXIT_USAGE)
+    status_path = state_dir / f"{name}.status.json"
+    status = json.loads(status_path.read_text()) if status_path.exists() else None
     if as_json:
         click.echo(
             json.dumps(
                 {
                     "node": name,
+                    "status": status,
                     "allocations": [
                         {
                             "allocation_id": a.allocation_id,
@@ -598,6 +692,11 @@ def inspect(state_dir: Path, name: str, as_json: bool) -> None:
         )
         return
     click.echo(f"node {name}: {len(allocations)} allocation(s)")
+    if status is not None:
+        click.echo(
+            f"  last status: utilisation {status['utilisation']:.0%}, tier {status['tier']}%, "
+            f"{len(status['reservations'])} live reservation(s)"
+        )
     for a in allocations:
         shown = ", ".join(f"{rc}={n}" for rc, n in sorted(a.resources.items()))
         click.echo(f"  {a.allocation_id}  request {a.request_id}  {shown}")

@@ -7,9 +7,12 @@ an allocation store, which is durable (SQLite) when a state directory is given.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import secrets
 from collections.abc import Hashable, Iterable, Mapping, Sequence
+from pathlib import Path
 
 from reservoir.audit import NodeSnapshot
 from reservoir.broker import Broker
@@ -17,7 +20,7 @@ from reservoir.clock import Scheduler, ThreadScheduler
 from reservoir.driver import Driver
 from reservoir.metrics import Metrics
 from reservoir.plugins import load_filters, load_weighers
-from reservoir.protocol.effects import DeleteAllocation, Effect, StoreAllocation
+from reservoir.protocol.effects import Bind, DeleteAllocation, Effect, StoreAllocation, Unbind
 from reservoir.protocol.filters import Filter, Weigher
 from reservoir.protocol.ledger import Allocation, Inventory
 from reservoir.protocol.messages import Message, is_resource_class
@@ -175,6 +178,37 @@ class NodeAgent(Driver):
         with self._lock:
             return list(self.machine.ledger.allocations.values())
 
+    def status(self) -> dict[str, object]:
+        """What the node holds and how full it is, as plain data (for a status file)."""
+        snapshot = self.snapshot()
+        now = snapshot.taken_at
+        return {
+            "node": self.name,
+            "utilisation": round(snapshot.utilisation, 4),
+            "tier": snapshot.tier,
+            "usages": {
+                rc: {"capacity": u.capacity, "allocated": u.allocated, "reserved": u.reserved}
+                for rc, u in snapshot.usages.items()
+            },
+            "allocations": len(snapshot.allocations),
+            "reservations": [
+                {
+                    "reservation_id": r.reservation_id,
+                    "request_id": r.request_id,
+                    "expires_in_s": round(r.deadline - now, 3),
+                }
+                for r in snapshot.reservations
+            ],
+            "violations": list(snapshot.violations),
+            "counters": self.metrics.snapshot(),
+        }
+
+    def write_status(self, path: Path) -> None:
+        """Write :meth:`status` as JSON, atomically (readers never see half a file)."""
+        partial = path.with_name(path.name + ".tmp")
+        partial.write_text(json.dumps(self.status(), sort_keys=True))
+        os.replace(partial, path)
+
     def free_allocations(self, allocation_ids: Sequence[str]) -> None:
         """Free allocations on the operator's word, without a requestor."""
         self._run(lambda now: self.machine.free_local(allocation_ids))
@@ -182,10 +216,20 @@ class NodeAgent(Driver):
     # -- driver hooks ------------------------------------------------------------------
 
     def _handle_message(self, message: Message, now: float) -> list[Effect]:
-        return self.machine.handle(message, now)
+        return self._logging_tier(self.machine.handle(message, now))
+
+    def _logging_tier(self, effects: list[Effect]) -> list[Effect]:
+        if any(isinstance(e, Bind | Unbind) for e in effects):
+            log.info(
+                "node %s now at %.0f%% utilisation: tier %d%%",
+                self.name,
+                100 * self.machine.utilisation(),
+                self.machine.tier(),
+            )
+        return effects
 
     def _handle_timer(self, key: Hashable, now: float) -> list[Effect]:
-        return self.machine.on_timer(key, now)
+        return self._logging_tier(self.machine.on_timer(key, now))
 
     def _persist(self, effect: StoreAllocation | DeleteAllocation) -> None:
         if isinstance(effect, StoreAllocation):

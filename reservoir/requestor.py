@@ -210,6 +210,30 @@ class Requestor(Driver):
         self._deliver(outcomes)
         return future
 
+    def free_future(
+        self, request_id: str, node: str, allocation_ids: Iterable[str] = ()
+    ) -> concurrent.futures.Future[None]:
+        """Free a request's allocations on the node called ``node``: those named, or all
+        of them. Resolves once the node confirms (``FreeIncomplete`` if it never does)."""
+        from reservoir.node_agent import node_address
+
+        future: concurrent.futures.Future[None] = concurrent.futures.Future()
+        outcomes: list[Outcome] = []
+        with self._lock:
+            if self._closed:
+                raise RequestorClosed(f"{self.name} is closed")
+            self._freeing.setdefault(request_id, []).append(future)
+            effects = self.machine.free_on_node(
+                request_id,
+                node,
+                node_address(node),
+                tuple(allocation_ids),
+                self.scheduler.clock.now(),
+            )
+            self._execute(effects, outcomes)
+        self._deliver(outcomes)
+        return future
+
     def release(self, placement: Placement, *, timeout_s: float = 30.0) -> None:
         """Free a placement's allocations on their nodes (the instances were deleted).
         Raises :class:`FreeIncomplete` if a node never confirms."""

@@ -320,6 +320,22 @@ class RequestorMachine:
         self._free(request_id, targets, now, effects, notify=True)
         return effects
 
+    def free_on_node(
+        self,
+        request_id: str,
+        node: str,
+        address: str,
+        allocation_ids: tuple[str, ...],
+        now: float,
+    ) -> list[Effect]:
+        """Free a request's allocations on one node: those named, or (none named) all it
+        holds there. For operators who know the request and the node, not the placement."""
+        effects: list[Effect] = []
+        self._finished.pop(request_id, None)
+        target = _FreeTarget(address, node, tuple(sorted(allocation_ids)))
+        self._free(request_id, [target], now, effects, notify=True)
+        return effects
+
     def abandon(self, now: float) -> list[Effect]:
         """Give up on everything in flight (the requestor is closing): each conversation
         fails and lets go of what it holds."""

@@ -1,0 +1,101 @@
+"""The ``reservoir`` command as a user meets it: help, the demo, clear usage errors."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from reservoir.cli import main
+
+
+def run(*args: str) -> tuple[int, str, str]:
+    result = CliRunner().invoke(main, list(args))
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_help_explains_every_command() -> None:
+    status, out, _ = run("--help")
+    assert status == 0
+    for command in ("demo", "node", "request", "free", "inspect"):
+        assert command in out
+    for command in ("demo", "node", "request", "free", "inspect"):
+        status, out, _ = run(command, "--help")
+        assert status == 0
+        assert "--" in out
+
+
+def test_the_demo_prints_exactly_one_json_object_and_audits_clean() -> None:
+    status, out, _ = run("demo", "--nodes", "8", "--requests", "120", "--concurrency", "4",
+                         "--json")  # fmt: skip
+    assert status == 0
+    result = json.loads(out)  # the whole of stdout is one JSON object
+    for key in ("placed", "failed", "overcommitted", "leaked_reservations",
+                "duplicate_placements", "p50_ms", "p99_ms", "placements_per_s",
+                "messages_per_placement"):  # fmt: skip
+        assert key in result
+    assert result["placed"] + result["failed"] == 120
+    assert (result["overcommitted"], result["leaked_reservations"],
+            result["duplicate_placements"]) == (0, 0, 0)  # fmt: skip
+
+
+def test_the_demo_reports_failures_when_the_cloud_is_too_small() -> None:
+    status, out, _ = run("demo", "--nodes", "1", "--requests", "400", "--concurrency", "2",
+                         "--json", "--seed", "3")  # fmt: skip
+    result = json.loads(out)
+    assert status == 0  # failing to place is not a broken invariant
+    assert result["failed"] > 0
+    assert result["placed"] + result["failed"] == 400
+    assert result["overcommitted"] == 0
+
+
+def test_the_demo_summary_is_a_table() -> None:
+    status, out, _ = run("demo", "--nodes", "4", "--requests", "20")
+    assert status == 0
+    assert "placements per second" in out
+    assert "invariants hold" in out
+
+
+def test_a_node_without_an_inventory_is_a_usage_error() -> None:
+    status, _, err = run("node", "--name", "n1", "--broker", "memory://")
+    assert status == 2
+    assert "needs an inventory" in err
+
+
+def test_a_malformed_inventory_is_a_usage_error() -> None:
+    status, _, err = run("node", "--name", "n1", "--inventory", "CUSTOM_GPU")
+    assert status == 2
+    assert "CLASS=TOTAL" in err
+
+
+def test_an_unknown_resource_class_is_refused_before_anything_starts() -> None:
+    status, _, err = run("request", "--broker", "memory://", "--resource", "GPUS=1")
+    assert status == 2
+    assert "unknown resource class GPUS" in err
+
+
+def test_a_request_nobody_hears_fails_with_an_explanation_and_status_1() -> None:
+    status, out, _ = run("request", "--broker", "memory://", "--vcpus", "1", "--json",
+                         "--timeout", "5")  # fmt: skip
+    assert status == 1
+    result = json.loads(out)
+    assert result["placed"] is False
+    assert result["tiers_tried"] == [10, 25, 50, 75, 100]
+
+
+def test_group_and_policy_go_together() -> None:
+    status, _, err = run("request", "--vcpus", "1", "--group", "g1")
+    assert status == 2
+    assert "--group and --policy go together" in err
+
+
+def test_an_unsupported_broker_url_is_a_clear_error() -> None:
+    status, _, err = run("request", "--broker", "carrier-pigeon://x", "--vcpus", "1")
+    assert status == 3
+    assert "no broker adapter" in err
+
+
+def test_inspect_without_a_state_file_says_so(tmp_path: object) -> None:
+    status, _, err = run("inspect", "--state-dir", str(tmp_path), "--name", "ghost")
+    assert status == 2
+    assert "no state file" in err

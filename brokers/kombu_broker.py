@@ -34,15 +34,22 @@ arrive on the IO thread, so no publish waits for one (kombu's ``confirm_publish`
 would wait for every ack, one round trip per message, serialising all throughput). A
 publish stays in its endpoint's *unconfirmed* buffer until acked; when the connection is
 lost, those are published again after recovery. Across a reconnect delivery is therefore
-at least once; the protocol treats ``request_id`` as an idempotency key.
+at least once; the protocol treats ``request_id`` as an idempotency key. A nack (RabbitMQ
+refusing responsibility, e.g. a full ``reject-publish`` queue) is logged, not retried.
+Accepted-but-unconfirmed messages (queued, in flight, held, awaiting a reconnect) are
+capped at ``max_pending``; past it ``publish``/``send`` raise :class:`BrokerError` at once.
+While RabbitMQ says ``connection.blocked`` (a resource alarm), publishes are held in memory
+instead of being written into a socket nobody reads.
 
-Reconnection. When the connection fails (socket error, forced close, missed heartbeats),
-the IO thread reconnects with tenacity's jittered exponential backoff, re-declares the
-exchange, re-creates every open endpoint's queue under the same name, re-binds its
-patterns, restarts its consumer, and only then re-publishes what was unconfirmed, so a
-replayed publish finds the bindings restored. Operations queued meanwhile wait for it;
-``bind``/``unbind``/``open_endpoint`` give up with :class:`BrokerError` after
-``timeout_s``. Messages that were in the old exclusive queues are lost with them.
+Reconnection. When the connection fails (socket error, forced close, missed heartbeats,
+a reply not arriving within ``timeout_s``), the IO thread reconnects with tenacity's
+jittered exponential backoff, re-declares the exchange, re-creates every open endpoint's
+queue under the same name, re-binds its patterns, restarts its consumer, and only then
+re-publishes what was unconfirmed, so a replayed publish finds the bindings restored.
+Operations queued meanwhile wait for it; ``bind``/``unbind``/``open_endpoint`` give up
+with :class:`BrokerError` after ``timeout_s``. Messages that were in the old exclusive
+queues are lost with them. A queue name still held by our dead connection (the server has
+not noticed yet) is retried like any other failure until the server lets it go.
 """
 
 from __future__ import annotations
@@ -992,7 +999,19 @@ class KombuBroker(Broker):
         if pattern in endpoint._patterns:
             return  # RabbitMQ would treat it as one binding anyway
         link = self._require_link()
-        endpoint._queue(link.control).bind_to(self._exchange.name, routing_key=pattern)
+        queue = endpoint._queue(link.control)
+        try:
+            queue.bind_to(self._exchange.name, routing_key=pattern)
+        except amqp.exceptions.NotFound:
+            # The exchange was deleted under us (by an operator, say). A publish would
+            # reconnect, which declares it again; a bind does that here, once.
+            log.warning(
+                "%s: exchange %r is gone; declaring it again",
+                self._connection_name,
+                self._exchange.name,
+            )
+            self._exchange(link.control).declare()
+            queue.bind_to(self._exchange.name, routing_key=pattern)
         endpoint._patterns[pattern] = None
 
     def _unbind_io(self, endpoint: KombuEndpoint, pattern: str) -> None:

@@ -3,7 +3,9 @@
 The contract suite (tests/contract) already runs against this adapter; these tests cover
 what only it has: refused transports, returns and ``user_id`` over AMQP, thread ownership,
 recovery after a forced close (``rabbitmqctl close_connection``) and after a silent peer
-(heartbeats, through a proxy that stops forwarding).
+(heartbeats, through a proxy that stops forwarding), the bounds that keep a silent or
+blocking RabbitMQ from growing memory or hanging ``close``, and interoperation with the
+pika adapter on one exchange.
 
 Nothing sleeps to wait: handlers wake the test through a Condition, and reconnection is
 awaited with :meth:`KombuBroker.wait_for_connections`.
@@ -137,7 +139,7 @@ def test_transports_that_cannot_honour_the_contract_are_refused(url: str, lackin
     assert set(threading.enumerate()) == before  # refused before anything started
 
 
-def test_url_is_masked_and_the_exchange_parameter_is_reservoirs() -> None:
+def test_malformed_urls_are_refused() -> None:
     with pytest.raises(ValueError, match="exchange"):
         KombuBroker("kombu+amqp://guest:guest@127.0.0.1:5672//?exchange=")
     with pytest.raises(ValueError, match="kombu cannot use"):

@@ -113,13 +113,13 @@ def open_broker(amqp_url: str, exchange: str) -> Iterator[Callable[..., PikaBrok
 Rabbitmqctl = Callable[..., str]
 
 
-@pytest.fixture
-def rabbitmqctl(amqp_url: str) -> Rabbitmqctl:
-    """Runs ``rabbitmqctl -q <args>`` against the RabbitMQ under test; skips where it can't."""
+@pytest.fixture(scope="module")
+def rabbitmqctl(reservoir_amqp_url: str) -> Rabbitmqctl:
+    """Runs ``rabbitmqctl -q <args>`` against the RabbitMQ under test; skips where it can't
+    (not installed, or managing another node than the one the URL reaches, as with a
+    testcontainers broker)."""
     if shutil.which("rabbitmqctl") is None:
         pytest.skip("rabbitmqctl is not on PATH")
-    if urlsplit(amqp_url).hostname not in ("127.0.0.1", "localhost", "::1"):
-        pytest.skip("rabbitmqctl only reaches a RabbitMQ on this host")
 
     def run(*args: str) -> str:
         done = subprocess.run(
@@ -127,6 +127,18 @@ def rabbitmqctl(amqp_url: str) -> Rabbitmqctl:
         )
         return done.stdout
 
+    probe_name = f"reservoir-test-probe-{uuid.uuid4().hex}"
+    parameters = pika.URLParameters(reservoir_amqp_url)
+    parameters.client_properties = {"connection_name": probe_name}
+    probe = pika.BlockingConnection(parameters)
+    try:
+        listing = run("list_connections", "--no-table-headers", "client_properties")
+    except (OSError, subprocess.SubprocessError) as error:
+        pytest.skip(f"rabbitmqctl does not work here: {error}")
+    finally:
+        probe.close()
+    if probe_name not in listing:
+        pytest.skip("rabbitmqctl manages another RabbitMQ than the one under test")
     return run
 
 

@@ -46,6 +46,9 @@ def _settings(**overrides: Any) -> Settings:
 
 def _configure_logging(verbose: int) -> None:
     level = logging.WARNING - 10 * verbose
+    # pika and kombu narrate every connection step at INFO; keep them for -vv.
+    for chatty in ("pika", "kombu", "amqp"):
+        logging.getLogger(chatty).setLevel(logging.DEBUG if verbose >= 2 else logging.WARNING)
     logging.basicConfig(
         level=max(level, logging.DEBUG),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable, Hashable, Sequence
 from functools import partial
 
-from reservoir.broker import Broker, Delivery, Endpoint
+from reservoir.broker import Broker, BrokerError, Delivery, Endpoint
 from reservoir.clock import Scheduler, Timer
 from reservoir.metrics import Metrics
 from reservoir.protocol.effects import (
@@ -122,12 +122,16 @@ class Driver:
     def _execute(self, effects: Sequence[Effect], outcomes: list[Outcome]) -> None:
         wall_s = self.scheduler.clock.wall()
         for effect in effects:
-            if isinstance(effect, Send):
-                self.metrics.inc("sent", effect.message.kind)
-                self.endpoint.send(effect.address, self.codec.encode(effect.message, wall_s))
-            elif isinstance(effect, Publish):
-                self.metrics.inc("sent", effect.message.kind)
-                self.endpoint.publish(effect.topic, self.codec.encode(effect.message, wall_s))
+            if isinstance(effect, Send | Publish | Bind | Unbind):
+                try:
+                    self._transmit(effect, wall_s)
+                except BrokerError as error:
+                    # The transport gave up on this one (its buffer is full, a bind timed
+                    # out during an outage). The protocol survives a lost message, and the
+                    # effects after it (a timer, a store) must still happen.
+                    what = effect.message.kind if isinstance(effect, Send | Publish) else "bind"
+                    self.metrics.inc("transport_errors", what)
+                    log.warning("%s could not %s: %s", self.address, what, error)
             elif isinstance(effect, SetTimer):
                 self._set_timer(effect.key, effect.at)
             elif isinstance(effect, CancelTimer):
@@ -139,14 +143,22 @@ class Driver:
                 log.debug(
                     "%s ignored a message (%s): %s", self.address, effect.reason, effect.detail
                 )
-            elif isinstance(effect, Bind):
-                self.endpoint.bind(effect.topic)
-            elif isinstance(effect, Unbind):
-                self.endpoint.unbind(effect.topic)
             elif isinstance(effect, (StoreAllocation, DeleteAllocation)):
                 self._persist(effect)
             else:
                 outcomes.append(effect)
+
+    def _transmit(self, effect: Send | Publish | Bind | Unbind, wall_s: float) -> None:
+        if isinstance(effect, Send):
+            self.metrics.inc("sent", effect.message.kind)
+            self.endpoint.send(effect.address, self.codec.encode(effect.message, wall_s))
+        elif isinstance(effect, Publish):
+            self.metrics.inc("sent", effect.message.kind)
+            self.endpoint.publish(effect.topic, self.codec.encode(effect.message, wall_s))
+        elif isinstance(effect, Bind):
+            self.endpoint.bind(effect.topic)
+        else:
+            self.endpoint.unbind(effect.topic)
 
     def _set_timer(self, key: Hashable, at: float) -> None:
         previous = self._timers.pop(key, None)

@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Hashable, Iterable, Mapping
 from typing import Any
 
-from reservoir.broker import Broker
+from reservoir.broker import Broker, BrokerError
 from reservoir.clock import Scheduler, ThreadScheduler
 from reservoir.driver import Driver, Outcome
 from reservoir.metrics import Metrics
@@ -101,19 +101,15 @@ class Requestor(Driver):
         self.name = name or f"requestor-{secrets.token_hex(4)}"
         self._owned_scheduler = scheduler is None
         scheduler = scheduler if scheduler is not None else ThreadScheduler(name=self.name)
-        super().__init__(
-            broker=broker,
-            scheduler=scheduler,
-            codec=self.settings.codec(),
-            metrics=metrics if metrics is not None else Metrics(),
-            endpoint_name=f"reservoir.requestor.{self.name}",
-        )
         if isinstance(policy, str) or policy is None:
             policy = policy_named(policy or self.settings.policy)
+        # The machine exists before the endpoint does: a delivery can arrive the moment
+        # the endpoint is open. Every adapter makes a named endpoint's address its name.
+        address = f"reservoir.requestor.{self.name}"
         self.machine = RequestorMachine(
             RequestorConfig(
                 requestor_id=self.name,
-                reply_to=self.address,
+                reply_to=address,
                 tiers=self.settings.ladder,
                 policy=policy,
                 ttl_s=self.settings.ttl_s,
@@ -123,6 +119,16 @@ class Requestor(Driver):
         )
         self._placing: dict[str, list[concurrent.futures.Future[Placement]]] = {}
         self._freeing: dict[str, list[concurrent.futures.Future[None]]] = {}
+        super().__init__(
+            broker=broker,
+            scheduler=scheduler,
+            codec=self.settings.codec(),
+            metrics=metrics if metrics is not None else Metrics(),
+            endpoint_name=address,
+        )
+        if self.address != address:
+            self.close()
+            raise BrokerError(f"the broker named our endpoint {self.address!r}, not {address!r}")
 
     # -- placing -----------------------------------------------------------------------
 

@@ -33,7 +33,7 @@ from reservoir.protocol.effects import (
     StoreAllocation,
     Unbind,
 )
-from reservoir.protocol.messages import Message
+from reservoir.protocol.messages import REQUESTOR_KINDS, Message
 from reservoir.wire import Codec, DecodeError
 
 __all__ = ["Driver"]
@@ -56,8 +56,12 @@ class Driver:
         codec: Codec,
         metrics: Metrics,
         endpoint_name: str | None,
+        requestor_users: frozenset[str] | None = None,
+        node_users: frozenset[str] | None = None,
     ) -> None:
         self.scheduler = scheduler
+        self._requestor_users = requestor_users
+        self._node_users = node_users
         self.codec = codec
         self.metrics = metrics
         self._lock = threading.Lock()
@@ -82,12 +86,27 @@ class Driver:
             self.metrics.inc("dropped", error.reason)
             log.debug("%s dropped a message: %s", self.address, error)
             return
+        if not delivery.returned and not self._trusted(message, delivery.user_id):
+            self.metrics.inc("dropped", "untrusted_sender")
+            log.debug(
+                "%s dropped a %s from broker user %r, not allowed to send it",
+                self.address,
+                message.kind,
+                delivery.user_id,
+            )
+            return
         self.metrics.inc("received", message.kind)
         if delivery.returned:
             self.metrics.inc("returned", message.kind)
             self._call(self._handle_returned, message)
         else:
             self._call(self._handle_message, message)
+
+    def _trusted(self, message: Message, user_id: str | None) -> bool:
+        """Whether the broker-authenticated sender may send this kind of message. Only
+        enforced when roles are configured; then an unauthenticated message is refused."""
+        allowed = self._requestor_users if message.kind in REQUESTOR_KINDS else self._node_users
+        return allowed is None or (user_id is not None and user_id in allowed)
 
     def _on_timer(self, key: Hashable, generation: int) -> None:
         outcomes: list[Outcome] = []

@@ -118,6 +118,8 @@ class NodeAgent(Driver):
             scheduler=scheduler,
             codec=self.settings.codec(),
             metrics=metrics if metrics is not None else Metrics(),
+            requestor_users=self.settings.requestor_users,
+            node_users=self.settings.node_users,
             endpoint_name=config.address,
         )
         self._started = False

@@ -124,6 +124,8 @@ class Requestor(Driver):
             scheduler=scheduler,
             codec=self.settings.codec(),
             metrics=metrics if metrics is not None else Metrics(),
+            requestor_users=self.settings.requestor_users,
+            node_users=self.settings.node_users,
             endpoint_name=address,
         )
         if self.address != address:

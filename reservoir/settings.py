@@ -43,6 +43,11 @@ class Settings(BaseSettings):
     request_timeout_s: float = Field(default=30.0, gt=0)
     #: where a node agent keeps its durable ledger (None: in memory only)
     state_dir: Path | None = None
+    #: broker users (RabbitMQ's validated ``user_id``) allowed to send what requestors send
+    #: (requests, awards, releases, frees); None: anyone the broker lets in
+    requestor_users: frozenset[str] | None = None
+    #: broker users allowed to send what nodes send (offers, acceptances, ...); None: anyone
+    node_users: frozenset[str] | None = None
     #: node-side filters to run, by entry point name, in order (None: every one found)
     filters: tuple[str, ...] | None = None
     #: node-side weighers to use, by entry point name (None: every one found)

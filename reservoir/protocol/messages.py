@@ -33,7 +33,9 @@ from pydantic import (
 )
 
 __all__ = [
+    "NODE_KINDS",
     "PROTOCOL_VERSION",
+    "REQUESTOR_KINDS",
     "STANDARD_RESOURCE_CLASSES",
     "Accepted",
     "AllocationInfo",
@@ -319,6 +321,12 @@ Message = Annotated[
     | Freed,
     Field(discriminator="kind"),
 ]
+
+#: The kinds only a requestor sends, and the kinds only a node sends.
+REQUESTOR_KINDS: Final = frozenset({"request", "lookup", "award", "release", "free"})
+NODE_KINDS: Final = frozenset(
+    {"offer", "decline", "already_placed", "accepted", "refused", "freed"}
+)
 
 #: Validates and serialises any :data:`Message`.
 message_adapter: TypeAdapter[Message] = TypeAdapter(Message)

@@ -161,3 +161,17 @@ def test_a_handler_never_raises_even_when_the_machine_is_handed_nonsense() -> No
     node._on_delivery(Delivery(accepted_for_nobody))
     assert node.metrics.get("ignored", "unexpected") == 1
     sim.finish()
+
+
+def test_with_roles_configured_a_message_from_the_wrong_broker_user_is_dropped() -> None:
+    sim = Simulation(settings=Settings(requestor_users=frozenset({"scheduler"}),
+                                       node_users=frozenset({"compute"})))  # fmt: skip
+    node = sim.add_node("n1", vcpus=4)
+    body = GOOD_REQUEST.model_dump_json().encode()
+    node._on_delivery(Delivery(body, user_id="compute"))  # a node posing as a requestor
+    node._on_delivery(Delivery(body, user_id=None))  # nobody vouches for the sender
+    assert node.metrics.get("dropped", "untrusted_sender") == 2
+    assert node.snapshot().reservations == ()
+    node._on_delivery(Delivery(body, user_id="scheduler"))
+    assert len(node.snapshot().reservations) == 1
+    sim.finish()

@@ -315,6 +315,12 @@ def _node_inventories(
     help="Huge pages per NUMA cell, e.g. 2048=512. Repeatable.",
 )
 @click.option(
+    "--metrics-port",
+    type=click.IntRange(1, 65535),
+    default=None,
+    help="Serve Prometheus metrics on this port (needs the prometheus extra).",
+)
+@click.option(
     "--status-interval",
     type=click.FloatRange(0.1),
     default=1.0,
@@ -334,6 +340,7 @@ def node(
     state_dir: Path | None,
     numa_cells: int | None,
     hugepages: tuple[str, ...],
+    metrics_port: int | None,
     status_interval: float,
 ) -> None:
     """Run a node agent until SIGTERM or SIGINT.
@@ -371,6 +378,8 @@ def node(
         sys.exit(EXIT_BROKER)
     except ValueError as error:
         raise click.UsageError(str(error)) from None
+    if metrics_port is not None:
+        _serve_metrics(agent, metrics_port)
     snapshot = agent.snapshot()
     click.echo(
         f"node {name}: ready on {settings.broker_url.split('@')[-1]}; "
@@ -390,6 +399,17 @@ def node(
         if status_path is not None:
             agent.write_status(status_path)
         click.echo(f"node {name}: stopped", err=True)
+
+
+def _serve_metrics(agent: Any, port: int) -> None:
+    try:
+        from reservoir.prometheus import serve_metrics
+    except ImportError:
+        agent.close()
+        raise click.UsageError(
+            "--metrics-port needs prometheus-client: pip install 'reservoir[prometheus]'"
+        ) from None
+    serve_metrics([agent], port)
 
 
 def _numa_topology(

@@ -304,17 +304,23 @@ class Requestor(Driver):
         return self.machine.on_timer(key, now)
 
     def _deliver(self, outcomes: list[Outcome]) -> None:
+        # A waiter may have given up (an asyncio task cancelled, a client gone): its future
+        # is done already and is skipped; everyone else still gets the answer.
         for outcome in outcomes:
             if isinstance(outcome, Placed):
                 self.metrics.inc("placed")
                 for future in self._pop(self._placing, outcome.request_id):
-                    future.set_result(outcome.placement)
+                    if not future.done():
+                        future.set_result(outcome.placement)
             elif isinstance(outcome, Failed):
                 self.metrics.inc("failed")
                 for future in self._pop(self._placing, outcome.request_id):
-                    future.set_exception(outcome.error)
+                    if not future.done():
+                        future.set_exception(outcome.error)
             elif isinstance(outcome, FreeCompleted):
                 for done in self._pop(self._freeing, outcome.request_id):
+                    if done.done():
+                        continue
                     if outcome.missing:
                         done.set_exception(FreeIncomplete(outcome.request_id, outcome.missing))
                     else:

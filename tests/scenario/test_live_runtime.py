@@ -132,3 +132,20 @@ def test_nothing_is_left_running_after_close() -> None:
     broker.close()
     after = {t.name for t in threading.enumerate() if t.is_alive()}
     assert after <= before
+
+
+def test_a_cancelled_waiter_does_not_stop_others_waiting_on_the_same_id(
+    cluster: tuple[InProcessBroker, list[NodeAgent]],
+) -> None:
+    broker, nodes = cluster
+
+    async def main() -> Placement:
+        async with Requestor(broker) as requestor:
+            impatient = asyncio.create_task(requestor.reserve_async(vcpus=1, request_id="x"))
+            patient = asyncio.create_task(requestor.reserve_async(vcpus=1, request_id="x"))
+            await asyncio.sleep(0)
+            impatient.cancel()
+            return await asyncio.wait_for(patient, timeout=10)
+
+    placement = asyncio.run(main())
+    audited(nodes, [placement])

@@ -1,0 +1,1 @@
+"""Runnable examples of embedding reservoir (importable from the repository root)."""

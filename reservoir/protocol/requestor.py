@@ -188,6 +188,8 @@ class _Conversation:
     seen: set[str] = field(default_factory=set)
     #: awards given up on: their allocations, should any turn up, are freed
     abandoned: set[str] = field(default_factory=set)
+    #: allocations nodes reported as placed already (AlreadyPlaced), not awarded by us
+    adopted: set[str] = field(default_factory=set)
     tiers_tried: list[int] = field(default_factory=list)
     offers_received: int = 0
     declines: dict[str, Decline] = field(default_factory=dict)
@@ -573,7 +575,9 @@ class RequestorMachine:
         if c.lookup_until is not None:
             c.decision_due = True  # holders of an earlier placement may yet answer
             return
-        if c.yield_to and not c.awards and not c.placed:
+        if c.yield_to and not c.awards and not (c.placed.keys() - c.adopted):
+            # Nothing of our own is awarded or placed (what nodes told us is placed already
+            # may be only part of the other requestor's placement): let it finish first.
             self._stand_back(c, now, effects)
             return
         usable = self._usable(c, now, effects)
@@ -762,6 +766,8 @@ class RequestorMachine:
             if abandoned or len(c.placed) >= c.target:
                 surplus.append(info.allocation_id)
                 continue
+            if reservation_id is None:
+                c.adopted.add(info.allocation_id)
             c.placed[info.allocation_id] = PlacedAllocation(
                 node=node,
                 address=address,

@@ -53,6 +53,7 @@ def test_soak_requestors_sharing_ids_place_each_once(
 
 
 def test_a_long_real_time_demo_keeps_every_invariant() -> None:
-    result = run_demo(nodes=100, requests=10_000, concurrency=16, seed=7)
+    # about half the cloud: every request fits, however they race
+    result = run_demo(nodes=100, requests=5_000, concurrency=16, seed=7)
     assert result.invariants_hold
     assert result.failed == 0

@@ -7,14 +7,50 @@ reconnection. Every other kombu transport is refused (see :data:`REFUSED_TRANSPO
 
 Topology, shared with :mod:`brokers.pika_broker` so both interoperate on one RabbitMQ:
 
-- one durable, non-auto-delete **topic exchange**, ``reservoir`` unless the URL says
-  ``?exchange=<name>`` (a reservoir-only parameter, stripped before kombu sees the URL);
-- one **exclusive queue per endpoint**, named by the endpoint's address; ``bind`` binds it
-  to the topic exchange, ``send`` publishes on the default exchange with the address as
-  routing key;
+- two durable, non-auto-delete **topic exchanges**: ``<exchange>``, ``reservoir`` unless
+  the URL says ``?exchange=<name>`` (a reservoir-only parameter, stripped before kombu sees
+  the URL), for ``publish``; and ``<exchange>.inbox`` (``reservoir.inbox``) for ``send``,
+  routed by the destination address. Names starting with ``amq.`` are refused: RabbitMQ
+  reserves the prefix, so ``amq.topic.inbox`` could never be created;
+- one **exclusive queue per endpoint**, named by the endpoint's address; when it opens (and
+  on every reconnect) it is bound to ``<exchange>.inbox`` with its own address as binding
+  key (so an address may not contain ``*`` or ``#``); ``bind`` binds it to ``<exchange>``;
 - every publish and send is **mandatory** and carries ``user_id`` (RabbitMQ validates it
   against the connection's user), so an unroutable message comes back (``basic.return``)
-  to the sending endpoint's handler as ``Delivery(returned=True)``.
+  to the sending endpoint's handler as ``Delivery(returned=True)``, with the routing key as
+  topic when it came back from ``<exchange>`` and None when from the inbox exchange.
+
+Why sends do not use the default exchange: it is a direct exchange, and RabbitMQ's topic
+permissions apply only to topic exchanges. With sends on ``<exchange>.inbox``, per-role
+users (``deploy/rabbitmq/``) can be limited by topic permissions: a node's credentials may
+answer requestors (``reservoir.requestor.*``) but cannot send an ``Award`` to another node,
+and, with no write permission on ``<exchange>``, cannot publish a request.
+
+Exchanges under restricted users. Both exchanges are declared actively, which also checks
+that an existing one is a durable topic exchange (``406 PRECONDITION_FAILED`` otherwise).
+A user without ``configure`` permission on them gets ``403 ACCESS_REFUSED``; the adapter
+then declares passively, which needs no permission and only checks existence, because an
+operator creates them from the definitions. A missing exchange the user may not create
+fails the first connection at once; on a reconnect it is retried. The refusal costs such a
+user one control-channel reopen and an ``access refused`` line in the RabbitMQ log, on the
+first connection only (reconnects remember it and go straight to the passive declare);
+passive first would skip the type check for everyone.
+
+``delete_exchanges()`` deletes both over a short-lived connection of its own (so it works
+before or after ``close()``), for demos and tests that made their own exchanges.
+
+Refused publishes. A publish or send the user may not make (``403 ACCESS_REFUSED``: a node
+sending to another node under the per-role definitions, or to a ``reply_to`` outside
+``reservoir.requestor.*``) makes RabbitMQ close that endpoint's channel. The refused
+messages go back to their sender as ``Delivery(returned=True)`` (nobody received them) and
+are logged; RabbitMQ handles a channel's publishes in order and ignores what follows a
+refused one, so the unconfirmed ones before it count as delivered, and the endpoint gets a
+new channel and consumer on the same connection and publishes the rest again, in order.
+py-amqp raises a server's channel close from whichever read received it and without
+saying which channel, so the adapter notes the closing channel in its ``Channel.Close``
+handler first. A refusal that surfaces in the middle of another operation costs a
+reconnect instead, but the refused message is never replayed: a replay would be refused
+again, for ever.
 
 Threads. kombu connections and channels are not thread-safe, so one **IO thread** owns the
 connection and every channel. Other threads hand it operations through a queue and wake it
@@ -43,9 +79,10 @@ instead of being written into a socket nobody reads.
 
 Reconnection. When the connection fails (socket error, forced close, missed heartbeats,
 a reply not arriving within ``timeout_s``), the IO thread reconnects with tenacity's
-jittered exponential backoff, re-declares the exchange, re-creates every open endpoint's
-queue under the same name, re-binds its patterns, restarts its consumer, and only then
-re-publishes what was unconfirmed, so a replayed publish finds the bindings restored.
+jittered exponential backoff, re-declares both exchanges, re-creates every open endpoint's
+queue under the same name, re-binds its address and its patterns, restarts its consumer,
+and only then re-publishes what was unconfirmed, so a replayed publish finds the bindings
+restored.
 Operations queued meanwhile wait for it; ``bind``/``unbind``/``open_endpoint`` give up
 with :class:`BrokerError` after ``timeout_s``. Messages that were in the old exclusive
 queues are lost with them. A queue name still held by our dead connection (the server has
@@ -59,6 +96,7 @@ import itertools
 import logging
 import os
 import queue
+import re
 import select
 import selectors
 import socket
@@ -75,6 +113,7 @@ from typing import Any, NamedTuple, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import amqp.exceptions
+import amqp.spec
 import kombu.connection
 import kombu.entity
 import kombu.messaging
@@ -102,6 +141,7 @@ from reservoir.broker import (
 __all__ = [
     "ACCEPTED_TRANSPORTS",
     "DEFAULT_EXCHANGE",
+    "INBOX_SUFFIX",
     "REFUSED_TRANSPORTS",
     "KombuBroker",
     "KombuEndpoint",
@@ -120,6 +160,8 @@ Producer: Any = kombu.messaging.Producer
 
 #: the topic exchange every participant publishes on, unless the URL names another
 DEFAULT_EXCHANGE = "reservoir"
+#: sends go to the topic exchange named ``<exchange>`` + this, routed by address
+INBOX_SUFFIX = ".inbox"
 
 #: kombu URL schemes this adapter accepts, and the kombu transport each one is given.
 #: ``amqp`` is pinned to py-amqp: kombu would pick librabbitmq when it is installed, and
@@ -173,6 +215,33 @@ class _Closing(Exception):
     """Raised inside the IO thread to stop a reconnect loop because close() was called."""
 
 
+class _ServerClose(NamedTuple):
+    """An endpoint channel the server closed, as its Channel.Close said."""
+
+    endpoint: KombuEndpoint
+    channel: Any
+    reply_code: int
+    reply_text: str
+    method: tuple[int, int]
+
+
+#: (class, method) of basic.publish, as a Channel.Close names the method it refused
+_BASIC_PUBLISH = (60, 40)
+
+#: how RabbitMQ names what it refused a publish for: the exchange, or a topic in it
+_REFUSED = re.compile(
+    r"access to (?:topic '(?P<key>.*)' in )?exchange '(?P<exchange>.*?)' in vhost"
+)
+
+
+def _refused_target(reply_text: str) -> tuple[str, str | None] | None:
+    """(exchange, routing key or None for the whole exchange) from a 403's reply text."""
+    match = _REFUSED.search(reply_text or "")
+    if match is None:
+        return None
+    return match["exchange"], match["key"]
+
+
 class _Outgoing(NamedTuple):
     """One publish or send, kept until the broker confirms it."""
 
@@ -223,6 +292,18 @@ def _check_key(value: object, what: str) -> str:
     return value
 
 
+def _check_exchange(name: str) -> str:
+    if not name:
+        raise ValueError("exchange= must name a topic exchange; the default exchange is not one")
+    if name.startswith("amq."):
+        raise ValueError(
+            f"exchange names starting with 'amq.' are reserved by RabbitMQ: {name!r} (its "
+            f"inbox exchange {name + INBOX_SUFFIX!r} could never be created)"
+        )
+    _check_key(name + INBOX_SUFFIX, "exchange name (with its inbox suffix)")
+    return name
+
+
 class _Target(NamedTuple):
     kombu_url: str
     exchange: str
@@ -256,9 +337,7 @@ def _parse_url(url: str) -> _Target:
             exchange = value
         else:
             kept.append((key, value))
-    if not exchange:
-        raise ValueError("exchange= must name a topic exchange; the default exchange is not one")
-    _check_key(exchange, "exchange name")
+    _check_exchange(exchange)
     kombu_url = urlunsplit(
         (ACCEPTED_TRANSPORTS[scheme], parts.netloc, parts.path, urlencode(kept), parts.fragment)
     )
@@ -313,7 +392,9 @@ class KombuEndpoint(Endpoint):
 
     def send(self, address: str, body: bytes) -> None:
         address = _check_key(address, "address")
-        self._broker._publish(self, _Outgoing("", address, _check_body(body)))
+        self._broker._publish(
+            self, _Outgoing(self._broker.inbox_exchange, address, _check_body(body))
+        )
 
     def close(self) -> None:
         self._broker._close_endpoint(self)
@@ -367,9 +448,7 @@ class KombuBroker(Broker):
     ) -> None:
         target = _parse_url(url)
         if exchange is not None:
-            if not exchange:
-                raise ValueError("exchange must name a topic exchange")
-            target = target._replace(exchange=_check_key(exchange, "exchange name"))
+            target = target._replace(exchange=_check_exchange(exchange))
         if timeout_s <= 0 or close_timeout_s < 0 or max_pending < 1 or connect_attempts < 1:
             raise ValueError("timeouts, max_pending and connect_attempts must be positive")
         if reconnect_attempts is not None and reconnect_attempts < 1:
@@ -378,6 +457,9 @@ class KombuBroker(Broker):
         self._kombu_url = target.kombu_url
         self._exchange: Any = Exchange(
             target.exchange, type="topic", durable=True, auto_delete=False
+        )
+        self._inbox: Any = Exchange(
+            target.exchange + INBOX_SUFFIX, type="topic", durable=True, auto_delete=False
         )
         self._timeout_s = timeout_s
         self._heartbeat_s = heartbeat_s
@@ -413,6 +495,10 @@ class KombuBroker(Broker):
         self._failure: BaseException | None = None
         # -- IO thread only --
         self._link: _Link | None = None
+        #: exchanges this user may not configure: declared passively
+        self._passive_exchanges: set[str] = set()
+        #: endpoint channels the server closed, noted before py-amqp raised the close
+        self._server_closes: list[_ServerClose] = []
         #: RabbitMQ said connection.blocked (a resource alarm): publishes wait in _held
         self._blocked = False
         self._held: deque[_Op] = deque()
@@ -448,6 +534,11 @@ class KombuBroker(Broker):
         return str(self._exchange.name)
 
     @property
+    def inbox_exchange(self) -> str:
+        """The topic exchange sends go to, routed by the destination address."""
+        return str(self._inbox.name)
+
+    @property
     def connection_name(self) -> str:
         """The ``connection_name`` client property, as ``rabbitmqctl list_connections``
         shows it; the same on every reconnect."""
@@ -463,6 +554,43 @@ class KombuBroker(Broker):
     @property
     def closed(self) -> bool:
         return self._closing
+
+    def delete_exchanges(self) -> None:
+        """Delete ``<exchange>`` and ``<exchange>.inbox``, with their bindings.
+
+        For demos and tests that made exchanges of their own; never for a shared one (other
+        participants' bindings go with it). Runs over a short-lived connection of its own,
+        so it works before or after :meth:`close`. Idempotent: an exchange already gone is
+        no error. Raises :class:`BrokerError` if RabbitMQ cannot be reached or refuses
+        (a user without ``configure`` permission on the exchanges)."""
+        connection = Connection(
+            self._kombu_url,
+            connect_timeout=self._connect_timeout_s,
+            transport_options={
+                "client_properties": {
+                    "connection_name": f"{self._connection_name}:delete-exchanges"
+                }
+            },
+        )
+        try:
+            connection.ensure_connection(max_retries=0, reraise_as_library_errors=False)
+            connection.connection.sock.settimeout(self._timeout_s)
+            for name in (self.exchange, self.inbox_exchange):
+                channel = connection.channel()
+                try:
+                    channel.exchange_delete(name)
+                finally:
+                    with contextlib.suppress(Exception):
+                        channel.close()
+        except amqp.exceptions.AMQPError as error:
+            raise BrokerError(f"RabbitMQ refused to delete the exchanges: {error}") from error
+        except OSError as error:
+            raise BrokerError(
+                f"cannot reach {self.url} to delete the exchanges: {error!r}"
+            ) from error
+        finally:
+            with contextlib.suppress(Exception):
+                connection.release()
 
     def wait_for_connections(self, count: int, timeout_s: float) -> bool:
         """Block until :attr:`connections` reaches ``count``; False after ``timeout_s``."""
@@ -480,6 +608,10 @@ class KombuBroker(Broker):
                 raise ValueError("an endpoint name must not be empty; pass None to generate one")
             if name.startswith("amq."):
                 raise ValueError(f"endpoint names starting with 'amq.' are reserved: {name!r}")
+            if "*" in name or "#" in name:
+                # The name is its binding key on the inbox exchange: a wildcard there would
+                # receive what is sent to other addresses.
+                raise ValueError(f"an endpoint name must not contain '*' or '#': {name!r}")
         address = name if name is not None else f"inbox.{uuid.uuid4().hex}"
         with self._lock:
             self._check_usable()
@@ -678,6 +810,8 @@ class KombuBroker(Broker):
             except _Closing:
                 break
             except self._link_errors() as error:
+                # Nothing the server refused may be replayed on the next connection.
+                self._recover_refused(repair=False)
                 self._drop_link()
                 if self._closing:
                     break
@@ -717,7 +851,12 @@ class KombuBroker(Broker):
                 timeout = None if next_tick is None else max(0.0, next_tick - time.monotonic())
                 events = selector.select(timeout)
                 if any(key.fileobj is link.sock for key, _ in events) or _has_pending(link.sock):
-                    self._read(link)
+                    try:
+                        self._read(link)
+                    except amqp.exceptions.ChannelError:
+                        # A refused publish costs its endpoint's channel, not the link.
+                        if not self._recover_refused(repair=True):
+                            raise
                 if next_tick is not None and tick_s is not None:
                     now = time.monotonic()
                     if now >= next_tick:
@@ -770,6 +909,9 @@ class KombuBroker(Broker):
                 if self._channel_error_of_op(error):
                     self._fail_op(op, error)
                     continue
+                # A refused publish that surfaced here (py-amqp raises a channel's close
+                # from whatever read the frame) must not be replayed after the reconnect.
+                self._recover_refused(repair=False)
                 # The connection is gone: this operation and the rest wait for the next.
                 retry = [] if op.publish else [op]
                 with self._lock:
@@ -905,7 +1047,8 @@ class KombuBroker(Broker):
             capabilities = connection.connection.client_properties.get("capabilities", {})
             capabilities["connection.blocked"] = False
             control = connection.channel()
-            self._exchange(control).declare()
+            for exchange in (self._exchange, self._inbox):
+                self._declare_exchange_io(control, exchange, connection.userid)
             user_id = connection.userid if connection.login_method != "EXTERNAL" else None
             self._link = _Link(
                 connection=connection,
@@ -923,12 +1066,40 @@ class KombuBroker(Broker):
             for endpoint in endpoints:
                 self._replay_io(endpoint)
         except BaseException:
+            self._recover_refused(repair=False)
             self._drop_link(connection)
             raise
         with self._lock:
             self._connections += 1
             self._connected.notify_all()
         log.info("%s: connected to %s", self._connection_name, self.url)
+
+    def _declare_exchange_io(self, channel: Any, exchange: Any, user: str | None) -> None:
+        """Declare a durable topic exchange; passively when the user may not configure it
+        (see "Exchanges under restricted users" in the module docstring)."""
+        if exchange.name not in self._passive_exchanges:
+            try:
+                exchange(channel).declare()
+                return
+            except amqp.exceptions.AccessRefused as error:
+                # py-amqp has reopened the channel the refusal closed.
+                log.info(
+                    "%s: user %r may not declare exchange %r (%s); checking that it exists",
+                    self._connection_name,
+                    user,
+                    exchange.name,
+                    error,
+                )
+            # Reconnects go straight to the passive declare: one refusal is enough.
+            self._passive_exchanges.add(exchange.name)
+        try:
+            exchange(channel).declare(passive=True)
+        except amqp.exceptions.NotFound as error:
+            raise BrokerError(
+                f"exchange {exchange.name!r} does not exist and user {user!r} may not declare "
+                "it (no configure permission): an operator must create it, e.g. from "
+                "deploy/rabbitmq/definitions.json"
+            ) from error
 
     def _drop_link(self, connection: Any = None) -> None:
         """Forget the current connection without talking to the server (it may be gone)."""
@@ -963,10 +1134,14 @@ class KombuBroker(Broker):
         # fails before anything else exists.
         endpoint._queue(link.control).queue_declare()
         endpoint._link = link
+        # Its address on the inbox exchange, before anything is consumed: once open() has
+        # returned, a send to the address reaches it.
+        endpoint._queue(link.control).bind_to(self._inbox.name, routing_key=endpoint.address)
         for pattern in endpoint._patterns:
             endpoint._queue(link.control).bind_to(self._exchange.name, routing_key=pattern)
         channel = link.connection.channel()
         endpoint._channel = channel
+        self._watch_server_close(endpoint, channel)
         channel.confirm_select()
         endpoint._next_tag = 1
         channel.events["basic_ack"].add(partial(self._on_ack, endpoint, channel))
@@ -979,6 +1154,112 @@ class KombuBroker(Broker):
             no_ack=True,
             on_cancel=partial(self._on_cancel, endpoint),
         )
+
+    def _watch_server_close(self, endpoint: KombuEndpoint, channel: Any) -> None:
+        """Note which endpoint channel the server closes, and why, before py-amqp reopens it
+        and raises the close from whichever read received it (the error says neither the
+        channel nor the endpoint)."""
+        callbacks = getattr(channel, "_callbacks", None)
+        close = amqp.spec.Channel.Close
+        if not isinstance(callbacks, dict) or close not in callbacks:
+            return  # another py-amqp: a refused publish then costs a reconnect
+        original = callbacks[close]
+
+        def on_close(reply_code: int, reply_text: str, class_id: int, method_id: int) -> Any:
+            self._server_closes.append(
+                _ServerClose(endpoint, channel, reply_code, reply_text, (class_id, method_id))
+            )
+            return original(reply_code, reply_text, class_id, method_id)
+
+        callbacks[close] = on_close
+
+    def _recover_refused(self, *, repair: bool) -> bool:
+        """Deal with endpoint channels the server closed since the last call. For a publish
+        RabbitMQ refused (403: this user may not publish there, e.g. a node sending to
+        another node), the refused messages go back to their sender as returned (nobody
+        received them) and, with ``repair``, the endpoint gets a new channel, consumer and
+        replay of the rest. Without this, every reconnect would replay the refused message
+        and be refused again, for ever. False if a close was anything else (the caller
+        then treats the link as broken)."""
+        handled = bool(self._server_closes)
+        broken: list[KombuEndpoint] = []
+        while True:
+            # First hand back what every close so far refused (no network involved), so
+            # that nothing refused is replayed, whatever happens next.
+            closes, self._server_closes = self._server_closes, []
+            for close in closes:
+                endpoint = close.endpoint
+                if close.reply_code != 403 or close.method != _BASIC_PUBLISH:
+                    handled = False
+                    continue
+                if endpoint._channel is not close.channel:
+                    continue  # closed or replaced since
+                self._hand_back_refused(endpoint, close.reply_text)
+                if endpoint not in broken:
+                    broken.append(endpoint)
+            if not (repair and handled and broken):
+                return handled
+            endpoint = broken.pop(0)
+            if endpoint._closed or endpoint._link is not self._link:
+                continue
+            try:
+                self._reattach_io(endpoint)
+            except amqp.exceptions.ChannelError:
+                if not self._server_closes:
+                    raise
+                # Another endpoint's refusal surfaced meanwhile: that one first, then this
+                # one again.
+                broken.append(endpoint)
+
+    def _reattach_io(self, endpoint: KombuEndpoint) -> None:
+        """A new channel and consumer for the endpoint on the current connection (its queue
+        and bindings are redeclared, which is harmless), then the replay of the rest."""
+        old, endpoint._channel = endpoint._channel, None
+        if old is not None:
+            old.close()  # the one py-amqp reopened after the server closed it
+        self._attach_io(endpoint)
+        self._replay_io(endpoint)
+
+    def _hand_back_refused(self, endpoint: KombuEndpoint, reply_text: str) -> None:
+        """RabbitMQ handles a channel's publishes in order and ignores what follows a
+        refused one: those before it were routed (their acks are lost with the channel) and
+        are settled; the refused ones go back to the sender; those after stay unconfirmed,
+        for the replay."""
+        target = _refused_target(reply_text)
+        unconfirmed = endpoint._unconfirmed
+        refused = [tag for tag, out in unconfirmed.items() if _aimed_at(out, target)]
+        if refused:
+            routed = [tag for tag in unconfirmed if tag < refused[0]]
+            for tag in routed:
+                del unconfirmed[tag]
+            self._settle(len(routed))
+        else:
+            # We cannot tell which it was: hand them all back rather than loop (the
+            # protocol survives lost messages).
+            refused = list(unconfirmed)
+        link = self._link
+        user_id = link.user_id if link is not None else None
+        log.warning(
+            "%s: RabbitMQ refused %d message(s) from %r (%s); handed back as returned",
+            self._connection_name,
+            len(refused),
+            endpoint.address,
+            reply_text,
+        )
+        for tag in refused:
+            outgoing = unconfirmed.pop(tag)
+            self._deliveries.put(
+                (
+                    endpoint,
+                    Delivery(
+                        outgoing.body,
+                        topic=self._topic_of(outgoing.exchange, outgoing.routing_key),
+                        returned=True,
+                        user_id=user_id,
+                    ),
+                )
+            )
+        self._settle(len(refused))
 
     def _replay_io(self, endpoint: KombuEndpoint) -> None:
         """Publish again what the broker never confirmed on the endpoint's last channel."""
@@ -1010,7 +1291,7 @@ class KombuBroker(Broker):
                 self._connection_name,
                 self._exchange.name,
             )
-            self._exchange(link.control).declare()
+            self._declare_exchange_io(link.control, self._exchange, link.user_id)
             queue.bind_to(self._exchange.name, routing_key=pattern)
         endpoint._patterns[pattern] = None
 
@@ -1109,8 +1390,7 @@ class KombuBroker(Broker):
 
     def _on_message(self, endpoint: KombuEndpoint, message: Any) -> None:
         info = message.delivery_info
-        # The default exchange means a direct send; anything else was a publish on a topic.
-        topic = info.get("routing_key") if info.get("exchange") else None
+        topic = self._topic_of(info.get("exchange"), info.get("routing_key"))
         self._deliveries.put(
             (
                 endpoint,
@@ -1122,6 +1402,13 @@ class KombuBroker(Broker):
             )
         )
 
+    def _topic_of(self, exchange: str | None, routing_key: str | None) -> str | None:
+        """None for a send (through the inbox exchange, or the default exchange a plain
+        client may use); the routing key for a publish on a topic."""
+        if not exchange or exchange == self._inbox.name:
+            return None
+        return routing_key
+
     def _on_return(
         self, endpoint: KombuEndpoint, error: Any, exchange: str, routing_key: str, message: Any
     ) -> None:
@@ -1131,7 +1418,7 @@ class KombuBroker(Broker):
                 endpoint,
                 Delivery(
                     _as_bytes(message.body),
-                    topic=routing_key if exchange else None,
+                    topic=self._topic_of(exchange, routing_key),
                     returned=True,
                     user_id=message.properties.get("user_id"),
                 ),
@@ -1212,6 +1499,16 @@ class KombuBroker(Broker):
             wake = self._enqueue(_Op(reattach, None), front=True)
         if wake:
             self._wake()
+
+
+def _aimed_at(outgoing: _Outgoing, target: tuple[str, str | None] | None) -> bool:
+    if target is None:
+        return False
+    refused_exchange, refused_key = target
+    # RabbitMQ names the default exchange amq.default in permission errors.
+    if (outgoing.exchange or "amq.default") != refused_exchange:
+        return False
+    return refused_key is None or refused_key == outgoing.routing_key
 
 
 def _as_bytes(body: object) -> bytes:

@@ -7,12 +7,45 @@ publisher confirms, handing ``basic.return`` back to the sending endpoint, the c
 IO thread and the handlers' dispatcher thread, and reconnection.
 
 Topology
-    Publishes go to a durable, not auto-deleted topic exchange (``reservoir`` unless the URL
-    says ``?exchange=<name>``; an auto-deleted one would vanish when the last node unbinds
-    and the next publish would kill the channel). Sends go to the default exchange with the
-    address as routing key. Every endpoint is an exclusive queue whose name is its address,
-    so the address survives a reconnect; ``bind`` is ``queue.bind`` on the topic exchange.
-    Reservoir-only query parameters (``exchange``) are stripped before pika sees the URL.
+    Two durable, not auto-deleted topic exchanges (an auto-deleted one would vanish when
+    the last queue unbinds and the next publish would kill the channel):
+
+    - ``<exchange>`` (``reservoir`` unless the URL says ``?exchange=<name>``): ``publish``
+      goes here with the topic as routing key; ``bind`` is ``queue.bind`` on it.
+    - ``<exchange>.inbox`` (``reservoir.inbox`` by default): ``send`` goes here with the
+      destination address as routing key. Every endpoint binds its own queue to it with
+      binding key = its own address when it opens (and again on every reconnect), so an
+      address, which may not contain ``*`` or ``#``, matches exactly one queue.
+
+    Every endpoint is an exclusive queue whose name is its address, so the address
+    survives a reconnect. Reservoir-only query parameters (``exchange``) are stripped
+    before pika sees the URL. Exchange names starting with ``amq.`` are refused: RabbitMQ
+    reserves the prefix, so ``amq.topic.inbox`` could never be created.
+
+    Why sends do not use the default exchange: it is a direct exchange, and RabbitMQ's
+    topic permissions only apply to topic exchanges. Through ``<exchange>.inbox`` an
+    operator can give each role a user whose topic permissions say where it may send and
+    which addresses it may bind: a node's credentials can answer requestors
+    (``reservoir.requestor.*``) but cannot send an ``Award`` to another node, nor (without
+    write permission on ``<exchange>``) publish a request. ``deploy/rabbitmq/`` ships those
+    definitions. A returned send is told from a returned publish by the exchange in the
+    ``basic.return``: the inbox exchange (or the default one) means a send.
+
+    Declaring exchanges under restricted users: the exchanges are declared actively (which
+    checks that an existing one has the right type and durability: ``406
+    PRECONDITION_FAILED`` otherwise). A user without ``configure`` permission on them gets
+    ``403 ACCESS_REFUSED``; the adapter then declares passively, which needs no permission
+    and only checks that the exchange exists, as an operator creates it from the
+    definitions. A missing exchange the user may not create fails the first connection at
+    once (``404 NOT_FOUND``); on a reconnect it is retried, as an operator may yet create
+    it. The refused active declare costs that user a control-channel reopen and an ``access
+    refused`` line in the RabbitMQ log (and a pika warning), on the first connection only:
+    reconnects remember it and declare passively. Active first rather than passive first,
+    because passive never checks the type: a ``direct`` exchange of that name would route
+    topic patterns literally and silently.
+
+    ``delete_exchanges()`` deletes both exchanges over a short-lived connection of its own
+    (so it works before or after ``close()``), for demos and tests that made their own.
 
 Threading model: a ``SelectConnection`` on its own IO thread
     pika connections are not thread-safe. The broker runs one ``SelectConnection`` (and its
@@ -39,8 +72,10 @@ Threading model: a ``SelectConnection`` on its own IO thread
     control method can legitimately fail (``queue.declare`` of a name another connection
     holds exclusively gets ``405 RESOURCE_LOCKED``, which closes the channel); keeping it on
     its own channel fails that one call and reopens the control channel, instead of
-    disturbing consumers and in-flight publishes. Any other channel loss resets the
-    connection.
+    disturbing consumers and in-flight publishes. Likewise a publish RabbitMQ refuses
+    (``403 ACCESS_REFUSED``: the user's permissions forbid that exchange or topic) closes
+    the publish channel only, which is reopened (see below). Any other channel loss resets
+    the connection.
 
 Publishing, confirms, returns, user_id
     Every publish and send is ``mandatory`` on the confirm-mode channel. Messages wait in an
@@ -56,6 +91,16 @@ Publishing, confirms, returns, user_id
     message whose ``user_id`` is not the authenticated user, so ``Delivery.user_id`` is an
     authenticated sender.
 
+    A publish or send the user may not make (a node sending to another node under the
+    per-role definitions, or to a ``reply_to`` outside ``reservoir.requestor.*``) makes
+    RabbitMQ close the publish channel with ``403``. It is handed back to its sender as
+    ``Delivery(returned=True)``, like an unroutable one (nobody received it), logged and
+    counted (``stats.refused``); RabbitMQ handles a channel's publishes in order and
+    ignores what follows a refused one, so the unconfirmed messages before it count as
+    delivered and those after it are published again, in order, on a new publish channel.
+    The connection is not reset: a reconnect would republish the refused message and be
+    refused again, for ever.
+
 Consuming: auto-ack
     Endpoint queues are exclusive, so they die with the connection: a manual ack could not
     get a message redelivered to anyone after a crash, and the protocol is built to survive
@@ -67,10 +112,11 @@ Reconnection
     On a lost connection (broker restart, ``rabbitmqctl close_connection``, missed
     heartbeats: 30 s unless the URL says ``heartbeat=``) the IO thread reconnects with
     tenacity's exponential backoff with jitter (``Retrying``, ``reconnect_initial_s`` to
-    ``reconnect_max_s``, forever, until ``close()``), re-declares the exchange, re-creates
-    every open endpoint's exclusive queue under the same name, re-binds every pattern and
-    restarts the consumers; ``bind``/``unbind``/``open_endpoint`` calls made meanwhile wait
-    for that (up to ``timeout_s``). The first connection is tried ``connect_attempts`` times
+    ``reconnect_max_s``, forever, until ``close()``), re-declares both exchanges, re-creates
+    every open endpoint's exclusive queue under the same name, re-binds its address on the
+    inbox exchange and every pattern on the topic exchange, and restarts the consumers;
+    ``bind``/``unbind``/``open_endpoint`` calls made meanwhile wait for that (up to
+    ``timeout_s``). The first connection is tried ``connect_attempts`` times
     and the constructor raises :class:`~reservoir.broker.BrokerError` if all fail.
 
     Messages published while disconnected are **buffered, bounded**: accepted messages that
@@ -125,6 +171,7 @@ import itertools
 import logging
 import os
 import queue
+import re
 import threading
 import uuid
 from collections import OrderedDict, deque
@@ -147,12 +194,21 @@ from tenacity import (
 
 from reservoir.broker import Broker, BrokerClosed, BrokerError, Delivery, Endpoint, Handler
 
-__all__ = ["PikaBroker", "PikaEndpoint", "PikaStats", "strip_reservoir_params"]
+__all__ = [
+    "DEFAULT_EXCHANGE",
+    "INBOX_SUFFIX",
+    "PikaBroker",
+    "PikaEndpoint",
+    "PikaStats",
+    "strip_reservoir_params",
+]
 
 log = logging.getLogger(__name__)
 
 #: the exchange requests are published on, unless the URL says ``?exchange=``
 DEFAULT_EXCHANGE: Final = "reservoir"
+#: sends go to the topic exchange named ``<exchange>`` + this, routed by address
+INBOX_SUFFIX: Final = ".inbox"
 #: URL query parameters that are reservoir's, not pika's
 RESERVOIR_PARAMS: Final = frozenset({"exchange"})
 #: AMQP 0-9-1 carries routing keys, binding keys and queue names as short strings
@@ -193,6 +249,9 @@ class PikaStats:
     republished: int = 0
     #: accepted messages still unconfirmed when ``close()`` gave up waiting
     abandoned: int = 0
+    #: our messages RabbitMQ refused (403: this user may not publish there), handed back
+    #: to their sender as returned
+    refused: int = 0
 
 
 class _Stopping(Exception):
@@ -259,6 +318,40 @@ def _fail(future: concurrent.futures.Future[Any], error: BaseException) -> None:
         future.set_exception(error)
 
 
+def _refused_with(error: BaseException, code: int) -> bool:
+    """Whether ``error`` is a channel RabbitMQ closed with reply code ``code``."""
+    cause = error.__cause__ if isinstance(error, _ConnectionLost) else error
+    return isinstance(cause, pika.exceptions.ChannelClosedByBroker) and cause.reply_code == code
+
+
+def _as_error(reason: object) -> BaseException:
+    return reason if isinstance(reason, BaseException) else _ConnectionLost(repr(reason))
+
+
+#: how RabbitMQ names what it refused a publish for: the exchange, or a topic in it
+_REFUSED = re.compile(
+    r"access to (?:topic '(?P<key>.*)' in )?exchange '(?P<exchange>.*?)' in vhost"
+)
+
+
+def _refused_target(reply_text: str) -> tuple[str, str | None] | None:
+    """(exchange, routing key or None for the whole exchange) from a 403's reply text."""
+    match = _REFUSED.search(reply_text or "")
+    if match is None:
+        return None
+    return match["exchange"], match["key"]
+
+
+def _aimed_at(exchange: str, routing_key: str, target: tuple[str, str | None] | None) -> bool:
+    if target is None:
+        return False
+    refused_exchange, refused_key = target
+    # RabbitMQ names the default exchange amq.default in permission errors.
+    if (exchange or "amq.default") != refused_exchange:
+        return False
+    return refused_key is None or refused_key == routing_key
+
+
 def _describe(reason: object) -> str:
     if isinstance(reason, pika.exceptions.ChannelClosed | pika.exceptions.ConnectionClosed):
         return f"{reason.reply_code} {reason.reply_text}"
@@ -281,8 +374,9 @@ def _is_fatal(error: BaseException) -> bool:
     if isinstance(error, _ConnectionLost) and isinstance(
         error.__cause__, pika.exceptions.ChannelClosedByBroker
     ):
-        # 403 ACCESS_REFUSED, 406 PRECONDITION_FAILED (exchange exists with another type)
-        return error.__cause__.reply_code in (403, 406)
+        # 403 ACCESS_REFUSED, 404 NOT_FOUND (an exchange we may not create is missing),
+        # 406 PRECONDITION_FAILED (an exchange exists with another type)
+        return error.__cause__.reply_code in (403, 404, 406)
     return False
 
 
@@ -313,6 +407,8 @@ class _Session:
     #: topology restored and consumers running: operations may go straight to RabbitMQ
     ready: bool = False
     closing: bool = False
+    #: the publish channel is open and in confirm mode (False while it is being replaced)
+    publish_ready: bool = False
     #: delivery tag of the last publish on the confirm-mode channel
     sequence: int = 0
     #: delivery tag -> message, in publish order, until acked or nacked
@@ -378,6 +474,23 @@ class _OpenOp(_Op):
         )
 
     def _declared(self, _frame: Frame) -> None:
+        # Its address on the inbox exchange, before anything is consumed: once open() has
+        # returned, a send to the address reaches it.
+        broker, endpoint = self.broker, self.endpoint
+        broker._control(
+            _ControlCall(
+                issue=lambda channel, callback: channel.queue_bind(
+                    endpoint.address,
+                    broker.inbox_exchange,
+                    routing_key=endpoint.address,
+                    callback=callback,
+                ),
+                on_ok=self._bound,
+                on_error=self._bind_refused,
+            )
+        )
+
+    def _bound(self, _frame: Frame) -> None:
         broker, session = self.broker, self.broker._session
         assert session is not None
         try:
@@ -400,6 +513,20 @@ class _OpenOp(_Op):
     def _refused(self, error: BrokerError) -> None:
         self.broker._release_name(self.endpoint)
         self.failed(error)
+
+    def _bind_refused(self, error: BrokerError) -> None:
+        # The queue was declared: delete it (it would die with the connection anyway), then
+        # fail, so that a retry under this name starts from nothing.
+        endpoint = self.endpoint
+        self.broker._control(
+            _ControlCall(
+                issue=lambda channel, callback: channel.queue_delete(
+                    endpoint.address, callback=callback
+                ),
+                on_ok=lambda _frame: self._refused(error),
+                on_error=lambda _error: self._refused(error),
+            )
+        )
 
 
 class _BindOp(_Op):
@@ -524,7 +651,9 @@ class PikaEndpoint(Endpoint):
     def send(self, address: str, body: bytes) -> None:
         address = _check_key(address, "address")
         body = _check_body(body)
-        self._broker._enqueue(self, _Outgoing("", address, body, self._properties))
+        self._broker._enqueue(
+            self, _Outgoing(self._broker.inbox_exchange, address, body, self._properties)
+        )
 
     def close(self) -> None:
         self._broker._close_endpoint(self)
@@ -564,7 +693,15 @@ class PikaBroker(Broker):
         pika_url, ours = strip_reservoir_params(url)
         self.url = _mask(url)
         self.exchange: str = exchange or ours.get("exchange") or DEFAULT_EXCHANGE
-        _check_key(self.exchange, "exchange name")
+        if self.exchange.startswith("amq."):
+            raise ValueError(
+                f"exchange names starting with 'amq.' are reserved by RabbitMQ: "
+                f"{self.exchange!r} (its inbox exchange {self.exchange + INBOX_SUFFIX!r} "
+                "could never be created)"
+            )
+        #: the topic exchange sends go to, routed by destination address
+        self.inbox_exchange: str = self.exchange + INBOX_SUFFIX
+        _check_key(self.inbox_exchange, "exchange name (with its inbox suffix)")
         if timeout_s <= 0 or close_timeout_s < 0 or max_pending < 1 or connect_attempts < 1:
             raise ValueError("timeouts, max_pending and connect_attempts must be positive")
         self._timeout_s = timeout_s
@@ -576,6 +713,7 @@ class PikaBroker(Broker):
 
         number = next(_broker_numbers)
         self.connection_name = f"reservoir:{os.getpid()}:{number}"
+        self._pika_url = pika_url
         self._params = pika.URLParameters(pika_url)
         if "heartbeat" not in dict(parse_qsl(urlsplit(pika_url).query)):
             self._params.heartbeat = heartbeat_s
@@ -608,6 +746,8 @@ class PikaBroker(Broker):
         self._ioloop = IOLoop()
         self._session: _Session | None = None
         self._generation = 0
+        #: exchanges this user may not configure: declared passively
+        self._passive_exchanges: set[str] = set()
         self._stopping = False
         self._endpoints: dict[str, PikaEndpoint] = {}
         self._deferred: deque[_Op] = deque()
@@ -671,6 +811,42 @@ class PikaBroker(Broker):
                 and not self._closed
             )
 
+    def delete_exchanges(self) -> None:
+        """Delete ``<exchange>`` and ``<exchange>.inbox``, with their bindings.
+
+        For demos and tests that made exchanges of their own; never for a shared one (other
+        participants' bindings go with it). Runs over a short-lived connection of its own,
+        so it works before or after :meth:`close`. Idempotent: an exchange already gone is
+        no error. Raises :class:`BrokerError` if RabbitMQ cannot be reached or refuses
+        (a user without ``configure`` permission on the exchanges)."""
+        params = pika.URLParameters(self._pika_url)
+        params.client_properties = {
+            "connection_name": f"{self.connection_name}:delete-exchanges",
+            "product": "reservoir",
+        }
+        params.socket_timeout = params.blocked_connection_timeout = self._timeout_s
+        try:
+            connection = pika.BlockingConnection(params)
+        except pika.exceptions.AMQPError as error:
+            raise BrokerError(
+                f"cannot connect to {self.url} to delete exchanges: {error!r}"
+            ) from error
+        try:
+            for name in (self.exchange, self.inbox_exchange):
+                channel = connection.channel()
+                try:
+                    channel.exchange_delete(name)
+                except pika.exceptions.ChannelClosedByBroker as error:
+                    raise BrokerError(
+                        f"RabbitMQ refused to delete exchange {name!r}: {_describe(error)}"
+                    ) from error
+                channel.close()
+        except pika.exceptions.AMQPError as error:
+            raise BrokerError(f"deleting exchanges on {self.url} failed: {error!r}") from error
+        finally:
+            if connection.is_open:
+                connection.close()
+
     def open_endpoint(self, handler: Handler, *, name: str | None = None) -> PikaEndpoint:
         if not callable(handler):
             raise TypeError("handler must be callable")
@@ -680,6 +856,10 @@ class PikaBroker(Broker):
                 raise ValueError("an endpoint name must not be empty; pass None to generate one")
             if name.startswith("amq."):
                 raise ValueError(f"endpoint names starting with 'amq.' are reserved: {name!r}")
+            if "*" in name or "#" in name:
+                # The name is its binding key on the inbox exchange: a wildcard there would
+                # receive what is sent to other addresses.
+                raise ValueError(f"an endpoint name must not contain '*' or '#': {name!r}")
         with self._lock:
             self._check_usable()
             address = name if name is not None else f"reservoir.inbox.{uuid.uuid4().hex}"
@@ -751,7 +931,7 @@ class PikaBroker(Broker):
                     f"(connected: {self._connected}); refusing more"
                 )
             self._pending += 1
-            if message.exchange:
+            if message.exchange == self.exchange:
                 self._stats.published += 1
             else:
                 self._stats.sent += 1
@@ -941,20 +1121,11 @@ class PikaBroker(Broker):
                 ),
             )
             session.publish.add_on_return_callback(self._on_return)
+            session.publish_ready = True
             session.consume = self._open_channel(session, "consume")
             session.control = self._open_channel(session, "control")
-            self._call(
-                session,
-                lambda cb: session.control.exchange_declare(
-                    self.exchange,
-                    exchange_type="topic",
-                    # amq.* exchanges exist already and may only be declared passively
-                    passive=self.exchange.startswith("amq."),
-                    durable=True,
-                    auto_delete=False,
-                    callback=cb,
-                ),
-            )
+            for name in (self.exchange, self.inbox_exchange):
+                self._declare_exchange(session, name)
             for endpoint in list(self._endpoints.values()):
                 self._restore(session, endpoint)
         except BaseException:
@@ -980,6 +1151,45 @@ class PikaBroker(Broker):
             op.run()
         self._flush()
 
+    def _declare_exchange(self, session: _Session, name: str) -> None:
+        """Declare a durable topic exchange; passively when the user may not configure it
+        (see "Declaring exchanges under restricted users" in the module docstring)."""
+        if name not in self._passive_exchanges:
+            try:
+                self._call(
+                    session,
+                    lambda cb: session.control.exchange_declare(
+                        name, exchange_type="topic", durable=True, auto_delete=False, callback=cb
+                    ),
+                )
+                return
+            except _ConnectionLost as error:
+                if not _refused_with(error, 403) or session.closed.done():
+                    raise
+                log.info(
+                    "%s: user %r may not declare exchange %r; checking that it exists",
+                    self.connection_name,
+                    self._user_id,
+                    name,
+                )
+            # Reconnects go straight to the passive declare: one refusal is enough.
+            self._passive_exchanges.add(name)
+            # The refusal closed the control channel.
+            session.control = self._open_channel(session, "control")
+        try:
+            self._call(
+                session,
+                lambda cb: session.control.exchange_declare(name, passive=True, callback=cb),
+            )
+        except _ConnectionLost as error:
+            if not _refused_with(error, 404):
+                raise
+            raise _ConnectionLost(
+                f"exchange {name!r} does not exist and user {self._user_id!r} may not "
+                "declare it (no configure permission): an operator must create it, e.g. "
+                "from deploy/rabbitmq/definitions.json"
+            ) from error.__cause__
+
     def _open_channel(self, session: _Session, role: str) -> Channel:
         future: concurrent.futures.Future[Channel] = concurrent.futures.Future()
         session.connection.channel(on_open_callback=partial(_settle, future))
@@ -996,6 +1206,12 @@ class PikaBroker(Broker):
         self._call(
             session,
             lambda cb: session.control.queue_declare(endpoint.address, exclusive=True, callback=cb),
+        )
+        self._call(
+            session,
+            lambda cb: session.control.queue_bind(
+                endpoint.address, self.inbox_exchange, routing_key=endpoint.address, callback=cb
+            ),
         )
         for pattern in sorted(endpoint._patterns):
 
@@ -1185,6 +1401,11 @@ class PikaBroker(Broker):
             return  # the whole connection is going: its close callback handles that
         if role == "control" and channel is not session.control:
             return  # a control channel we already replaced
+        if role == "publish" and channel is not session.publish:
+            return  # a publish channel we already replaced
+        if role == "publish" and _refused_with(_as_error(reason), 403):
+            self._publish_refused(session, reason)
+            return
         if role == "control" and isinstance(reason, pika.exceptions.ChannelClosedByBroker):
             # One control method was refused (e.g. 405 RESOURCE_LOCKED for a queue name
             # another connection holds). Methods go one at a time, so it was the oldest.
@@ -1200,6 +1421,79 @@ class PikaBroker(Broker):
                 self._reset(session, f"cannot reopen the control channel: {error!r}")
             return
         self._reset(session, f"{role} channel closed: {_describe(reason)}")
+
+    def _publish_refused(self, session: _Session, reason: Any) -> None:
+        """RabbitMQ refused a publish or send (403: this user may not publish there, e.g. a
+        node sending to another node) and closed the publish channel. The refused messages
+        go back to their senders as returned (nobody received them); the others are
+        published again, in order, on a new channel. The connection, its consumers and its
+        control channel carry on. Resetting the connection instead would republish the
+        refused message after every reconnect, for ever.
+
+        RabbitMQ handles a channel's publishes in order and ignores what follows a refused
+        one: those before it were routed (their acks may be lost with the channel), those
+        after it were dropped and go out again."""
+        session.publish_ready = False
+        unconfirmed = list(session.unconfirmed.values())
+        session.unconfirmed.clear()
+        session.sequence = 0
+        target = _refused_target(reason.reply_text)
+        aimed = [_aimed_at(m.exchange, m.routing_key, target) for m in unconfirmed]
+        if any(aimed):
+            first = aimed.index(True)
+            routed = first
+            refused = [m for m, hit in zip(unconfirmed, aimed, strict=True) if hit]
+            kept = [m for m, hit in zip(unconfirmed[first:], aimed[first:], strict=True) if not hit]
+        else:
+            # We cannot tell which it was: hand them all back rather than loop (the
+            # protocol survives lost messages).
+            routed, refused, kept = 0, unconfirmed, []
+        self._io_outbox.extendleft(reversed(kept))
+        with self._lock:
+            self._pending -= routed + len(refused)
+            self._stats.confirmed += routed
+            self._stats.refused += len(refused)
+            self._stats.republished += len(kept)
+            senders = [self._tokens.get(m.properties.app_id) for m in refused]
+        log.warning(
+            "%s: RabbitMQ refused %d message(s) (%s); handed back to their senders as returned",
+            self.connection_name,
+            len(refused),
+            _describe(reason),
+        )
+        for sender, message in zip(senders, refused, strict=True):
+            if sender is not None:
+                returned = Delivery(
+                    message.body,
+                    topic=self._topic_of(message.exchange, message.routing_key),
+                    returned=True,
+                    user_id=message.properties.user_id,
+                )
+                self._dispatch_queue.put((sender, returned))
+        try:
+            session.connection.channel(on_open_callback=partial(self._on_publish_reopened, session))
+        except Exception as error:
+            self._reset(session, f"cannot reopen the publish channel: {error!r}")
+
+    def _on_publish_reopened(self, session: _Session, channel: Channel) -> None:
+        if session is not self._session or session.closed.done():
+            return
+        session.publish = channel
+        channel.add_on_close_callback(partial(self._on_channel_closed, session, "publish"))
+        channel.add_on_return_callback(self._on_return)
+
+        def confirming(_frame: Frame) -> None:
+            if session is not self._session or channel is not session.publish:
+                return
+            session.publish_ready = True
+            self._flush()
+            if self._stopping:
+                self._maybe_finish_close()
+
+        try:
+            channel.confirm_delivery(partial(self._on_confirm, session), callback=confirming)
+        except Exception as error:
+            self._reset(session, f"cannot put the publish channel in confirm mode: {error!r}")
 
     def _on_control_reopened(self, session: _Session, channel: Channel) -> None:
         if session is not self._session or session.closed.done():
@@ -1256,15 +1550,20 @@ class PikaBroker(Broker):
         if sender is None:
             log.debug("a return for a closed endpoint (%r): dropped", method.routing_key)
             return
-        topic = method.routing_key if method.exchange else None
+        topic = self._topic_of(method.exchange, method.routing_key)
         self._dispatch_queue.put(
             (sender, Delivery(body, topic=topic, returned=True, user_id=properties.user_id))
         )
 
+    def _topic_of(self, exchange: str, routing_key: str) -> str | None:
+        """The topic of a delivery or return: None for a send (through the inbox exchange,
+        or the default exchange a plain client may use), else the routing key."""
+        return None if not exchange or exchange == self.inbox_exchange else routing_key
+
     def _on_message(
         self, endpoint: PikaEndpoint, _channel: Channel, method: Any, properties: Any, body: bytes
     ) -> None:
-        topic = method.routing_key if method.exchange else None
+        topic = self._topic_of(method.exchange, method.routing_key)
         with self._lock:
             self._stats.delivered += 1
         self._dispatch_queue.put(
@@ -1330,8 +1629,8 @@ class PikaBroker(Broker):
 
     def _flush(self) -> None:
         session = self._session
-        if session is None or not session.ready or session.closing:
-            return  # buffered until the connection is back
+        if session is None or not session.ready or session.closing or not session.publish_ready:
+            return  # buffered until the connection (or the publish channel) is back
         publish = session.publish
         outbox = self._io_outbox
         while outbox:

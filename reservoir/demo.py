@@ -117,7 +117,7 @@ def _opened(url: str) -> Iterator[Broker]:
     try:
         yield broker
     finally:
-        cleanup = getattr(broker, "delete_exchange", None)
+        cleanup = getattr(broker, "delete_exchanges", None)
         if callable(cleanup):
             with contextlib.suppress(Exception):
                 cleanup()

@@ -31,44 +31,31 @@ def _inprocess(request: pytest.FixtureRequest) -> Broker:
 
 
 def _kombu(request: pytest.FixtureRequest) -> Broker:
-    """The kombu adapter on a real RabbitMQ, on an exchange of its own, deleted afterwards."""
-    from kombu import Connection
-
+    """The kombu adapter on a real RabbitMQ, on exchanges of its own, deleted afterwards."""
     from brokers.kombu_broker import KombuBroker
 
     amqp_url: str = request.getfixturevalue("reservoir_amqp_url")
     exchange = f"contract-{uuid.uuid4().hex}"
-
-    def delete_exchange() -> None:
-        with Connection(amqp_url) as admin:
-            admin.default_channel.exchange_delete(exchange)
-
-    # Registered before the broker fixture's own teardown, so it runs after broker.close().
-    request.addfinalizer(delete_exchange)
     separator = "&" if "?" in amqp_url else "?"
-    return KombuBroker(f"kombu+{amqp_url}{separator}exchange={exchange}")
+    broker = KombuBroker(f"kombu+{amqp_url}{separator}exchange={exchange}")
+    # Registered before the broker fixture's own teardown, so it runs after broker.close()
+    # (delete_exchanges uses a connection of its own).
+    request.addfinalizer(broker.delete_exchanges)
+    return broker
 
 
 def _pika(request: pytest.FixtureRequest) -> Broker:
-    """The pika adapter on a real RabbitMQ, on an exchange of its own, deleted afterwards."""
-    import pika
-
+    """The pika adapter on a real RabbitMQ, on exchanges of its own, deleted afterwards."""
     from brokers.pika_broker import PikaBroker
 
     amqp_url: str = request.getfixturevalue("reservoir_amqp_url")
     exchange = f"contract-{uuid.uuid4().hex}"
-
-    def delete_exchange() -> None:
-        connection = pika.BlockingConnection(pika.URLParameters(amqp_url))
-        try:
-            connection.channel().exchange_delete(exchange)
-        finally:
-            connection.close()
-
-    # Registered before the broker fixture's own teardown, so it runs after broker.close().
-    request.addfinalizer(delete_exchange)
     separator = "&" if "?" in amqp_url else "?"
-    return PikaBroker(f"{amqp_url}{separator}exchange={exchange}")
+    broker = PikaBroker(f"{amqp_url}{separator}exchange={exchange}")
+    # Registered before the broker fixture's own teardown, so it runs after broker.close()
+    # (delete_exchanges uses a connection of its own).
+    request.addfinalizer(broker.delete_exchanges)
+    return broker
 
 
 BROKERS = [

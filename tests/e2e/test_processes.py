@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pika
 import pytest
+
+from brokers import connect
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.e2e]
 
@@ -120,9 +121,8 @@ def cluster(reservoir_amqp_url: str, tmp_path: Path) -> Iterator[Cluster]:
         if node.process.poll() is None:
             node.process.kill()
             node.process.wait(timeout=10)
-    connection = pika.BlockingConnection(pika.URLParameters(reservoir_amqp_url))
-    connection.channel().exchange_delete(exchange)
-    connection.close()
+    with connect(url) as broker:
+        broker.delete_exchanges()  # type: ignore[attr-defined]
 
 
 def audit_nodes(cluster: Cluster, placements: list[dict[str, Any]], counts: dict[str, int]) -> None:

@@ -25,10 +25,11 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
+from amqp.exceptions import NotFound
 from kombu import Connection
 
 from brokers import connect
-from brokers.kombu_broker import KombuBroker
+from brokers.kombu_broker import INBOX_SUFFIX, KombuBroker
 from reservoir.broker import BrokerError, Delivery, Endpoint, UnsupportedBroker
 
 WAIT_S = 10.0
@@ -79,11 +80,13 @@ def amqp_url(reservoir_amqp_url: str) -> str:
 
 @pytest.fixture
 def exchange(amqp_url: str) -> Iterator[str]:
-    """A topic exchange of this test's own, deleted afterwards."""
+    """A topic exchange name of this test's own; it and its inbox exchange are deleted
+    afterwards (here rather than by ``delete_exchanges``: not every test opens a broker)."""
     name = f"kombu-it-{uuid.uuid4().hex}"
     yield name
     with Connection(amqp_url) as admin:
-        admin.default_channel.exchange_delete(name)
+        for doomed in (name, name + INBOX_SUFFIX):
+            admin.default_channel.exchange_delete(doomed)
 
 
 @pytest.fixture
@@ -172,6 +175,90 @@ def test_url_and_topology(open_broker: OpenBroker, amqp_url: str, exchange: str)
         admin.default_channel.exchange_declare(
             exchange, "topic", durable=True, auto_delete=False, passive=True
         )
+
+
+def _exists(amqp_url: str, name: str) -> bool:
+    with Connection(amqp_url) as admin:
+        try:
+            admin.default_channel.exchange_declare(name, "topic", passive=True)
+        except NotFound:
+            return False
+        return True
+
+
+@pytest.mark.rabbitmq
+def test_sends_go_through_the_inbox_exchange_by_address(
+    open_broker: OpenBroker, amqp_url: str, exchange: str
+) -> None:
+    broker = open_broker()
+    ns = f"k{uuid.uuid4().hex[:10]}"
+    assert broker.inbox_exchange == f"{exchange}.inbox"
+    with Connection(amqp_url) as admin:
+        channel = admin.default_channel
+        # Both durable topic exchanges: an equivalent active declare is accepted.
+        for name in (exchange, f"{exchange}.inbox"):
+            channel.exchange_declare(name, "topic", durable=True, auto_delete=False)
+
+        # What the adapter sends reaches whatever is bound to the inbox exchange by address.
+        channel.queue_declare(f"{ns}-spy", exclusive=True)
+        channel.queue_bind(f"{ns}-spy", f"{exchange}.inbox", routing_key=f"{ns}-spy")
+        sent = Inbox()
+        sender = broker.open_endpoint(sent)
+        sender.send(f"{ns}-spy", b"to the spy")
+        got: list[Any] = []
+        channel.basic_consume(f"{ns}-spy", callback=got.append, no_ack=True)
+        while not got:
+            admin.drain_events(timeout=WAIT_S)
+        info = got[0].delivery_info
+        assert (info["exchange"], info["routing_key"]) == (f"{exchange}.inbox", f"{ns}-spy")
+        assert got[0].body == b"to the spy"
+
+        # An endpoint is bound there by its own address, and only by it.
+        received = Inbox()
+        broker.open_endpoint(received, name=f"{ns}.node.a")
+        for target_exchange, body in ((f"{exchange}.inbox", b"via inbox"), ("", b"via default")):
+            channel.basic_publish(channel.prepare_message(body), target_exchange, f"{ns}.node.a")
+        assert received.wait_for_body(b"via inbox").topic is None
+        assert received.wait_for_body(b"via default").topic is None
+    sender.send(f"{ns}.node.b", b"to a sibling")
+    assert sent.wait_for_body(b"to a sibling", returned=True).topic is None
+    assert all(d.body != b"to a sibling" for d in received.deliveries)
+
+
+@pytest.mark.rabbitmq
+@pytest.mark.parametrize("name", ["node.*", "node.#", "#", "a*b"])
+def test_endpoint_names_with_wildcards_are_refused(open_broker: OpenBroker, name: str) -> None:
+    broker = open_broker()
+    with pytest.raises(ValueError, match=r"'\*' or '#'"):
+        broker.open_endpoint(Inbox(), name=name)
+    broker.open_endpoint(Inbox())  # and the broker carries on
+
+
+def test_amq_exchanges_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"amq\.topic\.inbox"):
+        KombuBroker("kombu+amqp://guest:guest@127.0.0.1:5672//?exchange=amq.topic")
+
+
+@pytest.mark.rabbitmq
+def test_delete_exchanges_deletes_both_before_or_after_close_and_is_idempotent(
+    amqp_url: str,
+) -> None:
+    for when in ("open", "closed"):
+        name = f"kombu-it-delete-{when}-{uuid.uuid4().hex}"
+        broker = KombuBroker(_with_exchange(amqp_url, name))
+        try:
+            endpoint = broker.open_endpoint(Inbox(), name=f"{name}-ep")
+            endpoint.bind(f"{name}.t")
+            assert _exists(amqp_url, name)
+            assert _exists(amqp_url, f"{name}.inbox")
+            if when == "closed":
+                broker.close()
+            broker.delete_exchanges()
+            assert not _exists(amqp_url, name)
+            assert not _exists(amqp_url, f"{name}.inbox")
+            broker.delete_exchanges()  # already gone: no error
+        finally:
+            broker.close()
 
 
 @pytest.mark.rabbitmq

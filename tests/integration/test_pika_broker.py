@@ -13,6 +13,7 @@ import subprocess
 import threading
 import uuid
 from collections.abc import Callable, Iterator
+from typing import Any
 from urllib.parse import urlsplit
 
 import pika
@@ -20,7 +21,7 @@ import pika.exceptions
 import pytest
 
 from brokers import connect
-from brokers.pika_broker import PikaBroker, strip_reservoir_params
+from brokers.pika_broker import INBOX_SUFFIX, PikaBroker, strip_reservoir_params
 from reservoir.broker import BrokerError, Delivery, Endpoint
 
 pytestmark = pytest.mark.rabbitmq
@@ -84,11 +85,14 @@ def admin(amqp_url: str) -> Iterator[pika.BlockingConnection]:
 
 @pytest.fixture
 def exchange(amqp_url: str) -> Iterator[str]:
+    """This test's own exchange name; it and its inbox exchange are deleted afterwards
+    (here rather than by ``delete_exchanges``, since some tests declare it themselves)."""
     name = f"it-{uuid.uuid4().hex}"
     yield name
     connection = pika.BlockingConnection(pika.URLParameters(amqp_url))
     try:
-        connection.channel().exchange_delete(name)
+        for doomed in (name, name + INBOX_SUFFIX):
+            connection.channel().exchange_delete(doomed)
     finally:
         connection.close()
 
@@ -205,6 +209,109 @@ def test_connection_is_named_and_heartbeat_comes_from_the_url(
     ours = [line for line in lines.splitlines() if f'"{broker.connection_name}"' in line]
     assert len(ours) == 1
     assert ours[0].split("\t", 1)[0] == "7"
+
+
+# -- topology: the inbox exchange ---------------------------------------------------------
+
+
+def _exists(admin: pika.BlockingConnection, name: str) -> bool:
+    try:
+        admin.channel().exchange_declare(name, passive=True)
+    except pika.exceptions.ChannelClosedByBroker as error:
+        if error.reply_code == 404:
+            return False
+        raise
+    return True
+
+
+def test_sends_go_through_the_inbox_exchange_by_address(
+    open_broker: Callable[..., PikaBroker],
+    admin: pika.BlockingConnection,
+    exchange: str,
+    ns: str,
+) -> None:
+    broker = open_broker()
+    assert broker.inbox_exchange == f"{exchange}.inbox"
+    # Both durable topic exchanges: an equivalent active declare is accepted.
+    for name in (exchange, f"{exchange}.inbox"):
+        admin.channel().exchange_declare(name, "topic", durable=True, auto_delete=False)
+
+    # What the adapter sends reaches whatever is bound to the inbox exchange by address ...
+    channel = admin.channel()
+    spy = channel.queue_declare(f"{ns}-spy", exclusive=True).method.queue
+    channel.queue_bind(spy, f"{exchange}.inbox", routing_key=f"{ns}-spy")
+    sent = Collector()
+    sender = broker.open_endpoint(sent)
+    sender.send(f"{ns}-spy", b"to the spy")
+    method, properties, body = _get_one(channel, spy)
+    assert (method.exchange, method.routing_key, body) == (
+        f"{exchange}.inbox",
+        f"{ns}-spy",
+        b"to the spy",
+    )
+    assert properties.user_id == "guest"
+
+    # ... and an endpoint is bound there by its own address (and only that: no wildcard).
+    receiver = Collector()
+    receiver_ep = broker.open_endpoint(receiver, name=f"{ns}.node.a")
+    channel.basic_publish(f"{exchange}.inbox", f"{ns}.node.a", b"via inbox")
+    channel.basic_publish("", f"{ns}.node.a", b"via the default exchange")
+    assert receiver.wait_for_body(b"via inbox").topic is None
+    assert receiver.wait_for_body(b"via the default exchange").topic is None
+    sender.send(f"{ns}.node.b", b"to a sibling")
+    assert sender.address != receiver_ep.address
+    assert sent.wait_for_body(b"to a sibling", returned=True).topic is None
+    assert all(d.body != b"to a sibling" for d in receiver.deliveries)
+    stats = broker.stats
+    assert (stats.sent, stats.published) == (2, 0)
+
+
+def _get_one(channel: Any, queue_name: str) -> tuple[Any, Any, bytes]:
+    """The next message on ``queue_name`` (waits, without sleeping, through consume)."""
+    for method, properties, body in channel.consume(queue_name, inactivity_timeout=WAIT_S):
+        assert method is not None, f"nothing arrived on {queue_name} in {WAIT_S}s"
+        channel.basic_ack(method.delivery_tag)
+        channel.cancel()
+        return method, properties, body
+    raise AssertionError("unreachable")
+
+
+@pytest.mark.parametrize("name", ["node.*", "node.#", "#", "a*b"])
+def test_endpoint_names_with_wildcards_are_refused(
+    open_broker: Callable[..., PikaBroker], name: str
+) -> None:
+    broker = open_broker()
+    with pytest.raises(ValueError, match=r"'\*' or '#'"):
+        broker.open_endpoint(Collector(), name=name)
+    broker.open_endpoint(Collector())  # and the broker carries on
+
+
+def test_amq_exchanges_are_refused(amqp_url: str) -> None:
+    separator = "&" if "?" in amqp_url else "?"
+    with pytest.raises(ValueError, match=r"amq\.topic\.inbox"):
+        PikaBroker(f"{amqp_url}{separator}exchange=amq.topic")
+
+
+def test_delete_exchanges_deletes_both_before_or_after_close_and_is_idempotent(
+    amqp_url: str, admin: pika.BlockingConnection, ns: str
+) -> None:
+    separator = "&" if "?" in amqp_url else "?"
+    for when in ("open", "closed"):
+        name = f"it-delete-{when}-{uuid.uuid4().hex}"
+        broker = PikaBroker(f"{amqp_url}{separator}exchange={name}")
+        try:
+            endpoint = broker.open_endpoint(Collector(), name=f"{ns}-{when}")
+            endpoint.bind(f"{ns}.t")
+            assert _exists(admin, name)
+            assert _exists(admin, f"{name}.inbox")
+            if when == "closed":
+                broker.close()
+            broker.delete_exchanges()
+            assert not _exists(admin, name)
+            assert not _exists(admin, f"{name}.inbox")
+            broker.delete_exchanges()  # already gone: no error
+        finally:
+            broker.close()
 
 
 # -- reconnection -------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from collections.abc import Callable, Hashable, Sequence
 from functools import partial
 
 from reservoir.broker import Broker, BrokerError, Delivery, Endpoint
-from reservoir.clock import Scheduler, Timer
+from reservoir.clock import Scheduler, ThreadScheduler, Timer
 from reservoir.metrics import Metrics
 from reservoir.protocol.effects import (
     Bind,
@@ -34,7 +34,8 @@ from reservoir.protocol.effects import (
     Unbind,
 )
 from reservoir.protocol.messages import REQUESTOR_KINDS, Message
-from reservoir.wire import Codec, DecodeError
+from reservoir.settings import Settings
+from reservoir.wire import DecodeError
 
 __all__ = ["Driver"]
 
@@ -51,25 +52,57 @@ class Driver:
     def __init__(
         self,
         *,
-        broker: Broker,
-        scheduler: Scheduler,
-        codec: Codec,
-        metrics: Metrics,
-        endpoint_name: str | None,
-        requestor_users: frozenset[str] | None = None,
-        node_users: frozenset[str] | None = None,
+        broker: Broker | str | None,
+        settings: Settings,
+        scheduler: Scheduler | None,
+        metrics: Metrics | None,
+        endpoint_name: str,
     ) -> None:
-        self.scheduler = scheduler
-        self._requestor_users = requestor_users
-        self._node_users = node_users
-        self.codec = codec
-        self.metrics = metrics
+        """``broker`` may be a :class:`Broker` (shared, left open on close), a URL or None
+        (``settings.broker_url``), opened here and closed on close; likewise a scheduler
+        of None gets one of our own. The machine must exist before this runs: deliveries
+        can arrive as soon as the endpoint is open."""
+        self.settings = settings
+        self._requestor_users = settings.requestor_users
+        self._node_users = settings.node_users
+        self.codec = settings.codec()
+        self.metrics = metrics if metrics is not None else Metrics()
         self._lock = threading.Lock()
         #: key -> (timer, generation); a firing whose generation is stale is ignored
         self._timers: dict[Hashable, tuple[Timer, int]] = {}
         self._timer_generation = 0
         self._closed = False
-        self.endpoint: Endpoint = broker.open_endpoint(self._on_delivery, name=endpoint_name)
+        self._owned_broker: Broker | None = None
+        if not isinstance(broker, Broker):
+            from brokers import connect  # the adapters package; imported only when needed
+
+            broker = self._owned_broker = connect(broker or settings.broker_url)
+        self._owned_scheduler: Scheduler | None = None
+        if scheduler is None:
+            scheduler = self._owned_scheduler = ThreadScheduler(name=endpoint_name)
+        self.scheduler = scheduler
+        try:
+            self.endpoint: Endpoint = broker.open_endpoint(self._on_delivery, name=endpoint_name)
+        except BaseException:
+            self._let_go_of_owned()
+            raise
+        if self.endpoint.address != endpoint_name:
+            self.endpoint.close()
+            self._let_go_of_owned()
+            raise BrokerError(
+                f"the broker named our endpoint {self.endpoint.address!r}, not {endpoint_name!r}"
+            )
+
+    def _let_go(self) -> None:
+        """Close the endpoint, and the scheduler and broker if they are ours."""
+        self.endpoint.close()
+        self._let_go_of_owned()
+
+    def _let_go_of_owned(self) -> None:
+        if self._owned_scheduler is not None:
+            self._owned_scheduler.close()
+        if self._owned_broker is not None:
+            self._owned_broker.close()
 
     @property
     def address(self) -> str:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from reservoir.audit import NodeSnapshot
 from reservoir.broker import Broker
-from reservoir.clock import Scheduler, ThreadScheduler
+from reservoir.clock import Scheduler
 from reservoir.driver import Driver
 from reservoir.metrics import Metrics
 from reservoir.plugins import load_filters, load_weighers
@@ -88,40 +88,33 @@ class NodeAgent(Driver):
         metrics: Metrics | None = None,
         start: bool = True,
     ) -> None:
-        self.settings = settings if settings is not None else Settings()
-        self._owned_broker: Broker | None = None
-        if not isinstance(broker, Broker):
-            from brokers import connect  # the adapters package; imported only when needed
-
-            broker = self._owned_broker = connect(broker or self.settings.broker_url)
-        self._owned_scheduler = scheduler is None
-        scheduler = scheduler if scheduler is not None else ThreadScheduler(name=f"node-{name}")
-        if store is None and self.settings.state_dir is not None:
-            store = SqliteStore.for_node(self.settings.state_dir, name)
+        settings = settings if settings is not None else Settings()
+        if store is None and settings.state_dir is not None:
+            store = SqliteStore.for_node(settings.state_dir, name)
         self.store: AllocationStore = store if store is not None else MemoryStore()
         config = NodeConfig(
             name=name,
             address=node_address(name),
             inventories=_inventories(inventories, vcpus, memory_mb, disk_gb),
             traits=frozenset(traits),
-            tiers=self.settings.ladder,
+            tiers=settings.ladder,
             incarnation=secrets.token_hex(4),
-            filters=tuple(filters) if filters is not None else load_filters(self.settings.filters),
-            weighers=tuple(weighers)
-            if weighers is not None
-            else load_weighers(self.settings.weighers),
+            filters=tuple(filters) if filters is not None else load_filters(settings.filters),
+            weighers=tuple(weighers) if weighers is not None else load_weighers(settings.weighers),
             numa=numa,
         )
         self.machine = NodeMachine(config, allocations=self.store.load())
-        super().__init__(
-            broker=broker,
-            scheduler=scheduler,
-            codec=self.settings.codec(),
-            metrics=metrics if metrics is not None else Metrics(),
-            requestor_users=self.settings.requestor_users,
-            node_users=self.settings.node_users,
-            endpoint_name=config.address,
-        )
+        try:
+            super().__init__(
+                broker=broker,
+                settings=settings,
+                scheduler=scheduler,
+                metrics=metrics,
+                endpoint_name=config.address,
+            )
+        except BaseException:
+            self.store.close()
+            raise
         self._started = False
         if start:
             self.start()
@@ -145,12 +138,8 @@ class NodeAgent(Driver):
         with self._lock:
             self._closed = True
             self._cancel_all_timers()
-        self.endpoint.close()
+        self._let_go()
         self.store.close()
-        if self._owned_scheduler:
-            self.scheduler.close()
-        if self._owned_broker is not None:
-            self._owned_broker.close()
 
     stop = close
 

@@ -59,31 +59,28 @@ def _load(group: str, name: str, source: EntryPoint | type) -> object:
         raise PluginError(f"{group} entry point {name!r} failed to load: {error}") from error
 
 
+def _load_all(
+    group: str, built_in: dict[str, type], names: Sequence[str] | None, kind: type, what: str
+) -> list[object]:
+    found = _discovered(group, built_in)
+    loaded: list[object] = []
+    for name in list(found) if names is None else list(names):
+        if name not in found:
+            raise PluginError(f"no {what} named {name!r}; known: {', '.join(found)}")
+        plugin = _load(group, name, found[name])
+        if not isinstance(plugin, kind):
+            raise PluginError(f"{what} {name!r} does not have the {kind.__name__} interface")
+        loaded.append(plugin)
+    return loaded
+
+
 def load_filters(names: Sequence[str] | None = None) -> tuple[Filter, ...]:
     """Every discovered filter, or those named, in order."""
-    found = _discovered(FILTER_GROUP, BUILT_IN_FILTERS)
-    chosen = list(found) if names is None else list(names)
-    filters: list[Filter] = []
-    for name in chosen:
-        if name not in found:
-            raise PluginError(f"no filter named {name!r}; known: {', '.join(found)}")
-        loaded = _load(FILTER_GROUP, name, found[name])
-        if not isinstance(loaded, Filter):
-            raise PluginError(f"filter {name!r} has no name or check(request, node, max_slots)")
-        filters.append(loaded)
-    return tuple(filters)
+    loaded = _load_all(FILTER_GROUP, BUILT_IN_FILTERS, names, Filter, "filter")
+    return tuple(f for f in loaded if isinstance(f, Filter))
 
 
 def load_weighers(names: Sequence[str] | None = None) -> tuple[Weigher, ...]:
     """Every discovered weigher, or those named, in order."""
-    found = _discovered(WEIGHER_GROUP, BUILT_IN_WEIGHERS)
-    chosen = list(found) if names is None else list(names)
-    weighers: list[Weigher] = []
-    for name in chosen:
-        if name not in found:
-            raise PluginError(f"no weigher named {name!r}; known: {', '.join(found)}")
-        loaded = _load(WEIGHER_GROUP, name, found[name])
-        if not isinstance(loaded, Weigher):
-            raise PluginError(f"weigher {name!r} has no name, multiplier or weigh()")
-        weighers.append(loaded)
-    return tuple(weighers)
+    loaded = _load_all(WEIGHER_GROUP, BUILT_IN_WEIGHERS, names, Weigher, "weigher")
+    return tuple(w for w in loaded if isinstance(w, Weigher))

@@ -21,8 +21,8 @@ import uuid
 from collections.abc import Hashable, Iterable, Mapping
 from typing import Any
 
-from reservoir.broker import Broker, BrokerError
-from reservoir.clock import Scheduler, ThreadScheduler
+from reservoir.broker import Broker
+from reservoir.clock import Scheduler
 from reservoir.driver import Driver, Outcome
 from reservoir.metrics import Metrics
 from reservoir.protocol.effects import Effect, Failed, FreeCompleted, Placed
@@ -92,17 +92,10 @@ class Requestor(Driver):
         scheduler: Scheduler | None = None,
         metrics: Metrics | None = None,
     ) -> None:
-        self.settings = settings if settings is not None else Settings()
-        self._owned_broker: Broker | None = None
-        if not isinstance(broker, Broker):
-            from brokers import connect  # the adapters package; imported only when needed
-
-            broker = self._owned_broker = connect(broker or self.settings.broker_url)
+        settings = settings if settings is not None else Settings()
         self.name = name or f"requestor-{secrets.token_hex(4)}"
-        self._owned_scheduler = scheduler is None
-        scheduler = scheduler if scheduler is not None else ThreadScheduler(name=self.name)
         if isinstance(policy, str) or policy is None:
-            policy = policy_named(policy or self.settings.policy)
+            policy = policy_named(policy or settings.policy)
         # The machine exists before the endpoint does: a delivery can arrive the moment
         # the endpoint is open. Every adapter makes a named endpoint's address its name.
         address = f"reservoir.requestor.{self.name}"
@@ -110,27 +103,22 @@ class Requestor(Driver):
             RequestorConfig(
                 requestor_id=self.name,
                 reply_to=address,
-                tiers=self.settings.ladder,
+                tiers=settings.ladder,
                 policy=policy,
-                ttl_s=self.settings.ttl_s,
-                max_widen_s=self.settings.max_widen_s,
-                min_widen_s=self.settings.min_widen_s,
+                ttl_s=settings.ttl_s,
+                max_widen_s=settings.max_widen_s,
+                min_widen_s=settings.min_widen_s,
             )
         )
         self._placing: dict[str, list[concurrent.futures.Future[Placement]]] = {}
         self._freeing: dict[str, list[concurrent.futures.Future[None]]] = {}
         super().__init__(
             broker=broker,
+            settings=settings,
             scheduler=scheduler,
-            codec=self.settings.codec(),
-            metrics=metrics if metrics is not None else Metrics(),
-            requestor_users=self.settings.requestor_users,
-            node_users=self.settings.node_users,
+            metrics=metrics,
             endpoint_name=address,
         )
-        if self.address != address:
-            self.close()
-            raise BrokerError(f"the broker named our endpoint {self.address!r}, not {address!r}")
 
     # -- placing -----------------------------------------------------------------------
 
@@ -274,11 +262,7 @@ class Requestor(Driver):
         for future in waiting:
             if not future.done():
                 future.set_exception(RequestorClosed(f"{self.name} closed"))
-        self.endpoint.close()
-        if self._owned_scheduler:
-            self.scheduler.close()
-        if self._owned_broker is not None:
-            self._owned_broker.close()
+        self._let_go()
 
     def __enter__(self) -> Requestor:
         return self

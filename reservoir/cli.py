@@ -433,6 +433,17 @@ def _numa_topology(
 # -- request -------------------------------------------------------------------------------
 
 
+def _open_requestor(command: str, broker_url: str | None) -> Any:
+    from reservoir.requestor import Requestor
+
+    settings = _settings(broker_url=broker_url)
+    try:
+        return Requestor(settings.broker_url, settings=settings)
+    except BrokerError as error:
+        click.echo(f"reservoir {command}: cannot reach the broker: {error}", err=True)
+        sys.exit(EXIT_BROKER)
+
+
 def _placement_json(placement: Placement) -> dict[str, Any]:
     return {
         "placed": True,
@@ -541,7 +552,6 @@ def request(
 ) -> None:
     """Place one request and print the placement, or the failure with its explanation
     (exit status 1)."""
-    from reservoir.requestor import Requestor
 
     amounts: dict[str, int] = {}
     for rc, given in {"VCPU": vcpus, "MEMORY_MB": memory_mb, "DISK_GB": disk_gb}.items():
@@ -573,12 +583,7 @@ def request(
         )
     except ValidationError as error:
         raise click.UsageError(f"not a valid request: {error}") from None
-    settings = _settings(broker_url=broker_url)
-    try:
-        requestor = Requestor(settings.broker_url, settings=settings)
-    except BrokerError as error:
-        click.echo(f"reservoir request: cannot reach the broker: {error}", err=True)
-        sys.exit(EXIT_BROKER)
+    requestor = _open_requestor("request", broker_url)
     with requestor:
         try:
             placement = requestor.reserve(spec, timeout_s=timeout_s)
@@ -646,14 +651,9 @@ def free(
     timeout_s: float,
 ) -> None:
     """Free a request's allocations on a node (its instances were deleted)."""
-    from reservoir.requestor import FreeIncomplete, Requestor
+    from reservoir.requestor import FreeIncomplete
 
-    settings = _settings(broker_url=broker_url)
-    try:
-        requestor = Requestor(settings.broker_url, settings=settings)
-    except BrokerError as error:
-        click.echo(f"reservoir free: cannot reach the broker: {error}", err=True)
-        sys.exit(EXIT_BROKER)
+    requestor = _open_requestor("free", broker_url)
     with requestor:
         try:
             requestor.free_future(request_id, node_name, allocation_ids).result(timeout_s)

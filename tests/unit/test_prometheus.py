@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import pytest
+import prometheus_client
 
 from reservoir.broker import Delivery
 from reservoir.testing import Simulation
-
-prometheus_client = pytest.importorskip("prometheus_client")
 
 
 def test_counters_and_node_state_are_exposed(reservoir_simulation: Simulation) -> None:

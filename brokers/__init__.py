@@ -3,6 +3,7 @@
 One module per transport: :mod:`brokers.inprocess` (the embedded default, ``memory://``),
 :mod:`brokers.pika_broker` (RabbitMQ, ``amqp://`` and ``amqps://``) and
 :mod:`brokers.kombu_broker` (``kombu+<kombu URL>``). :func:`connect` picks one by URL.
+The rules they share, each in one place, live in :mod:`brokers._rules`.
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 
 This module owns the in-process transport: the endpoint registry (exclusive inboxes by
 address), the binding table, delivery through a :class:`~reservoir.clock.Scheduler`, and
-fault injection (loss, duplication, delay) for chaos tests and the simulator.
+fault injection (loss, duplication, delay) for chaos tests and the simulator. What callers
+may pass (bodies, keys, endpoint names) it checks by the rules in :mod:`brokers._rules`, as
+the RabbitMQ adapters do.
 
 Every delivery is one ``scheduler.call_at``: with a :class:`~reservoir.clock.ThreadScheduler`
 (the default, owned by the broker) messages flow in real time on one delivery thread; with a
@@ -23,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
 
+from brokers._rules import call_handler, check_body, check_endpoint_name, check_handler, check_key
 from brokers.routing import BindingTable
 from reservoir.broker import Broker, BrokerClosed, BrokerError, Delivery, Endpoint, Handler
 from reservoir.clock import Scheduler, ThreadScheduler
@@ -30,9 +33,6 @@ from reservoir.clock import Scheduler, ThreadScheduler
 __all__ = ["BrokerStats", "Faults", "InProcessBroker", "InProcessEndpoint"]
 
 log = logging.getLogger(__name__)
-
-#: AMQP 0-9-1 carries routing keys, binding keys and queue names as short strings
-_MAX_SHORTSTR_BYTES = 255
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,24 +89,6 @@ class BrokerStats:
     handler_errors: int = 0
 
 
-def _check_body(body: object) -> bytes:
-    if type(body) is bytes:
-        return body
-    if isinstance(body, bytes):
-        # A bytes subclass can carry mutable attributes; receivers get plain bytes.
-        return bytes(body)
-    raise TypeError(f"a message body must be bytes, not {type(body).__name__}")
-
-
-def _check_key(value: object, what: str) -> str:
-    if not isinstance(value, str):
-        raise TypeError(f"{what} must be str, not {type(value).__name__}")
-    # Parity with RabbitMQ, which cannot carry a longer one: fail here, not in production.
-    if len(value) > _MAX_SHORTSTR_BYTES // 4 and len(value.encode()) > _MAX_SHORTSTR_BYTES:
-        raise ValueError(f"{what} is longer than {_MAX_SHORTSTR_BYTES} bytes: {value[:40]!r}...")
-    return value
-
-
 class InProcessEndpoint(Endpoint):
     """An exclusive inbox on an :class:`InProcessBroker`. Made by ``open_endpoint``."""
 
@@ -123,16 +105,16 @@ class InProcessEndpoint(Endpoint):
         return self._closed
 
     def bind(self, pattern: str) -> None:
-        self._broker._bind(self, _check_key(pattern, "binding pattern"))
+        self._broker._bind(self, check_key(pattern, "binding pattern"))
 
     def unbind(self, pattern: str) -> None:
-        self._broker._unbind(self, _check_key(pattern, "binding pattern"))
+        self._broker._unbind(self, check_key(pattern, "binding pattern"))
 
     def publish(self, topic: str, body: bytes) -> None:
-        self._broker._publish(self, _check_key(topic, "topic"), _check_body(body))
+        self._broker._publish(self, check_key(topic, "topic"), check_body(body))
 
     def send(self, address: str, body: bytes) -> None:
-        self._broker._send(self, _check_key(address, "address"), _check_body(body))
+        self._broker._send(self, check_key(address, "address"), check_body(body))
 
     def close(self) -> None:
         self._broker._close_endpoint(self)
@@ -215,15 +197,9 @@ class InProcessBroker(Broker):
             return frozenset(self._endpoints)
 
     def open_endpoint(self, handler: Handler, *, name: str | None = None) -> InProcessEndpoint:
-        if not callable(handler):
-            raise TypeError("handler must be callable")
+        check_handler(handler)
         if name is not None:
-            _check_key(name, "endpoint name")
-            if not name:
-                raise ValueError("an endpoint name must not be empty; pass None to generate one")
-            if name.startswith("amq."):
-                # RabbitMQ reserves the prefix; refusing it here keeps the transports alike.
-                raise ValueError(f"endpoint names starting with 'amq.' are reserved: {name!r}")
+            check_endpoint_name(name)
         with self._lock:
             if self._closed:
                 raise BrokerClosed("the broker is closed")
@@ -367,10 +343,7 @@ class InProcessBroker(Broker):
                 # Counted before the handler runs so that a test woken by the handler
                 # already sees it.
                 self._stats.delivered += 1
-        try:
-            receiver._handler(delivery)
-        except Exception:
-            # One endpoint's bug must not stop delivery to the others, nor the scheduler.
-            log.exception("handler of endpoint %r failed on a delivery", receiver.address)
+        # One endpoint's bug must not stop delivery to the others, nor the scheduler.
+        if not call_handler(receiver, delivery, log):
             with self._lock:
                 self._stats.handler_errors += 1

@@ -3,7 +3,8 @@
 This module owns everything between :mod:`reservoir.broker` and a RabbitMQ reached through
 kombu (URLs ``kombu+amqp://``, ``kombu+amqps://``, ``kombu+pyamqp://``): the topology, the
 threads that drive one kombu connection, publisher confirms, returns, heartbeats and
-reconnection. Every other kombu transport is refused (see :data:`REFUSED_TRANSPORTS`).
+reconnection. Every other kombu transport is refused (see :data:`REFUSED_TRANSPORTS`). The
+rules it shares with the other adapters live in :mod:`brokers._rules`.
 
 Topology, shared with :mod:`brokers.pika_broker` so both interoperate on one RabbitMQ:
 
@@ -96,7 +97,6 @@ import itertools
 import logging
 import os
 import queue
-import re
 import select
 import selectors
 import socket
@@ -110,7 +110,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, NamedTuple, TypeVar
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import urlencode, urlsplit, urlunsplit
 
 import amqp.exceptions
 import amqp.spec
@@ -124,10 +124,29 @@ from tenacity import (
     retry_if_exception,
     stop_after_attempt,
     stop_never,
-    wait_exponential,
-    wait_random,
 )
 
+from brokers._rules import (
+    DEFAULT_EXCHANGE,
+    INBOX_SUFFIX,
+    aimed_at,
+    check_body,
+    check_endpoint_name,
+    check_exchange,
+    check_handler,
+    check_key,
+    check_limits,
+    check_no_wildcards,
+    check_pending,
+    inbox_exchange,
+    mask_password,
+    missing_exchange,
+    reconnect_wait,
+    refused_target,
+    run_handlers,
+    split_reservoir_params,
+    topic_of,
+)
 from reservoir.broker import (
     Broker,
     BrokerClosed,
@@ -157,11 +176,6 @@ Connection: Any = kombu.connection.Connection
 Exchange: Any = kombu.entity.Exchange
 Queue: Any = kombu.entity.Queue
 Producer: Any = kombu.messaging.Producer
-
-#: the topic exchange every participant publishes on, unless the URL names another
-DEFAULT_EXCHANGE = "reservoir"
-#: sends go to the topic exchange named ``<exchange>`` + this, routed by address
-INBOX_SUFFIX = ".inbox"
 
 #: kombu URL schemes this adapter accepts, and the kombu transport each one is given.
 #: ``amqp`` is pinned to py-amqp: kombu would pick librabbitmq when it is installed, and
@@ -198,9 +212,6 @@ REFUSED_TRANSPORTS: dict[str, str] = {
 REFUSED_TRANSPORTS["rediss"] = REFUSED_TRANSPORTS["redis"]
 REFUSED_TRANSPORTS["sentinel"] = REFUSED_TRANSPORTS["redis"]
 
-#: AMQP 0-9-1 carries routing keys, binding keys and queue names as short strings
-_MAX_SHORTSTR_BYTES = 255
-
 #: how long the IO thread waits for the rest of a frame once the socket said "readable"
 _FRAME_TIMEOUT_S = 1.0
 
@@ -227,19 +238,6 @@ class _ServerClose(NamedTuple):
 
 #: (class, method) of basic.publish, as a Channel.Close names the method it refused
 _BASIC_PUBLISH = (60, 40)
-
-#: how RabbitMQ names what it refused a publish for: the exchange, or a topic in it
-_REFUSED = re.compile(
-    r"access to (?:topic '(?P<key>.*)' in )?exchange '(?P<exchange>.*?)' in vhost"
-)
-
-
-def _refused_target(reply_text: str) -> tuple[str, str | None] | None:
-    """(exchange, routing key or None for the whole exchange) from a 403's reply text."""
-    match = _REFUSED.search(reply_text or "")
-    if match is None:
-        return None
-    return match["exchange"], match["key"]
 
 
 class _Outgoing(NamedTuple):
@@ -275,35 +273,6 @@ class _Link:
     user_id: str | None
 
 
-def _check_body(body: object) -> bytes:
-    if type(body) is bytes:
-        return body
-    if isinstance(body, bytes):
-        # A bytes subclass can carry mutable attributes; receivers get plain bytes.
-        return bytes(body)
-    raise TypeError(f"a message body must be bytes, not {type(body).__name__}")
-
-
-def _check_key(value: object, what: str) -> str:
-    if not isinstance(value, str):
-        raise TypeError(f"{what} must be str, not {type(value).__name__}")
-    if len(value) > _MAX_SHORTSTR_BYTES // 4 and len(value.encode()) > _MAX_SHORTSTR_BYTES:
-        raise ValueError(f"{what} is longer than {_MAX_SHORTSTR_BYTES} bytes: {value[:40]!r}...")
-    return value
-
-
-def _check_exchange(name: str) -> str:
-    if not name:
-        raise ValueError("exchange= must name a topic exchange; the default exchange is not one")
-    if name.startswith("amq."):
-        raise ValueError(
-            f"exchange names starting with 'amq.' are reserved by RabbitMQ: {name!r} (its "
-            f"inbox exchange {name + INBOX_SUFFIX!r} could never be created)"
-        )
-    _check_key(name + INBOX_SUFFIX, "exchange name (with its inbox suffix)")
-    return name
-
-
 class _Target(NamedTuple):
     kombu_url: str
     exchange: str
@@ -330,22 +299,13 @@ def _parse_url(url: str) -> _Target:
             f"kombu transport {scheme!r} cannot honour reservoir's broker contract: {reason}. "
             f"The kombu adapter accepts {accepted}."
         )
-    exchange = DEFAULT_EXCHANGE
-    kept: list[tuple[str, str]] = []
-    for key, value in parse_qsl(parts.query, keep_blank_values=True):
-        if key == "exchange":
-            exchange = value
-        else:
-            kept.append((key, value))
-    _check_exchange(exchange)
+    ours, kept = split_reservoir_params(parts.query)
+    exchange = check_exchange(ours.get("exchange", DEFAULT_EXCHANGE))
     kombu_url = urlunsplit(
         (ACCEPTED_TRANSPORTS[scheme], parts.netloc, parts.path, urlencode(kept), parts.fragment)
     )
-    netloc = parts.netloc
-    if parts.password is not None:
-        userinfo, _, hostport = netloc.rpartition("@")
-        netloc = f"{userinfo.partition(':')[0]}:**@{hostport}"
-    display = urlunsplit((parts.scheme, netloc, parts.path, parts.query, ""))
+    # Shown without its fragment; kombu URLs have always masked the password as "**".
+    display = mask_password(urlunsplit(parts._replace(fragment="")), mask="**")
     return _Target(kombu_url, exchange, f"kombu+{display}")
 
 
@@ -379,21 +339,21 @@ class KombuEndpoint(Endpoint):
         return self._closed
 
     def bind(self, pattern: str) -> None:
-        pattern = _check_key(pattern, "binding pattern")
+        pattern = check_key(pattern, "binding pattern")
         self._broker._call(self, partial(self._broker._bind_io, self, pattern), "bind")
 
     def unbind(self, pattern: str) -> None:
-        pattern = _check_key(pattern, "binding pattern")
+        pattern = check_key(pattern, "binding pattern")
         self._broker._call(self, partial(self._broker._unbind_io, self, pattern), "unbind")
 
     def publish(self, topic: str, body: bytes) -> None:
-        topic = _check_key(topic, "topic")
-        self._broker._publish(self, _Outgoing(self._broker.exchange, topic, _check_body(body)))
+        topic = check_key(topic, "topic")
+        self._broker._publish(self, _Outgoing(self._broker.exchange, topic, check_body(body)))
 
     def send(self, address: str, body: bytes) -> None:
-        address = _check_key(address, "address")
+        address = check_key(address, "address")
         self._broker._publish(
-            self, _Outgoing(self._broker.inbox_exchange, address, _check_body(body))
+            self, _Outgoing(self._broker.inbox_exchange, address, check_body(body))
         )
 
     def close(self) -> None:
@@ -448,9 +408,13 @@ class KombuBroker(Broker):
     ) -> None:
         target = _parse_url(url)
         if exchange is not None:
-            target = target._replace(exchange=_check_exchange(exchange))
-        if timeout_s <= 0 or close_timeout_s < 0 or max_pending < 1 or connect_attempts < 1:
-            raise ValueError("timeouts, max_pending and connect_attempts must be positive")
+            target = target._replace(exchange=check_exchange(exchange))
+        check_limits(
+            timeout_s=timeout_s,
+            close_timeout_s=close_timeout_s,
+            max_pending=max_pending,
+            connect_attempts=connect_attempts,
+        )
         if reconnect_attempts is not None and reconnect_attempts < 1:
             raise ValueError("reconnect_attempts must be at least 1 (None: retry until closed)")
         self.url = target.display_url
@@ -459,7 +423,7 @@ class KombuBroker(Broker):
             target.exchange, type="topic", durable=True, auto_delete=False
         )
         self._inbox: Any = Exchange(
-            target.exchange + INBOX_SUFFIX, type="topic", durable=True, auto_delete=False
+            inbox_exchange(target.exchange), type="topic", durable=True, auto_delete=False
         )
         self._timeout_s = timeout_s
         self._heartbeat_s = heartbeat_s
@@ -600,18 +564,9 @@ class KombuBroker(Broker):
             ) and (self._connections >= count)
 
     def open_endpoint(self, handler: Handler, *, name: str | None = None) -> KombuEndpoint:
-        if not callable(handler):
-            raise TypeError("handler must be callable")
+        check_handler(handler)
         if name is not None:
-            _check_key(name, "endpoint name")
-            if not name:
-                raise ValueError("an endpoint name must not be empty; pass None to generate one")
-            if name.startswith("amq."):
-                raise ValueError(f"endpoint names starting with 'amq.' are reserved: {name!r}")
-            if "*" in name or "#" in name:
-                # The name is its binding key on the inbox exchange: a wildcard there would
-                # receive what is sent to other addresses.
-                raise ValueError(f"an endpoint name must not contain '*' or '#': {name!r}")
+            check_no_wildcards(check_endpoint_name(name))
         address = name if name is not None else f"inbox.{uuid.uuid4().hex}"
         with self._lock:
             self._check_usable()
@@ -710,11 +665,7 @@ class KombuBroker(Broker):
     def _publish(self, endpoint: KombuEndpoint, outgoing: _Outgoing) -> None:
         with self._lock:
             self._check_usable(endpoint)
-            if self._pending >= self._max_pending:
-                raise BrokerError(
-                    f"{self._pending} messages are waiting for RabbitMQ to confirm them "
-                    f"(connected: {self._link is not None}); refusing more"
-                )
+            check_pending(self._pending, self._max_pending, connected=self._link is not None)
             self._pending += 1
             wake = self._enqueue(_Op(partial(self._publish_io, endpoint, outgoing), None, True))
         if wake:
@@ -775,18 +726,7 @@ class KombuBroker(Broker):
     # -- the dispatcher thread ----------------------------------------------------------------
 
     def _dispatch_main(self) -> None:
-        while True:
-            item = self._deliveries.get()
-            if item is None:
-                return
-            endpoint, delivery = item
-            if endpoint._closed:
-                continue
-            try:
-                endpoint._handler(delivery)
-            except Exception:
-                # One endpoint's bug must not stop delivery to the others.
-                log.exception("handler of endpoint %r failed on a delivery", endpoint.address)
+        run_handlers(self._deliveries, log)
 
     # -- the IO thread: main loop ---------------------------------------------------------------
 
@@ -1001,10 +941,7 @@ class KombuBroker(Broker):
         retrying = Retrying(
             retry=retry,
             stop=stop,
-            # Doubling from reconnect_initial_s up to reconnect_max_s, plus jitter so that
-            # the many clients of one restarted node do not come back in lockstep.
-            wait=wait_exponential(multiplier=self._reconnect_initial_s, max=self._reconnect_max_s)
-            + wait_random(0, self._reconnect_initial_s),
+            wait=reconnect_wait(self._reconnect_initial_s, self._reconnect_max_s),
             sleep=self._sleep_unless_closing,
             before_sleep=self._log_retry,
             reraise=True,
@@ -1095,11 +1032,7 @@ class KombuBroker(Broker):
         try:
             exchange(channel).declare(passive=True)
         except amqp.exceptions.NotFound as error:
-            raise BrokerError(
-                f"exchange {exchange.name!r} does not exist and user {user!r} may not declare "
-                "it (no configure permission): an operator must create it, e.g. from "
-                "deploy/rabbitmq/definitions.json"
-            ) from error
+            raise BrokerError(missing_exchange(exchange.name, user)) from error
 
     def _drop_link(self, connection: Any = None) -> None:
         """Forget the current connection without talking to the server (it may be gone)."""
@@ -1225,9 +1158,13 @@ class KombuBroker(Broker):
         refused one: those before it were routed (their acks are lost with the channel) and
         are settled; the refused ones go back to the sender; those after stay unconfirmed,
         for the replay."""
-        target = _refused_target(reply_text)
+        target = refused_target(reply_text)
         unconfirmed = endpoint._unconfirmed
-        refused = [tag for tag, out in unconfirmed.items() if _aimed_at(out, target)]
+        refused = [
+            tag
+            for tag, out in unconfirmed.items()
+            if aimed_at(out.exchange, out.routing_key, target)
+        ]
         if refused:
             routed = [tag for tag in unconfirmed if tag < refused[0]]
             for tag in routed:
@@ -1253,7 +1190,9 @@ class KombuBroker(Broker):
                     endpoint,
                     Delivery(
                         outgoing.body,
-                        topic=self._topic_of(outgoing.exchange, outgoing.routing_key),
+                        topic=topic_of(
+                            outgoing.exchange, outgoing.routing_key, self.inbox_exchange
+                        ),
                         returned=True,
                         user_id=user_id,
                     ),
@@ -1390,7 +1329,7 @@ class KombuBroker(Broker):
 
     def _on_message(self, endpoint: KombuEndpoint, message: Any) -> None:
         info = message.delivery_info
-        topic = self._topic_of(info.get("exchange"), info.get("routing_key"))
+        topic = topic_of(info.get("exchange"), info.get("routing_key"), self.inbox_exchange)
         self._deliveries.put(
             (
                 endpoint,
@@ -1402,13 +1341,6 @@ class KombuBroker(Broker):
             )
         )
 
-    def _topic_of(self, exchange: str | None, routing_key: str | None) -> str | None:
-        """None for a send (through the inbox exchange, or the default exchange a plain
-        client may use); the routing key for a publish on a topic."""
-        if not exchange or exchange == self._inbox.name:
-            return None
-        return routing_key
-
     def _on_return(
         self, endpoint: KombuEndpoint, error: Any, exchange: str, routing_key: str, message: Any
     ) -> None:
@@ -1418,7 +1350,7 @@ class KombuBroker(Broker):
                 endpoint,
                 Delivery(
                     _as_bytes(message.body),
-                    topic=self._topic_of(exchange, routing_key),
+                    topic=topic_of(exchange, routing_key, self.inbox_exchange),
                     returned=True,
                     user_id=message.properties.get("user_id"),
                 ),
@@ -1499,16 +1431,6 @@ class KombuBroker(Broker):
             wake = self._enqueue(_Op(reattach, None), front=True)
         if wake:
             self._wake()
-
-
-def _aimed_at(outgoing: _Outgoing, target: tuple[str, str | None] | None) -> bool:
-    if target is None:
-        return False
-    refused_exchange, refused_key = target
-    # RabbitMQ names the default exchange amq.default in permission errors.
-    if (outgoing.exchange or "amq.default") != refused_exchange:
-        return False
-    return refused_key is None or refused_key == outgoing.routing_key
 
 
 def _as_bytes(body: object) -> bytes:

@@ -4,7 +4,10 @@ This module owns everything between reservoir's :class:`~reservoir.broker.Broker
 and one RabbitMQ connection: the topology (one durable topic exchange, one exclusive queue
 per endpoint, named by the endpoint's address), mandatory publishing with pipelined
 publisher confirms, handing ``basic.return`` back to the sending endpoint, the connection's
-IO thread and the handlers' dispatcher thread, and reconnection.
+IO thread and the handlers' dispatcher thread, and reconnection. The rules it shares with
+the other adapters (what a body, key, name or exchange may be, the exchange names, the
+reservoir-only URL parameters, how a 403 names what it refused, the dispatcher loop) live in
+:mod:`brokers._rules`.
 
 Topology
     Two durable, not auto-deleted topic exchanges (an auto-deleted one would vanish when
@@ -171,27 +174,42 @@ import itertools
 import logging
 import os
 import queue
-import re
 import threading
 import uuid
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Any, Final
+from typing import Any
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 import pika
 import pika.exceptions
 from pika.adapters.select_connection import IOLoop
-from tenacity import (
-    RetryCallState,
-    Retrying,
-    retry_if_exception,
-    wait_exponential,
-    wait_random,
-)
+from tenacity import RetryCallState, Retrying, retry_if_exception
 
+from brokers._rules import (
+    DEFAULT_EXCHANGE,
+    INBOX_SUFFIX,
+    RESERVOIR_PARAMS,
+    aimed_at,
+    check_body,
+    check_endpoint_name,
+    check_exchange,
+    check_handler,
+    check_key,
+    check_limits,
+    check_no_wildcards,
+    check_pending,
+    inbox_exchange,
+    mask_password,
+    missing_exchange,
+    reconnect_wait,
+    refused_target,
+    run_handlers,
+    split_reservoir_params,
+    topic_of,
+)
 from reservoir.broker import Broker, BrokerClosed, BrokerError, Delivery, Endpoint, Handler
 
 __all__ = [
@@ -204,15 +222,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-#: the exchange requests are published on, unless the URL says ``?exchange=``
-DEFAULT_EXCHANGE: Final = "reservoir"
-#: sends go to the topic exchange named ``<exchange>`` + this, routed by address
-INBOX_SUFFIX: Final = ".inbox"
-#: URL query parameters that are reservoir's, not pika's
-RESERVOIR_PARAMS: Final = frozenset({"exchange"})
-#: AMQP 0-9-1 carries routing keys, binding keys and queue names as short strings
-_MAX_SHORTSTR_BYTES: Final = 255
 
 #: brokers opened in this process, for ``connection_name`` and thread names
 _broker_numbers = itertools.count(1)
@@ -267,39 +276,8 @@ def strip_reservoir_params(url: str) -> tuple[str, dict[str, str]]:
     parts = urlsplit(url)
     if not any(key in RESERVOIR_PARAMS for key, _ in parse_qsl(parts.query)):
         return url, {}  # untouched: nothing to strip, nothing re-encoded
-    ours: dict[str, str] = {}
-    theirs: list[tuple[str, str]] = []
-    for key, value in parse_qsl(parts.query, keep_blank_values=True):
-        if key in RESERVOIR_PARAMS:
-            ours[key] = value
-        else:
-            theirs.append((key, value))
+    ours, theirs = split_reservoir_params(parts.query)
     return urlunsplit(parts._replace(query=urlencode(theirs, quote_via=quote))), ours
-
-
-def _mask(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)
-    user = netloc[0].split(":", 1)[0]
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc[1]}"))
-
-
-def _check_body(body: object) -> bytes:
-    if type(body) is bytes:
-        return body
-    if isinstance(body, bytes):
-        return bytes(body)
-    raise TypeError(f"a message body must be bytes, not {type(body).__name__}")
-
-
-def _check_key(value: object, what: str) -> str:
-    if not isinstance(value, str):
-        raise TypeError(f"{what} must be str, not {type(value).__name__}")
-    if len(value) > _MAX_SHORTSTR_BYTES // 4 and len(value.encode()) > _MAX_SHORTSTR_BYTES:
-        raise ValueError(f"{what} is longer than {_MAX_SHORTSTR_BYTES} bytes: {value[:40]!r}...")
-    return value
 
 
 def _resolve(future: concurrent.futures.Future[None]) -> None:
@@ -326,30 +304,6 @@ def _refused_with(error: BaseException, code: int) -> bool:
 
 def _as_error(reason: object) -> BaseException:
     return reason if isinstance(reason, BaseException) else _ConnectionLost(repr(reason))
-
-
-#: how RabbitMQ names what it refused a publish for: the exchange, or a topic in it
-_REFUSED = re.compile(
-    r"access to (?:topic '(?P<key>.*)' in )?exchange '(?P<exchange>.*?)' in vhost"
-)
-
-
-def _refused_target(reply_text: str) -> tuple[str, str | None] | None:
-    """(exchange, routing key or None for the whole exchange) from a 403's reply text."""
-    match = _REFUSED.search(reply_text or "")
-    if match is None:
-        return None
-    return match["exchange"], match["key"]
-
-
-def _aimed_at(exchange: str, routing_key: str, target: tuple[str, str | None] | None) -> bool:
-    if target is None:
-        return False
-    refused_exchange, refused_key = target
-    # RabbitMQ names the default exchange amq.default in permission errors.
-    if (exchange or "amq.default") != refused_exchange:
-        return False
-    return refused_key is None or refused_key == routing_key
 
 
 def _describe(reason: object) -> str:
@@ -636,21 +590,21 @@ class PikaEndpoint(Endpoint):
         return self._closed
 
     def bind(self, pattern: str) -> None:
-        pattern = _check_key(pattern, "binding pattern")
+        pattern = check_key(pattern, "binding pattern")
         self._broker._wait_for(_BindOp(self._broker, self, pattern), f"bind {pattern!r}")
 
     def unbind(self, pattern: str) -> None:
-        pattern = _check_key(pattern, "binding pattern")
+        pattern = check_key(pattern, "binding pattern")
         self._broker._wait_for(_UnbindOp(self._broker, self, pattern), f"unbind {pattern!r}")
 
     def publish(self, topic: str, body: bytes) -> None:
-        topic = _check_key(topic, "topic")
-        body = _check_body(body)
+        topic = check_key(topic, "topic")
+        body = check_body(body)
         self._broker._enqueue(self, _Outgoing(self._broker.exchange, topic, body, self._properties))
 
     def send(self, address: str, body: bytes) -> None:
-        address = _check_key(address, "address")
-        body = _check_body(body)
+        address = check_key(address, "address")
+        body = check_body(body)
         self._broker._enqueue(
             self, _Outgoing(self._broker.inbox_exchange, address, body, self._properties)
         )
@@ -691,19 +645,16 @@ class PikaBroker(Broker):
         close_timeout_s: float = 5.0,
     ) -> None:
         pika_url, ours = strip_reservoir_params(url)
-        self.url = _mask(url)
-        self.exchange: str = exchange or ours.get("exchange") or DEFAULT_EXCHANGE
-        if self.exchange.startswith("amq."):
-            raise ValueError(
-                f"exchange names starting with 'amq.' are reserved by RabbitMQ: "
-                f"{self.exchange!r} (its inbox exchange {self.exchange + INBOX_SUFFIX!r} "
-                "could never be created)"
-            )
+        self.url = mask_password(url)
+        self.exchange: str = check_exchange(exchange or ours.get("exchange") or DEFAULT_EXCHANGE)
         #: the topic exchange sends go to, routed by destination address
-        self.inbox_exchange: str = self.exchange + INBOX_SUFFIX
-        _check_key(self.inbox_exchange, "exchange name (with its inbox suffix)")
-        if timeout_s <= 0 or close_timeout_s < 0 or max_pending < 1 or connect_attempts < 1:
-            raise ValueError("timeouts, max_pending and connect_attempts must be positive")
+        self.inbox_exchange: str = inbox_exchange(self.exchange)
+        check_limits(
+            timeout_s=timeout_s,
+            close_timeout_s=close_timeout_s,
+            max_pending=max_pending,
+            connect_attempts=connect_attempts,
+        )
         self._timeout_s = timeout_s
         self._connect_attempts = connect_attempts
         self._reconnect_initial_s = reconnect_initial_s
@@ -848,18 +799,9 @@ class PikaBroker(Broker):
                 connection.close()
 
     def open_endpoint(self, handler: Handler, *, name: str | None = None) -> PikaEndpoint:
-        if not callable(handler):
-            raise TypeError("handler must be callable")
+        check_handler(handler)
         if name is not None:
-            _check_key(name, "endpoint name")
-            if not name:
-                raise ValueError("an endpoint name must not be empty; pass None to generate one")
-            if name.startswith("amq."):
-                raise ValueError(f"endpoint names starting with 'amq.' are reserved: {name!r}")
-            if "*" in name or "#" in name:
-                # The name is its binding key on the inbox exchange: a wildcard there would
-                # receive what is sent to other addresses.
-                raise ValueError(f"an endpoint name must not contain '*' or '#': {name!r}")
+            check_no_wildcards(check_endpoint_name(name))
         with self._lock:
             self._check_usable()
             address = name if name is not None else f"reservoir.inbox.{uuid.uuid4().hex}"
@@ -925,11 +867,7 @@ class PikaBroker(Broker):
                 what = "broker" if self._closed else f"endpoint {endpoint.address!r}"
                 raise BrokerClosed(f"the {what} is closed")
             self._check_usable()
-            if self._pending >= self._max_pending:
-                raise BrokerError(
-                    f"{self._pending} messages are waiting for RabbitMQ to confirm them "
-                    f"(connected: {self._connected}); refusing more"
-                )
+            check_pending(self._pending, self._max_pending, connected=self._connected)
             self._pending += 1
             if message.exchange == self.exchange:
                 self._stats.published += 1
@@ -980,22 +918,15 @@ class PikaBroker(Broker):
     # -- the dispatcher thread ------------------------------------------------------------
 
     def _dispatch_loop(self) -> None:
-        while True:
-            item = self._dispatch_queue.get()
-            if item is None:
-                return
-            endpoint, delivery = item
-            if endpoint._closed:
-                with self._lock:
-                    self._stats.dropped += 1
-                continue
-            try:
-                endpoint._handler(delivery)
-            except Exception:
-                # One endpoint's bug must not stop delivery to the others.
-                log.exception("handler of endpoint %r failed on a delivery", endpoint.address)
-                with self._lock:
-                    self._stats.handler_errors += 1
+        def dropped() -> None:
+            with self._lock:
+                self._stats.dropped += 1
+
+        def failed() -> None:
+            with self._lock:
+                self._stats.handler_errors += 1
+
+        run_handlers(self._dispatch_queue, log, dropped=dropped, failed=failed)
 
     # -- the IO thread: lifecycle -----------------------------------------------------------
 
@@ -1047,10 +978,7 @@ class PikaBroker(Broker):
 
         return Retrying(
             stop=stop,
-            # Jitter, so that every node a broker restart disconnected does not come back
-            # in the same millisecond.
-            wait=wait_exponential(multiplier=self._reconnect_initial_s, max=self._reconnect_max_s)
-            + wait_random(0, self._reconnect_initial_s),
+            wait=reconnect_wait(self._reconnect_initial_s, self._reconnect_max_s),
             retry=retry_if_exception(retryable),
             sleep=self._backoff_sleep,
             before_sleep=before_sleep,
@@ -1184,11 +1112,7 @@ class PikaBroker(Broker):
         except _ConnectionLost as error:
             if not _refused_with(error, 404):
                 raise
-            raise _ConnectionLost(
-                f"exchange {name!r} does not exist and user {self._user_id!r} may not "
-                "declare it (no configure permission): an operator must create it, e.g. "
-                "from deploy/rabbitmq/definitions.json"
-            ) from error.__cause__
+            raise _ConnectionLost(missing_exchange(name, self._user_id)) from error.__cause__
 
     def _open_channel(self, session: _Session, role: str) -> Channel:
         future: concurrent.futures.Future[Channel] = concurrent.futures.Future()
@@ -1437,8 +1361,8 @@ class PikaBroker(Broker):
         unconfirmed = list(session.unconfirmed.values())
         session.unconfirmed.clear()
         session.sequence = 0
-        target = _refused_target(reason.reply_text)
-        aimed = [_aimed_at(m.exchange, m.routing_key, target) for m in unconfirmed]
+        target = refused_target(reason.reply_text)
+        aimed = [aimed_at(m.exchange, m.routing_key, target) for m in unconfirmed]
         if any(aimed):
             first = aimed.index(True)
             routed = first
@@ -1465,7 +1389,7 @@ class PikaBroker(Broker):
             if sender is not None:
                 returned = Delivery(
                     message.body,
-                    topic=self._topic_of(message.exchange, message.routing_key),
+                    topic=topic_of(message.exchange, message.routing_key, self.inbox_exchange),
                     returned=True,
                     user_id=message.properties.user_id,
                 )
@@ -1550,20 +1474,15 @@ class PikaBroker(Broker):
         if sender is None:
             log.debug("a return for a closed endpoint (%r): dropped", method.routing_key)
             return
-        topic = self._topic_of(method.exchange, method.routing_key)
+        topic = topic_of(method.exchange, method.routing_key, self.inbox_exchange)
         self._dispatch_queue.put(
             (sender, Delivery(body, topic=topic, returned=True, user_id=properties.user_id))
         )
 
-    def _topic_of(self, exchange: str, routing_key: str) -> str | None:
-        """The topic of a delivery or return: None for a send (through the inbox exchange,
-        or the default exchange a plain client may use), else the routing key."""
-        return None if not exchange or exchange == self.inbox_exchange else routing_key
-
     def _on_message(
         self, endpoint: PikaEndpoint, _channel: Channel, method: Any, properties: Any, body: bytes
     ) -> None:
-        topic = self._topic_of(method.exchange, method.routing_key)
+        topic = topic_of(method.exchange, method.routing_key, self.inbox_exchange)
         with self._lock:
             self._stats.delivered += 1
         self._dispatch_queue.put(

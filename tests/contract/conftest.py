@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import pytest
 
+from brokers import connect
 from brokers.inprocess import InProcessBroker
 from reservoir.broker import Broker, Delivery, Endpoint
 
@@ -30,38 +31,27 @@ def _inprocess(request: pytest.FixtureRequest) -> Broker:
     return InProcessBroker()
 
 
-def _kombu(request: pytest.FixtureRequest) -> Broker:
-    """The kombu adapter on a real RabbitMQ, on exchanges of its own, deleted afterwards."""
-    from brokers.kombu_broker import KombuBroker
+def _on_rabbitmq(adapter: str) -> Callable[[pytest.FixtureRequest], Broker]:
+    """A factory for the ``adapter`` (``pika`` or ``kombu``) on a real RabbitMQ, on exchanges
+    of its own, deleted afterwards."""
 
-    amqp_url: str = request.getfixturevalue("reservoir_amqp_url")
-    exchange = f"contract-{uuid.uuid4().hex}"
-    separator = "&" if "?" in amqp_url else "?"
-    broker = KombuBroker(f"kombu+{amqp_url}{separator}exchange={exchange}")
-    # Registered before the broker fixture's own teardown, so it runs after broker.close()
-    # (delete_exchanges uses a connection of its own).
-    request.addfinalizer(broker.delete_exchanges)
-    return broker
+    def open_broker(request: pytest.FixtureRequest) -> Broker:
+        amqp_url: str = request.getfixturevalue("reservoir_amqp_url")
+        separator = "&" if "?" in amqp_url else "?"
+        url = f"{amqp_url}{separator}exchange=contract-{uuid.uuid4().hex}"
+        broker = connect(f"kombu+{url}" if adapter == "kombu" else url)
+        # Registered before the broker fixture's own teardown, so it runs after broker.close()
+        # (delete_exchanges uses a connection of its own).
+        request.addfinalizer(broker.delete_exchanges)  # type: ignore[attr-defined]
+        return broker
 
-
-def _pika(request: pytest.FixtureRequest) -> Broker:
-    """The pika adapter on a real RabbitMQ, on exchanges of its own, deleted afterwards."""
-    from brokers.pika_broker import PikaBroker
-
-    amqp_url: str = request.getfixturevalue("reservoir_amqp_url")
-    exchange = f"contract-{uuid.uuid4().hex}"
-    separator = "&" if "?" in amqp_url else "?"
-    broker = PikaBroker(f"{amqp_url}{separator}exchange={exchange}")
-    # Registered before the broker fixture's own teardown, so it runs after broker.close()
-    # (delete_exchanges uses a connection of its own).
-    request.addfinalizer(broker.delete_exchanges)
-    return broker
+    return open_broker
 
 
 BROKERS = [
     pytest.param(_inprocess, id="inprocess"),
-    pytest.param(_kombu, id="kombu", marks=pytest.mark.rabbitmq),
-    pytest.param(_pika, id="pika", marks=pytest.mark.rabbitmq),
+    pytest.param(_on_rabbitmq("kombu"), id="kombu", marks=pytest.mark.rabbitmq),
+    pytest.param(_on_rabbitmq("pika"), id="pika", marks=pytest.mark.rabbitmq),
 ]
 
 

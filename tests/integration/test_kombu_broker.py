@@ -14,9 +14,7 @@ awaited with :meth:`KombuBroker.wait_for_connections`.
 from __future__ import annotations
 
 import contextlib
-import shutil
 import socket
-import subprocess
 import threading
 import time
 import uuid
@@ -29,7 +27,7 @@ from amqp.exceptions import NotFound
 from kombu import Connection
 
 from brokers import connect
-from brokers.kombu_broker import INBOX_SUFFIX, KombuBroker
+from brokers.kombu_broker import KombuBroker
 from reservoir.broker import BrokerError, Delivery, Endpoint, UnsupportedBroker
 
 WAIT_S = 10.0
@@ -71,22 +69,6 @@ class Inbox:
 def _with_exchange(amqp_url: str, exchange: str) -> str:
     separator = "&" if "?" in amqp_url else "?"
     return f"kombu+{amqp_url}{separator}exchange={exchange}"
-
-
-@pytest.fixture
-def amqp_url(reservoir_amqp_url: str) -> str:
-    return reservoir_amqp_url
-
-
-@pytest.fixture
-def exchange(amqp_url: str) -> Iterator[str]:
-    """A topic exchange name of this test's own; it and its inbox exchange are deleted
-    afterwards (here rather than by ``delete_exchanges``: not every test opens a broker)."""
-    name = f"kombu-it-{uuid.uuid4().hex}"
-    yield name
-    with Connection(amqp_url) as admin:
-        for doomed in (name, name + INBOX_SUFFIX):
-            admin.default_channel.exchange_delete(doomed)
 
 
 @pytest.fixture
@@ -442,34 +424,10 @@ def test_publishes_wait_while_rabbitmq_blocks_publishing(open_broker: OpenBroker
 # -- recovery -------------------------------------------------------------------------------
 
 
-def _force_close(connection_name: str) -> None:
-    """Close exactly this connection from the server side, as an operator would."""
-    if shutil.which("rabbitmqctl") is None:
-        pytest.skip("rabbitmqctl is not available to force a connection closed")
-    listing = subprocess.run(
-        ["rabbitmqctl", "-q", "--no-table-headers", "list_connections", "pid", "client_properties"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-    )
-    pids = [
-        line.split("\t", 1)[0]
-        for line in listing.stdout.splitlines()
-        if f'"{connection_name}"' in line
-    ]
-    if listing.returncode != 0 or len(pids) != 1:
-        pytest.skip(f"rabbitmqctl cannot see connection {connection_name!r}: {listing.stderr}")
-    subprocess.run(
-        ["rabbitmqctl", "-q", "close_connection", pids[0], "reservoir kombu recovery test"],
-        capture_output=True,
-        timeout=30,
-        check=True,
-    )
-
-
 @pytest.mark.rabbitmq
-def test_recovers_after_a_forced_close(open_broker: OpenBroker) -> None:
+def test_recovers_after_a_forced_close(
+    open_broker: OpenBroker, close_connection: Callable[[str], None]
+) -> None:
     broker = open_broker(reconnect_max_s=0.5)
     ns = f"k{uuid.uuid4().hex[:10]}"
     receiver = Inbox()
@@ -480,7 +438,7 @@ def test_recovers_after_a_forced_close(open_broker: OpenBroker) -> None:
     sender.publish(f"{ns}.tier.10", b"before")
     receiver.wait_for_body(b"before")
 
-    _force_close(broker.connection_name)
+    close_connection(broker.connection_name)
     # Issued while the connection is down or dying: queued, or replayed as unconfirmed.
     sender.publish(f"{ns}.tier.10", b"during")
     assert broker.wait_for_connections(2, WAIT_S), "did not reconnect"
@@ -567,62 +525,62 @@ class FreezableProxy:
             assert not thread.is_alive()
 
 
-@pytest.mark.rabbitmq
-def test_heartbeats_detect_a_silent_server_and_recover(
-    open_broker: OpenBroker, amqp_url: str, exchange: str
-) -> None:
+@pytest.fixture
+def via_proxy(amqp_url: str, exchange: str) -> Iterator[tuple[FreezableProxy, str]]:
+    """A :class:`FreezableProxy` in front of the RabbitMQ under test, and the kombu URL (on
+    this test's exchange) that goes through it. The proxy is closed after the test."""
     parts = urlsplit(amqp_url)
     proxy = FreezableProxy(parts.hostname or "127.0.0.1", parts.port or 5672)
     try:
-        broker = open_broker(
-            _with_exchange(_via(amqp_url, proxy.port), exchange),
-            heartbeat_s=1.0,
-            reconnect_max_s=0.5,
-        )
-        ns = f"k{uuid.uuid4().hex[:10]}"
-        receiver = Inbox()
-        broker.open_endpoint(receiver, name=f"{ns}-node").bind(f"{ns}.t")
-        sender = broker.open_endpoint(Inbox())
-
-        started = time.monotonic()
-        proxy.freeze()
-        # Two missed heartbeats (2 s) to notice; then our old connection must die on the
-        # server (its heartbeats stop too) before the queue name is free again.
-        assert broker.wait_for_connections(2, 20), "did not detect the silent server"
-        recovered_s = time.monotonic() - started
-        sender.publish(f"{ns}.t", b"after the silence")
-        receiver.wait_for_body(b"after the silence")
-        assert recovered_s < 15
-        broker.close()  # before the proxy goes, or it would see that and reconnect
+        yield proxy, _with_exchange(_via(amqp_url, proxy.port), exchange)
     finally:
         proxy.close()
+
+
+@pytest.mark.rabbitmq
+def test_heartbeats_detect_a_silent_server_and_recover(
+    via_proxy: tuple[FreezableProxy, str], open_broker: OpenBroker
+) -> None:
+    proxy, url = via_proxy
+    broker = open_broker(url, heartbeat_s=1.0, reconnect_max_s=0.5)
+    ns = f"k{uuid.uuid4().hex[:10]}"
+    receiver = Inbox()
+    broker.open_endpoint(receiver, name=f"{ns}-node").bind(f"{ns}.t")
+    sender = broker.open_endpoint(Inbox())
+
+    started = time.monotonic()
+    proxy.freeze()
+    # Two missed heartbeats (2 s) to notice; then our old connection must die on the
+    # server (its heartbeats stop too) before the queue name is free again.
+    assert broker.wait_for_connections(2, 20), "did not detect the silent server"
+    recovered_s = time.monotonic() - started
+    sender.publish(f"{ns}.t", b"after the silence")
+    receiver.wait_for_body(b"after the silence")
+    assert recovered_s < 15
+    broker.close()  # before the proxy goes, or it would see that and reconnect
 
 
 @pytest.mark.rabbitmq
 def test_silent_server_bounds_pending_publishes_and_close(
-    open_broker: OpenBroker, amqp_url: str, exchange: str
+    via_proxy: tuple[FreezableProxy, str], open_broker: OpenBroker
 ) -> None:
-    parts = urlsplit(amqp_url)
-    proxy = FreezableProxy(parts.hostname or "127.0.0.1", parts.port or 5672)
-    try:
-        broker = open_broker(
-            _with_exchange(_via(amqp_url, proxy.port), exchange),
-            heartbeat_s=0,  # nobody notices the silence: only the bounds below help
-            max_pending=20,
-            close_timeout_s=1.0,
-        )
-        sender = broker.open_endpoint(Inbox())
-        proxy.freeze()
-        for i in range(20):
-            sender.publish("kombu.silent", b"%d" % i)
-        with pytest.raises(BrokerError, match="waiting for RabbitMQ to confirm"):
-            sender.publish("kombu.silent", b"one too many")
-        started = time.monotonic()
-        broker.close()
-        assert time.monotonic() - started < 3
-        assert _threads_of(broker) == set()
-    finally:
-        proxy.close()
+    proxy, url = via_proxy
+    broker = open_broker(
+        url,
+        heartbeat_s=0,  # nobody notices the silence: only the bounds below help
+        max_pending=20,
+        close_timeout_s=1.0,
+    )
+    sender = broker.open_endpoint(Inbox())
+    proxy.freeze()
+    for i in range(20):
+        sender.publish("kombu.silent", b"%d" % i)
+    with pytest.raises(BrokerError, match="waiting for RabbitMQ to confirm"):
+        sender.publish("kombu.silent", b"one too many")
+    started = time.monotonic()
+    broker.close()
+    assert time.monotonic() - started < 3
+    assert _threads_of(broker) == set()
 
 
 @pytest.mark.rabbitmq

@@ -8,8 +8,6 @@ never by sleeping.
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -21,7 +19,7 @@ import pika.exceptions
 import pytest
 
 from brokers import connect
-from brokers.pika_broker import INBOX_SUFFIX, PikaBroker, strip_reservoir_params
+from brokers.pika_broker import PikaBroker, strip_reservoir_params
 from reservoir.broker import BrokerError, Delivery, Endpoint
 
 pytestmark = pytest.mark.rabbitmq
@@ -65,11 +63,6 @@ class Collector:
 
 
 @pytest.fixture
-def amqp_url(reservoir_amqp_url: str) -> str:
-    return reservoir_amqp_url
-
-
-@pytest.fixture
 def ns() -> str:
     return f"it{uuid.uuid4().hex[:12]}"
 
@@ -83,18 +76,9 @@ def admin(amqp_url: str) -> Iterator[pika.BlockingConnection]:
         connection.close()
 
 
-@pytest.fixture
-def exchange(amqp_url: str) -> Iterator[str]:
-    """This test's own exchange name; it and its inbox exchange are deleted afterwards
-    (here rather than by ``delete_exchanges``, since some tests declare it themselves)."""
-    name = f"it-{uuid.uuid4().hex}"
-    yield name
-    connection = pika.BlockingConnection(pika.URLParameters(amqp_url))
-    try:
-        for doomed in (name, name + INBOX_SUFFIX):
-            connection.channel().exchange_delete(doomed)
-    finally:
-        connection.close()
+def _with_exchange(amqp_url: str, exchange: str) -> str:
+    separator = "&" if "?" in amqp_url else "?"
+    return f"{amqp_url}{separator}exchange={exchange}"
 
 
 @pytest.fixture
@@ -103,8 +87,7 @@ def open_broker(amqp_url: str, exchange: str) -> Iterator[Callable[..., PikaBrok
     opened: list[PikaBroker] = []
 
     def make(query: str = "", **options: object) -> PikaBroker:
-        separator = "&" if "?" in amqp_url else "?"
-        url = f"{amqp_url}{separator}exchange={exchange}{'&' + query if query else ''}"
+        url = _with_exchange(amqp_url, exchange) + (f"&{query}" if query else "")
         broker = PikaBroker(url, **options)  # type: ignore[arg-type]
         opened.append(broker)
         return broker
@@ -112,46 +95,6 @@ def open_broker(amqp_url: str, exchange: str) -> Iterator[Callable[..., PikaBrok
     yield make
     for broker in opened:
         broker.close()
-
-
-Rabbitmqctl = Callable[..., str]
-
-
-@pytest.fixture(scope="module")
-def rabbitmqctl(reservoir_amqp_url: str) -> Rabbitmqctl:
-    """Runs ``rabbitmqctl -q <args>`` against the RabbitMQ under test; skips where it can't
-    (not installed, or managing another node than the one the URL reaches, as with a
-    testcontainers broker)."""
-    if shutil.which("rabbitmqctl") is None:
-        pytest.skip("rabbitmqctl is not on PATH")
-
-    def run(*args: str) -> str:
-        done = subprocess.run(
-            ["rabbitmqctl", "-q", *args], capture_output=True, text=True, timeout=30, check=True
-        )
-        return done.stdout
-
-    probe_name = f"reservoir-test-probe-{uuid.uuid4().hex}"
-    parameters = pika.URLParameters(reservoir_amqp_url)
-    parameters.client_properties = {"connection_name": probe_name}
-    probe = pika.BlockingConnection(parameters)
-    try:
-        listing = run("list_connections", "--no-table-headers", "client_properties")
-    except (OSError, subprocess.SubprocessError) as error:
-        pytest.skip(f"rabbitmqctl does not work here: {error}")
-    finally:
-        probe.close()
-    if probe_name not in listing:
-        pytest.skip("rabbitmqctl manages another RabbitMQ than the one under test")
-    return run
-
-
-def connection_pid(rabbitmqctl: Rabbitmqctl, connection_name: str) -> str:
-    """The Erlang pid of the one connection announcing ``connection_name``."""
-    lines = rabbitmqctl("list_connections", "--no-table-headers", "pid", "client_properties")
-    pids = [line.split("\t", 1)[0] for line in lines.splitlines() if f'"{connection_name}"' in line]
-    assert len(pids) == 1, f"expected one connection named {connection_name}: {lines}"
-    return pids[0]
 
 
 # -- configuration --------------------------------------------------------------------------
@@ -170,8 +113,7 @@ def test_reservoir_params_are_stripped_and_credentials_masked(
 
 
 def test_connect_picks_pika_for_amqp_urls(amqp_url: str, exchange: str) -> None:
-    separator = "&" if "?" in amqp_url else "?"
-    broker = connect(f"{amqp_url}{separator}exchange={exchange}")
+    broker = connect(_with_exchange(amqp_url, exchange))
     try:
         assert isinstance(broker, PikaBroker)
     finally:
@@ -202,7 +144,7 @@ def test_exchange_of_another_type_is_refused_at_once(
 
 
 def test_connection_is_named_and_heartbeat_comes_from_the_url(
-    open_broker: Callable[..., PikaBroker], rabbitmqctl: Rabbitmqctl
+    open_broker: Callable[..., PikaBroker], rabbitmqctl: Callable[..., str]
 ) -> None:
     broker = open_broker("heartbeat=7")
     lines = rabbitmqctl("list_connections", "--no-table-headers", "timeout", "client_properties")
@@ -287,18 +229,16 @@ def test_endpoint_names_with_wildcards_are_refused(
 
 
 def test_amq_exchanges_are_refused(amqp_url: str) -> None:
-    separator = "&" if "?" in amqp_url else "?"
     with pytest.raises(ValueError, match=r"amq\.topic\.inbox"):
-        PikaBroker(f"{amqp_url}{separator}exchange=amq.topic")
+        PikaBroker(_with_exchange(amqp_url, "amq.topic"))
 
 
 def test_delete_exchanges_deletes_both_before_or_after_close_and_is_idempotent(
     amqp_url: str, admin: pika.BlockingConnection, ns: str
 ) -> None:
-    separator = "&" if "?" in amqp_url else "?"
     for when in ("open", "closed"):
         name = f"it-delete-{when}-{uuid.uuid4().hex}"
-        broker = PikaBroker(f"{amqp_url}{separator}exchange={name}")
+        broker = PikaBroker(_with_exchange(amqp_url, name))
         try:
             endpoint = broker.open_endpoint(Collector(), name=f"{ns}-{when}")
             endpoint.bind(f"{ns}.t")
@@ -318,7 +258,7 @@ def test_delete_exchanges_deletes_both_before_or_after_close_and_is_idempotent(
 
 
 def test_reconnects_after_forced_close_with_same_address_and_bindings(
-    open_broker: Callable[..., PikaBroker], rabbitmqctl: Rabbitmqctl, ns: str
+    open_broker: Callable[..., PikaBroker], close_connection: Callable[[str], None], ns: str
 ) -> None:
     broker = open_broker(reconnect_initial_s=0.05)
     node = Collector()
@@ -329,7 +269,7 @@ def test_reconnects_after_forced_close_with_same_address_and_bindings(
     requestor_ep.publish(f"{ns}.tier.10", b"before")
     node.wait_for_body(b"before")
 
-    rabbitmqctl("close_connection", connection_pid(rabbitmqctl, broker.connection_name), "test")
+    close_connection(broker.connection_name)
     # Straight after the kill, before or after the adapter noticed: a publish is buffered
     # (or re-published unconfirmed) and a bind waits for the reconnect or is redone by it.
     requestor_ep.publish(f"{ns}.tier.10", b"during")

@@ -25,9 +25,6 @@ Skipped when ``rabbitmqctl`` cannot manage the RabbitMQ under test (failed under
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
 import threading
 import time
 import uuid
@@ -56,53 +53,6 @@ EXAMPLE_PASSWORDS = {
     "reservoir-node": "node-example-change-me",
 }
 WAIT_S = 10.0
-
-
-def _unavailable(reason: str) -> None:
-    if os.environ.get("CI"):
-        pytest.fail(f"CI must be able to test the RabbitMQ roles: {reason}", pytrace=False)
-    pytest.skip(f"cannot test the RabbitMQ roles here: {reason}")
-
-
-def _run(*args: str, stdin: str | None = None) -> str:
-    done = subprocess.run(
-        ["rabbitmqctl", "-q", *args],
-        input=stdin,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"rabbitmqctl {' '.join(args)} failed: {done.stderr or done.stdout}")
-    return done.stdout
-
-
-@pytest.fixture(scope="module")
-def rabbitmqctl(reservoir_amqp_url: str) -> Callable[..., str]:
-    """``rabbitmqctl -q <args>``, once it is known to manage the RabbitMQ under test."""
-    if shutil.which("rabbitmqctl") is None:
-        _unavailable("rabbitmqctl is not on PATH")
-    probe_name = f"reservoir-roles-probe-{uuid.uuid4().hex}"
-    parameters = pika.URLParameters(reservoir_amqp_url)
-    parameters.client_properties = {"connection_name": probe_name}
-    probe = pika.BlockingConnection(parameters)
-    try:
-        listing = _run("list_connections", "--no-table-headers", "client_properties")
-    except (OSError, subprocess.SubprocessError, RuntimeError) as error:
-        _unavailable(f"rabbitmqctl cannot manage the broker: {error}")
-    finally:
-        probe.close()
-    if probe_name not in listing:
-        _unavailable(
-            f"rabbitmqctl manages another RabbitMQ than the one at {_mask(reservoir_amqp_url)}"
-        )
-    return _run
-
-
-def _mask(url: str) -> str:
-    parts = urlsplit(url)
-    return f"{parts.scheme}://{parts.hostname}:{parts.port or 5672}{parts.path}"
 
 
 @dataclass(frozen=True)
@@ -216,18 +166,14 @@ def roles(
 
 @pytest.fixture
 def as_node(roles: Roles) -> Iterator[pika.BlockingConnection]:
-    connection = roles.connect(roles.node)
-    yield connection
-    if connection.is_open:
-        connection.close()
+    with roles.connect(roles.node) as connection:
+        yield connection
 
 
 @pytest.fixture
 def as_requestor(roles: Roles) -> Iterator[pika.BlockingConnection]:
-    connection = roles.connect(roles.requestor)
-    yield connection
-    if connection.is_open:
-        connection.close()
+    with roles.connect(roles.requestor) as connection:
+        yield connection
 
 
 def refused(connection: pika.BlockingConnection, act: Callable[[Any], object]) -> str:
@@ -465,122 +411,114 @@ class Inbox:
             return found()[0]
 
 
-@pytest.mark.parametrize("adapter", sorted(ADAPTERS))
-def test_a_refused_send_comes_back_and_the_adapter_carries_on(roles: Roles, adapter: str) -> None:
+@pytest.fixture(params=sorted(ADAPTERS))
+def brokers_by_role(
+    request: pytest.FixtureRequest, roles: Roles
+) -> Iterator[tuple[Broker, Broker]]:
+    """A broker with node credentials and one with requestor credentials, through the
+    adapter the parameter names; both closed after the test."""
+    open_broker = ADAPTERS[request.param]
+    node_broker = open_broker(roles.url(roles.node))
+    requestor_broker = open_broker(roles.url(roles.requestor))
+    try:
+        yield node_broker, requestor_broker
+    finally:
+        requestor_broker.close()
+        node_broker.close()
+
+
+def test_a_refused_send_comes_back_and_the_adapter_carries_on(
+    roles: Roles, brokers_by_role: tuple[Broker, Broker]
+) -> None:
     """A send the node's permissions forbid (a reply_to outside reservoir.requestor.*, say)
     closes the channel it went out on. It must come back to its sender as returned and cost
     nothing else: no reconnect, so it is not published again and again after each one."""
-    node_broker = ADAPTERS[adapter](roles.url(roles.node))
-    requestor_broker = ADAPTERS[adapter](roles.url(roles.requestor))
-    try:
-        run = uuid.uuid4().hex[:8]
-        at_node, at_requestor = Inbox(), Inbox()
-        node = node_broker.open_endpoint(at_node, name=f"reservoir.node.{run}")
-        node.bind("tier.10")
-        requestor = requestor_broker.open_endpoint(at_requestor, name=f"reservoir.requestor.{run}")
+    node_broker, requestor_broker = brokers_by_role
+    run = uuid.uuid4().hex[:8]
+    at_node, at_requestor = Inbox(), Inbox()
+    node = node_broker.open_endpoint(at_node, name=f"reservoir.node.{run}")
+    node.bind("tier.10")
+    requestor = requestor_broker.open_endpoint(at_requestor, name=f"reservoir.requestor.{run}")
 
-        node.send(requestor.address, b"before")
-        node.send("reservoir.node.other", b"forged award")
-        node.send(requestor.address, b"after")
-        refused = at_node.wait_for(b"forged award", returned=True)
-        assert refused.topic is None
-        assert refused.user_id == roles.node
-        at_requestor.wait_for(b"before")
-        at_requestor.wait_for(b"after")
-        # The node still hears its tier and its address, and still answers.
-        requestor.publish("tier.10", b"request")
-        requestor.send(node.address, b"award")
-        at_node.wait_for(b"request")
-        at_node.wait_for(b"award")
-        node.send(requestor.address, b"accepted")
-        at_requestor.wait_for(b"accepted")
-        assert [d.body for d in at_requestor.deliveries] == [b"before", b"after", b"accepted"]
-        assert [d.body for d in at_node.deliveries if d.returned] == [b"forged award"]
-        if isinstance(node_broker, PikaBroker):
-            stats = node_broker.stats
-            assert (stats.refused, stats.reconnects) == (1, 0)
-        else:
-            assert isinstance(node_broker, KombuBroker)
-            assert node_broker.connections == 1
-    finally:
-        requestor_broker.close()
-        node_broker.close()
+    node.send(requestor.address, b"before")
+    node.send("reservoir.node.other", b"forged award")
+    node.send(requestor.address, b"after")
+    refused = at_node.wait_for(b"forged award", returned=True)
+    assert refused.topic is None
+    assert refused.user_id == roles.node
+    at_requestor.wait_for(b"before")
+    at_requestor.wait_for(b"after")
+    # The node still hears its tier and its address, and still answers.
+    requestor.publish("tier.10", b"request")
+    requestor.send(node.address, b"award")
+    at_node.wait_for(b"request")
+    at_node.wait_for(b"award")
+    node.send(requestor.address, b"accepted")
+    at_requestor.wait_for(b"accepted")
+    assert [d.body for d in at_requestor.deliveries] == [b"before", b"after", b"accepted"]
+    assert [d.body for d in at_node.deliveries if d.returned] == [b"forged award"]
+    if isinstance(node_broker, PikaBroker):
+        stats = node_broker.stats
+        assert (stats.refused, stats.reconnects) == (1, 0)
+    else:
+        assert isinstance(node_broker, KombuBroker)
+        assert node_broker.connections == 1
 
 
-@pytest.mark.parametrize("adapter", sorted(ADAPTERS))
 def test_restricted_users_reconnect(
-    roles: Roles, adapter: str, rabbitmqctl: Callable[..., str]
+    brokers_by_role: tuple[Broker, Broker], close_connection: Callable[[str], None]
 ) -> None:
     """After a forced close, a user without configure permission on the exchanges
     reconnects (declaring them passively again) and restores its queue and bindings."""
-    node_broker = ADAPTERS[adapter](roles.url(roles.node))
-    requestor_broker = ADAPTERS[adapter](roles.url(roles.requestor))
-    try:
-        run = uuid.uuid4().hex[:8]
-        at_node, at_requestor = Inbox(), Inbox()
-        node = node_broker.open_endpoint(at_node, name=f"reservoir.node.{run}")
-        node.bind("tier.25")
-        requestor = requestor_broker.open_endpoint(at_requestor, name=f"reservoir.requestor.{run}")
+    node_broker, requestor_broker = brokers_by_role
+    run = uuid.uuid4().hex[:8]
+    at_node, at_requestor = Inbox(), Inbox()
+    node = node_broker.open_endpoint(at_node, name=f"reservoir.node.{run}")
+    node.bind("tier.25")
+    requestor = requestor_broker.open_endpoint(at_requestor, name=f"reservoir.requestor.{run}")
 
-        connection_name = getattr(node_broker, "connection_name", "")
-        lines = rabbitmqctl("list_connections", "--no-table-headers", "pid", "client_properties")
-        pids = [
-            row.split("\t", 1)[0] for row in lines.splitlines() if f'"{connection_name}"' in row
-        ]
-        assert len(pids) == 1, lines
-        rabbitmqctl("close_connection", pids[0], "reservoir roles test")
-        if isinstance(node_broker, PikaBroker):
-            assert node_broker.wait_connected(WAIT_S, min_reconnects=1)
-        else:
-            assert isinstance(node_broker, KombuBroker)
-            assert node_broker.wait_for_connections(2, WAIT_S)
+    close_connection(getattr(node_broker, "connection_name", ""))
+    if isinstance(node_broker, PikaBroker):
+        assert node_broker.wait_connected(WAIT_S, min_reconnects=1)
+    else:
+        assert isinstance(node_broker, KombuBroker)
+        assert node_broker.wait_for_connections(2, WAIT_S)
 
-        requestor.publish("tier.25", b"request after")
-        requestor.send(node.address, b"award after")
-        at_node.wait_for(b"request after")
-        at_node.wait_for(b"award after")
-        node.send(requestor.address, b"accepted after")
-        at_requestor.wait_for(b"accepted after")
-    finally:
-        requestor_broker.close()
-        node_broker.close()
+    requestor.publish("tier.25", b"request after")
+    requestor.send(node.address, b"award after")
+    at_node.wait_for(b"request after")
+    at_node.wait_for(b"award after")
+    node.send(requestor.address, b"accepted after")
+    at_requestor.wait_for(b"accepted after")
 
 
-@pytest.mark.parametrize("adapter", sorted(ADAPTERS))
-def test_refusals_for_many_endpoints_at_once(roles: Roles, adapter: str) -> None:
+def test_refusals_for_many_endpoints_at_once(brokers_by_role: tuple[Broker, Broker]) -> None:
     """Many node endpoints on one broker (as in the demo) refused at the same moment: each
     gets its own message back, the allowed ones all arrive, and nothing loops."""
-    node_broker = ADAPTERS[adapter](roles.url(roles.node))
-    requestor_broker = ADAPTERS[adapter](roles.url(roles.requestor))
-    try:
-        run = uuid.uuid4().hex[:8]
-        at_requestor = Inbox()
-        requestor = requestor_broker.open_endpoint(at_requestor, name=f"reservoir.requestor.{run}")
-        nodes = []
-        for i in range(10):
-            inbox = Inbox()
-            nodes.append(
-                (inbox, node_broker.open_endpoint(inbox, name=f"reservoir.node.{run}-{i}"))
-            )
-        for i, (_, node) in enumerate(nodes):
-            node.send(f"reservoir.node.victim-{i}", b"forged %d" % i)
-            node.send(requestor.address, b"fine %d" % i)
-        for i, (inbox, _) in enumerate(nodes):
-            assert inbox.wait_for(b"forged %d" % i, returned=True).topic is None
-            at_requestor.wait_for(b"fine %d" % i)
-        # Still working, on the same connection or (kombu, when a refusal surfaced in the
-        # middle of repairing another endpoint) on one more.
-        requestor.send(nodes[0][1].address, b"still there")
-        nodes[0][0].wait_for(b"still there")
-        if isinstance(node_broker, PikaBroker):
-            assert node_broker.stats.reconnects == 0
-            assert node_broker.stats.refused == 10
-        else:
-            assert isinstance(node_broker, KombuBroker)
-            assert node_broker.connections <= 2
-        assert sorted(d.body for d in at_requestor.deliveries) == sorted(
-            b"fine %d" % i for i in range(10)
-        )
-    finally:
-        requestor_broker.close()
-        node_broker.close()
+    node_broker, requestor_broker = brokers_by_role
+    run = uuid.uuid4().hex[:8]
+    at_requestor = Inbox()
+    requestor = requestor_broker.open_endpoint(at_requestor, name=f"reservoir.requestor.{run}")
+    nodes = []
+    for i in range(10):
+        inbox = Inbox()
+        nodes.append((inbox, node_broker.open_endpoint(inbox, name=f"reservoir.node.{run}-{i}")))
+    for i, (_, node) in enumerate(nodes):
+        node.send(f"reservoir.node.victim-{i}", b"forged %d" % i)
+        node.send(requestor.address, b"fine %d" % i)
+    for i, (inbox, _) in enumerate(nodes):
+        assert inbox.wait_for(b"forged %d" % i, returned=True).topic is None
+        at_requestor.wait_for(b"fine %d" % i)
+    # Still working, on the same connection or (kombu, when a refusal surfaced in the
+    # middle of repairing another endpoint) on one more.
+    requestor.send(nodes[0][1].address, b"still there")
+    nodes[0][0].wait_for(b"still there")
+    if isinstance(node_broker, PikaBroker):
+        assert node_broker.stats.reconnects == 0
+        assert node_broker.stats.refused == 10
+    else:
+        assert isinstance(node_broker, KombuBroker)
+        assert node_broker.connections <= 2
+    assert sorted(d.body for d in at_requestor.deliveries) == sorted(
+        b"fine %d" % i for i in range(10)
+    )

@@ -141,15 +141,11 @@ class NodeMachine:
         for reservation in list(self.ledger.reservations.values()):
             self.ledger.pop_reservation(reservation.reservation_id)
             effects.append(
-                Send(
+                self._refused(
                     reservation.reply_to,
-                    Refused(
-                        request_id=reservation.request_id,
-                        sender=self.name,
-                        reply_to=self.config.address,
-                        reservation_id=reservation.reservation_id,
-                        reason="the node is shutting down",
-                    ),
+                    reservation.request_id,
+                    reservation.reservation_id,
+                    "the node is shutting down",
                 )
             )
         if self._expiry_at is not None:
@@ -354,31 +350,22 @@ class NodeMachine:
                 effects.append(self._accepted(award.reply_to, award.reservation_id, done))
             else:
                 effects.append(
-                    Send(
+                    self._refused(
                         award.reply_to,
-                        Refused(
-                            request_id=award.request_id,
-                            sender=self.name,
-                            reply_to=self.config.address,
-                            reservation_id=award.reservation_id,
-                            reason="the reservation expired or never existed",
-                        ),
+                        award.request_id,
+                        award.reservation_id,
+                        "the reservation expired or never existed",
                     )
                 )
             return
         if reservation.superseded_by is not None and reservation.owner == award.sender:
             self.ledger.pop_reservation(reservation.reservation_id)
             effects.append(
-                Send(
+                self._refused(
                     award.reply_to,
-                    Refused(
-                        request_id=award.request_id,
-                        sender=self.name,
-                        reply_to=self.config.address,
-                        reservation_id=award.reservation_id,
-                        reason=f"superseded: {reservation.superseded_by} is placing the same "
-                        "request id",
-                    ),
+                    award.request_id,
+                    award.reservation_id,
+                    f"superseded: {reservation.superseded_by} is placing the same request id",
                 )
             )
             return
@@ -409,6 +396,18 @@ class NodeMachine:
             allocations.append(allocation)
             effects.append(StoreAllocation(allocation))
         effects.append(self._accepted(award.reply_to, reservation.reservation_id, allocations))
+
+    def _refused(self, reply_to: str, request_id: str, reservation_id: str, reason: str) -> Send:
+        return Send(
+            reply_to,
+            Refused(
+                request_id=request_id,
+                sender=self.name,
+                reply_to=self.config.address,
+                reservation_id=reservation_id,
+                reason=reason,
+            ),
+        )
 
     def _accepted(
         self, reply_to: str, reservation_id: str, allocations: Sequence[Allocation]

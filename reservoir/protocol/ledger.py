@@ -13,6 +13,7 @@ aside before the ratio applies). Time enters only as arguments: a reservation is
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator, Mapping
@@ -53,7 +54,7 @@ class Inventory:
         if not (self.allocation_ratio > 0 and math.isfinite(self.allocation_ratio)):
             raise ValueError("allocation_ratio must be a positive number")
 
-    @property
+    @functools.cached_property
     def capacity(self) -> int:
         # The epsilon keeps 0.1-style ratios from losing a unit to float rounding.
         return math.floor((self.total - self.reserved) * self.allocation_ratio + 1e-9)
@@ -152,6 +153,7 @@ class Ledger:
     )
     _reservation_by_request: dict[str, str] = field(default_factory=dict)
     _group_members: Counter[str] = field(default_factory=Counter)
+    _utilisation: float | None = None
 
     @classmethod
     def with_allocations(
@@ -178,12 +180,15 @@ class Ledger:
 
     def utilisation(self) -> float:
         """Dominant share: the largest (allocated + reserved) / capacity over the classes."""
-        share = 0.0
-        for rc, inventory in self.inventories.items():
-            capacity = inventory.capacity
-            if capacity > 0:
-                share = max(share, (self._allocated[rc] + self._reserved[rc]) / capacity)
-        return share
+        # Asked several times per message (the offer, the tier): computed once per change.
+        if self._utilisation is None:
+            share = 0.0
+            for rc, inventory in self.inventories.items():
+                capacity = inventory.capacity
+                if capacity > 0:
+                    share = max(share, (self._allocated[rc] + self._reserved[rc]) / capacity)
+            self._utilisation = share
+        return self._utilisation
 
     def fit(self, per_instance: Mapping[str, int], max_slots: int) -> SlotFit:
         """How many instances of ``per_instance`` fit in what is free, up to ``max_slots``."""
@@ -280,6 +285,7 @@ class Ledger:
             raise ValueError(f"request {reservation.request_id} already holds a reservation")
         self.reservations[reservation.reservation_id] = reservation
         self._reserved.update(reservation.holds())
+        self._utilisation = None
         self._reservation_by_request[reservation.request_id] = reservation.reservation_id
         if reservation.group is not None:
             self._group_members[reservation.group] += reservation.slots
@@ -289,6 +295,7 @@ class Ledger:
         if reservation is None:
             return None
         self._reserved.subtract(reservation.holds())
+        self._utilisation = None
         del self._reservation_by_request[reservation.request_id]
         if reservation.group is not None:
             self._group_members[reservation.group] -= reservation.slots
@@ -299,6 +306,7 @@ class Ledger:
             raise ValueError(f"allocation {allocation.allocation_id} exists")
         self.allocations[allocation.allocation_id] = allocation
         self._allocated.update(allocation.resources)
+        self._utilisation = None
         self._allocations_by_request[allocation.request_id].add(allocation.allocation_id)
         self._allocations_by_reservation[allocation.reservation_id].add(allocation.allocation_id)
         if allocation.group is not None:
@@ -309,6 +317,7 @@ class Ledger:
         if allocation is None:
             return None
         self._allocated.subtract(allocation.resources)
+        self._utilisation = None
         _discard(self._allocations_by_request, allocation.request_id, allocation_id)
         _discard(self._allocations_by_reservation, allocation.reservation_id, allocation_id)
         if allocation.group is not None:

@@ -485,6 +485,8 @@ class NodeMachine:
     # -- housekeeping ------------------------------------------------------------------
 
     def _expire(self, now: float, effects: list[Effect]) -> None:
+        if self._expiry_at is not None and now < self._expiry_at:
+            return  # the earliest deadline is still ahead: nothing to scan for
         for reservation in self.ledger.expired(now):
             self.ledger.pop_reservation(reservation.reservation_id)
             effects.append(

@@ -9,7 +9,7 @@ emptiest nodes and the last one reaches every node.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
 __all__ = ["DEFAULT_TIERS", "TOPIC_PREFIX", "TierLadder"]
@@ -23,6 +23,7 @@ class TierLadder:
     """Ascending utilisation percentages; the last must be 100 so every node hears it."""
 
     percents: tuple[int, ...] = DEFAULT_TIERS
+    _topics_from: tuple[frozenset[str], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.percents:
@@ -31,6 +32,12 @@ class TierLadder:
             raise ValueError(f"tiers must be strictly ascending, got {self.percents}")
         if self.percents[0] < 1 or self.percents[-1] != 100:
             raise ValueError(f"tiers must lie in 1..100 and end at 100, got {self.percents}")
+        # A node asks for its topics after every change: work them out once.
+        topics = tuple(
+            frozenset(self.topic(p) for p in self.percents[index:])
+            for index in range(len(self.percents))
+        )
+        object.__setattr__(self, "_topics_from", topics)
 
     @classmethod
     def of(cls, percents: Iterable[int]) -> TierLadder:
@@ -59,7 +66,7 @@ class TierLadder:
 
     def topics_for(self, utilisation: float) -> frozenset[str]:
         """Every tier topic a node at ``utilisation`` listens to (cumulative)."""
-        return frozenset(self.topic(p) for p in self.percents[self.first_index_for(utilisation) :])
+        return self._topics_from[self.first_index_for(utilisation)]
 
     def tier_for(self, utilisation: float) -> int:
         """The narrowest tier, as a percentage, that a node at ``utilisation`` belongs to."""

@@ -26,6 +26,7 @@ from reservoir.audit import AuditReport, audit
 from reservoir.broker import Broker
 from reservoir.clock import SystemClock, ThreadScheduler
 from reservoir.node_agent import NodeAgent
+from reservoir.plugins import load_filters, load_weighers
 from reservoir.protocol.ledger import Inventory
 from reservoir.protocol.placement import Placement, PlacementError
 from reservoir.requestor import Requestor
@@ -154,6 +155,9 @@ def run_demo(
         requestor_timers = ThreadScheduler(SystemClock(), name="demo-requestor-timers")
         agents: list[NodeAgent] = []
         requestors: list[Requestor] = []
+        # Discovering entry points reads every installed package's metadata: once will do.
+        filters = load_filters(settings.filters)
+        weighers = load_weighers(settings.weighers)
         try:
             for index in range(nodes):
                 vcpus, memory_mb, disk_gb = rng.choice(NODE_SHAPES)
@@ -168,6 +172,8 @@ def run_demo(
                         },
                         settings=settings,
                         scheduler=node_timers,
+                        filters=filters,
+                        weighers=weighers,
                     )
                 )
             requestors = [

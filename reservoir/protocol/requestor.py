@@ -482,18 +482,19 @@ class RequestorMachine:
 
     def _on_offer(self, offer: Offer, now: float, effects: list[Effect]) -> None:
         c = self._active.get(offer.request_id)
-        release = Send(
-            offer.reply_to,
-            Release(
-                request_id=offer.request_id,
-                sender=self.config.requestor_id,
-                reservation_id=offer.reservation_id,
-            ),
-        )
         if c is None:
             # Late: the request is decided or unknown. Let the node go at once rather than
             # make it wait out the reservation.
-            effects.append(release)
+            effects.append(
+                Send(
+                    offer.reply_to,
+                    Release(
+                        request_id=offer.request_id,
+                        sender=self.config.requestor_id,
+                        reservation_id=offer.reservation_id,
+                    ),
+                )
+            )
             effects.append(Dropped("late_offer", f"{offer.reservation_id} for {offer.request_id}"))
             return
         self._answered(c, offer.attempt, now, effects)

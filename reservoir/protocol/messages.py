@@ -211,6 +211,9 @@ class Lookup(_Message):
 
     kind: Literal["lookup"] = "lookup"
     reply_to: Identifier
+    #: the sender only waits for another requestor's placement to complete: it contends
+    #: for nothing, so nodes tell it what is placed and nothing else
+    following: bool = False
 
 
 class Offer(_Message):
@@ -249,6 +252,8 @@ class AlreadyPlaced(_Message):
     kind: Literal["already_placed"] = "already_placed"
     reply_to: Identifier
     allocations: tuple[AllocationInfo, ...]
+    #: the requestor that was awarded them: the one that finishes the request
+    owner: Identifier | None = None
 
 
 class Award(_Message):

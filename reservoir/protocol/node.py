@@ -193,7 +193,8 @@ class NodeMachine:
     # -- messages ----------------------------------------------------------------------
 
     def _on_lookup(self, lookup: Lookup, effects: list[Effect]) -> None:
-        if not self._already_placed(lookup.request_id, lookup.reply_to, effects):
+        placed = self._already_placed(lookup.request_id, lookup.reply_to, effects)
+        if not placed and not lookup.following:
             held = self.ledger.reservation_for(lookup.request_id)
             if held is not None and held.owner != lookup.sender:
                 effects.extend(self._contended(held, lookup.sender, lookup.reply_to, 1))
@@ -209,6 +210,7 @@ class NodeMachine:
                         sender=self.name,
                         reply_to=self.config.address,
                         allocations=tuple(a.info() for a in placed),
+                        owner=placed[0].owner,
                     ),
                 )
             )

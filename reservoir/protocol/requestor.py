@@ -190,6 +190,10 @@ class _Conversation:
     abandoned: set[str] = field(default_factory=set)
     #: allocations nodes reported as placed already (AlreadyPlaced), not awarded by us
     adopted: set[str] = field(default_factory=set)
+    #: another requestor owns allocations of this id: it finishes, we only look up
+    following: str | None = None
+    #: a node said "already placed" since the last lookup went out
+    heard_placed: bool = False
     tiers_tried: list[int] = field(default_factory=list)
     offers_received: int = 0
     declines: dict[str, Decline] = field(default_factory=dict)
@@ -372,6 +376,7 @@ class RequestorMachine:
                 now,
                 effects,
                 reservation_id=None,
+                owner=message.owner,
             )
         elif isinstance(message, Refused):
             self._on_refused(message, now, effects)
@@ -432,6 +437,9 @@ class RequestorMachine:
 
     def _broadcast(self, c: _Conversation, now: float, effects: list[Effect]) -> None:
         config = self.config
+        if c.following is not None:
+            self._follow(c, now, effects)
+            return
         c.attempt += 1
         c.phase = _Phase.COLLECTING
         c.collect_timer_set = False
@@ -463,11 +471,36 @@ class RequestorMachine:
         effects.append(CancelTimer((c.request_id, _WIDEN, c.attempt - 1)))
         effects.append(SetTimer((c.request_id, _WIDEN, c.attempt), now + self._widen_wait_s()))
 
+    def _follow(self, c: _Conversation, now: float, effects: list[Effect]) -> None:
+        """Ask every node again what is placed of the id, contending for nothing."""
+        c.phase = _Phase.BACKING_OFF
+        c.heard_placed = False
+        lookup = Lookup(
+            request_id=c.request_id,
+            sender=self.config.requestor_id,
+            reply_to=self.config.reply_to,
+            following=True,
+        )
+        effects.append(Publish(TierLadder.topic(self.config.tiers.percents[-1]), lookup))
+        c.lookup_until = now + self._lookup_wait_s()
+        c.decision_due = True
+        effects.append(SetTimer((c.request_id, _LOOKUP), c.lookup_until))
+
     def _lookup_wait_s(self) -> float:
         return min(self._widen_wait_s(), self.config.max_lookup_s)
 
     def _lookup_over(self, c: _Conversation, now: float, effects: list[Effect]) -> None:
         c.lookup_until = None
+        if c.following is not None and not c.heard_placed:
+            # Nobody holds any of it any more: the owner failed and let go. Place it
+            # ourselves, from scratch.
+            c.following = None
+            for allocation_id in c.adopted:
+                c.placed.pop(allocation_id, None)
+            c.adopted.clear()
+            c.decision_due = False
+            self._broadcast(c, now, effects)
+            return
         if c.decision_due:
             c.decision_due = False
             self._decide(c, now, effects)
@@ -576,13 +609,14 @@ class RequestorMachine:
         if c.lookup_until is not None:
             c.decision_due = True  # holders of an earlier placement may yet answer
             return
-        if c.yield_to and not c.awards and not (c.placed.keys() - c.adopted):
-            # Nothing of our own is awarded or placed (what nodes told us is placed already
-            # may be only part of the other requestor's placement): let it finish first.
+        own = bool(c.awards) or bool(c.placed.keys() - c.adopted)
+        needed = c.needed()
+        if not own and needed > 0 and (c.yield_to or c.following):
+            # Nothing of our own is awarded or placed, and another requestor has
+            # precedence or owns part of the placement already: let it finish first.
             self._stand_back(c, now, effects)
             return
         usable = self._usable(c, now, effects)
-        needed = c.needed()
         if needed <= 0:
             self._release_surplus(c, effects, keep_spares=bool(c.awards))
             self._maybe_complete(c, now, effects)
@@ -678,7 +712,8 @@ class RequestorMachine:
     def _stand_back(self, c: _Conversation, now: float, effects: list[Effect]) -> None:
         """Another requestor with precedence is placing this id: let go of what we hold
         and ask again after a pause."""
-        c.note = f"the same request id is being placed by {', '.join(sorted(c.yield_to))}"
+        others = sorted(c.yield_to | ({c.following} if c.following else set()))
+        c.note = f"the same request id is being placed by {', '.join(others)}"
         c.yield_to.clear()
         for held in c.pool.values():
             effects.append(self._release(c, held.offer))
@@ -733,14 +768,16 @@ class RequestorMachine:
         effects: list[Effect],
         *,
         reservation_id: str | None,
+        owner: str | None = None,
     ) -> None:
         allocations = tuple(allocations)
+        ours = reservation_id is not None or owner == self.config.requestor_id
         c = self._active.get(request_id)
         if c is None:
             placement = self._finished.get(request_id)
             known = {a.allocation_id for a in placement.allocations} if placement else set()
             stray = tuple(a.allocation_id for a in allocations if a.allocation_id not in known)
-            if stray:
+            if stray and ours:
                 # Allocations for a request that failed, or that is placed without them:
                 # free them so nothing stays allocated that nobody asked for.
                 self._free(request_id, [_FreeTarget(address, node, stray)], now, effects)
@@ -769,6 +806,11 @@ class RequestorMachine:
                 continue
             if reservation_id is None:
                 c.adopted.add(info.allocation_id)
+                c.heard_placed = True
+                if not ours and owner is not None:
+                    # Another requestor holds (part of) this placement: it finishes it,
+                    # we follow until it is whole.
+                    c.following = owner
             c.placed[info.allocation_id] = PlacedAllocation(
                 node=node,
                 address=address,

@@ -101,6 +101,10 @@ class RequestorConfig:
     min_widen_s: float = 0.05
     #: the longest a caller-chosen request id waits for holders to say "already placed"
     max_lookup_s: float = 0.5
+    #: at the last tier, wait this many times the widening wait, and at least
+    #: ``min_verdict_s``, before failing for want of offers
+    verdict_factor: float = 3.0
+    min_verdict_s: float = 0.25
     #: after an attempt's first offer, wait this many times its latency for the others
     collect_factor: float = 1.0
     min_collect_s: float = 0.002
@@ -469,7 +473,14 @@ class RequestorMachine:
             effects.append(SetTimer((c.request_id, _LOOKUP), c.lookup_until))
         effects.append(CancelTimer((c.request_id, _COLLECT, c.attempt - 1)))
         effects.append(CancelTimer((c.request_id, _WIDEN, c.attempt - 1)))
-        effects.append(SetTimer((c.request_id, _WIDEN, c.attempt), now + self._widen_wait_s()))
+        # Before the last tier's verdict (failure) the wait is longer than the one that
+        # only decides to look wider: a slow moment of the network or of a busy process
+        # must not fail a request that offers were already on their way to.
+        wait_s = self._widen_wait_s()
+        if c.tier_index == len(config.tiers) - 1:
+            wait_s = min(max(wait_s * config.verdict_factor, config.min_verdict_s),
+                         config.max_widen_s)  # fmt: skip
+        effects.append(SetTimer((c.request_id, _WIDEN, c.attempt), now + wait_s))
 
     def _follow(self, c: _Conversation, now: float, effects: list[Effect]) -> None:
         """Ask every node again what is placed of the id, contending for nothing."""

@@ -40,12 +40,12 @@ def test_the_demo_prints_exactly_one_json_object_and_audits_clean() -> None:
 
 
 def test_the_demo_reports_failures_when_the_cloud_is_too_small() -> None:
-    status, out, _ = run("demo", "--nodes", "1", "--requests", "400", "--concurrency", "2",
+    status, out, _ = run("demo", "--nodes", "1", "--requests", "80", "--concurrency", "2",
                          "--json", "--seed", "3")  # fmt: skip
     result = json.loads(out)
     assert status == 0  # failing to place is not a broken invariant
     assert result["failed"] > 0
-    assert result["placed"] + result["failed"] == 400
+    assert result["placed"] + result["failed"] == 80
     assert result["overcommitted"] == 0
 
 

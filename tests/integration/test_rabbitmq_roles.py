@@ -40,7 +40,7 @@ import pytest
 
 from brokers.kombu_broker import KombuBroker
 from brokers.pika_broker import PikaBroker
-from reservoir import NodeAgent, Requestor
+from reservoir import NodeAgent, Requestor, audit
 from reservoir.broker import Broker, Delivery, Endpoint, Handler
 from reservoir.settings import Settings
 
@@ -371,7 +371,9 @@ def test_a_placement_with_per_role_credentials(
                 assert requestor.address.startswith("reservoir.requestor.")
                 placement = requestor.reserve(vcpus=1, timeout_s=WAIT_S)
                 assert placement.nodes == (name,)
+                audit([node.snapshot()], [placement]).raise_if_failed(allow_orphans=False)
                 requestor.release(placement)
+            audit([node.snapshot()]).raise_if_failed(allow_orphans=False)
         finally:
             node.close()
     finally:

@@ -107,9 +107,10 @@ def test_concurrent_calls_with_one_request_id_share_one_placement(
     broker, nodes = cluster
     with Requestor(broker) as requestor:
         futures = [requestor.submit(vcpus=1, request_id="same") for _ in range(10)]
-        results = [f.result(timeout=10).allocations for f in futures]
-    assert all(result == results[0] for result in results)
+        placements = [f.result(timeout=10) for f in futures]
+    assert all(p.allocations == placements[0].allocations for p in placements)
     assert sum(len(n.allocations()) for n in nodes) == 1
+    audited(nodes, placements[:1])
 
 
 def test_a_closed_requestor_refuses_new_work(
@@ -125,10 +126,11 @@ def test_a_closed_requestor_refuses_new_work(
 def test_nothing_is_left_running_after_close() -> None:
     before = {t.name for t in threading.enumerate()}
     broker = InProcessBroker()
-    with NodeAgent(broker, name="n", vcpus=2), Requestor(broker) as requestor:
-        requestor.reserve(vcpus=1)
+    with NodeAgent(broker, name="n", vcpus=2) as node, Requestor(broker) as requestor:
+        placement = requestor.reserve(vcpus=1)
         with pytest.raises(PlacementError):
             requestor.reserve(vcpus=2, timeout_s=2)
+        audited([node], [placement])
     broker.close()
     after = {t.name for t in threading.enumerate() if t.is_alive()}
     assert after <= before

@@ -18,7 +18,7 @@ import concurrent.futures
 import logging
 import secrets
 import uuid
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Any
 
 from reservoir.broker import Broker
@@ -160,14 +160,27 @@ class Requestor(Driver):
         )
         request_id = spec.request_id or uuid.uuid4().hex
         timeout_s = self.settings.request_timeout_s if timeout_s is None else timeout_s
-        future: concurrent.futures.Future[Placement] = concurrent.futures.Future()
+        return self._start(
+            self._placing,
+            request_id,
+            lambda now: self.machine.place(spec, request_id, now, timeout_s),
+        )
+
+    def _start(
+        self,
+        waiting: dict[str, list[concurrent.futures.Future[Any]]],
+        request_id: str,
+        step: Callable[[float], list[Effect]],
+    ) -> concurrent.futures.Future[Any]:
+        """Register a waiter for ``request_id`` and feed the machine ``step``, atomically,
+        so the outcome cannot arrive before the waiter is there to receive it."""
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         outcomes: list[Outcome] = []
         with self._lock:
             if self._closed:
                 raise RequestorClosed(f"{self.name} is closed")
-            self._placing.setdefault(request_id, []).append(future)
-            effects = self.machine.place(spec, request_id, self.scheduler.clock.now(), timeout_s)
-            self._execute(effects, outcomes)
+            waiting.setdefault(request_id, []).append(future)
+            self._execute(step(self.scheduler.clock.now()), outcomes)
         self._deliver(outcomes)
         return future
 
@@ -196,15 +209,9 @@ class Requestor(Driver):
     # -- freeing -----------------------------------------------------------------------
 
     def release_future(self, placement: Placement) -> concurrent.futures.Future[None]:
-        future: concurrent.futures.Future[None] = concurrent.futures.Future()
-        outcomes: list[Outcome] = []
-        with self._lock:
-            if self._closed:
-                raise RequestorClosed(f"{self.name} is closed")
-            self._freeing.setdefault(placement.request_id, []).append(future)
-            self._execute(self.machine.free(placement, self.scheduler.clock.now()), outcomes)
-        self._deliver(outcomes)
-        return future
+        return self._start(
+            self._freeing, placement.request_id, lambda now: self.machine.free(placement, now)
+        )
 
     def free_future(
         self, request_id: str, node: str, allocation_ids: Iterable[str] = ()
@@ -213,22 +220,12 @@ class Requestor(Driver):
         of them. Resolves once the node confirms (``FreeIncomplete`` if it never does)."""
         from reservoir.node_agent import node_address
 
-        future: concurrent.futures.Future[None] = concurrent.futures.Future()
-        outcomes: list[Outcome] = []
-        with self._lock:
-            if self._closed:
-                raise RequestorClosed(f"{self.name} is closed")
-            self._freeing.setdefault(request_id, []).append(future)
-            effects = self.machine.free_on_node(
-                request_id,
-                node,
-                node_address(node),
-                tuple(allocation_ids),
-                self.scheduler.clock.now(),
-            )
-            self._execute(effects, outcomes)
-        self._deliver(outcomes)
-        return future
+        address, ids = node_address(node), tuple(allocation_ids)
+        return self._start(
+            self._freeing,
+            request_id,
+            lambda now: self.machine.free_on_node(request_id, node, address, ids, now),
+        )
 
     def release(self, placement: Placement, *, timeout_s: float = 30.0) -> None:
         """Free a placement's allocations on their nodes (the instances were deleted).

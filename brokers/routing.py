@@ -45,6 +45,10 @@ def _words_match(pattern: tuple[str, ...], topic: tuple[str, ...]) -> bool:
     return size in reachable
 
 
+def _is_wildcard(pattern: str) -> bool:
+    return any(word in (_ONE, _ANY) for word in split_words(pattern))
+
+
 def topic_matches(pattern: str, topic: str) -> bool:
     """Whether a publish with routing key ``topic`` reaches a binding with ``pattern``."""
     return _words_match(split_words(pattern), split_words(topic))
@@ -53,8 +57,11 @@ def topic_matches(pattern: str, topic: str) -> bool:
 class BindingTable:
     """Which endpoints a topic reaches: bindings of ``(endpoint id, pattern)`` and a lookup.
 
-    Routing a topic scans the distinct patterns once and caches the answer per topic; any
-    change to the bindings empties the cache. The cache is per table (kombu keeps its
+    A pattern without wildcards matches exactly the topic spelled the same, so those are
+    looked up by key: binding and unbinding them (nodes do it for every reservation, see
+    ``reservoir.protocol.messages.lookup_topic``) costs O(1) and leaves the cache alone.
+    Wildcard patterns are scanned once per topic and the answer cached; a change to them
+    empties the cache. The cache is per table (kombu keeps its
     compiled patterns in process-global state, which leaks between brokers) and bounded,
     since topics can come from the network. Not thread-safe: the owner holds its own lock.
     """
@@ -65,6 +72,7 @@ class BindingTable:
         self._max_cached = max_cached_topics
         self._by_pattern: dict[str, set[str]] = {}
         self._by_endpoint: dict[str, set[str]] = {}
+        #: words of the wildcard patterns only; literal ones are found by key
         self._pattern_words: dict[str, tuple[str, ...]] = {}
         self._cache: dict[str, frozenset[str]] = {}
         #: routing lookups answered from the cache / computed, for tests and metrics
@@ -78,8 +86,9 @@ class BindingTable:
             return False
         endpoints.add(endpoint_id)
         self._by_endpoint.setdefault(endpoint_id, set()).add(pattern)
-        self._pattern_words.setdefault(pattern, split_words(pattern))
-        self._cache.clear()
+        if _is_wildcard(pattern):
+            self._pattern_words.setdefault(pattern, split_words(pattern))
+            self._cache.clear()
         return True
 
     def unbind(self, endpoint_id: str, pattern: str) -> bool:
@@ -90,12 +99,13 @@ class BindingTable:
         endpoints.discard(endpoint_id)
         if not endpoints:
             del self._by_pattern[pattern]
-            del self._pattern_words[pattern]
+            self._pattern_words.pop(pattern, None)
         patterns = self._by_endpoint[endpoint_id]
         patterns.discard(pattern)
         if not patterns:
             del self._by_endpoint[endpoint_id]
-        self._cache.clear()
+        if _is_wildcard(pattern):
+            self._cache.clear()
         return True
 
     def unbind_all(self, endpoint_id: str) -> int:
@@ -116,15 +126,23 @@ class BindingTable:
     def route(self, topic: str) -> frozenset[str]:
         """The endpoints a publish on ``topic`` reaches: each once, however many of its
         patterns match."""
-        cached = self._cache.get(topic)
-        if cached is not None:
+        literal = self._by_pattern.get(topic) if topic not in self._pattern_words else None
+        wildcard = self._cache.get(topic)
+        if wildcard is not None:
             self.cache_hits += 1
-            return cached
-        self.cache_misses += 1
+        else:
+            self.cache_misses += 1
+            wildcard = self._route_wildcards(topic)
+        if not literal:
+            return wildcard
+        return frozenset(literal) if not wildcard else wildcard | literal
+
+    def _route_wildcards(self, topic: str) -> frozenset[str]:
         words = split_words(topic)
         matched: set[str] = set()
-        for pattern, endpoints in self._by_pattern.items():
-            if not endpoints <= matched and _words_match(self._pattern_words[pattern], words):
+        for pattern, pattern_words in self._pattern_words.items():
+            endpoints = self._by_pattern[pattern]
+            if not endpoints <= matched and _words_match(pattern_words, words):
                 matched |= endpoints
         result = frozenset(matched)
         if self._max_cached:

@@ -119,6 +119,12 @@ class Requestor(Driver):
             metrics=metrics,
             endpoint_name=address,
         )
+        try:
+            # Hear nodes' announcements and ask them all once where they stand.
+            self._run(self.machine.start)
+        except BaseException:
+            self._let_go()
+            raise
 
     # -- placing -----------------------------------------------------------------------
 

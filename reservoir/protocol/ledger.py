@@ -154,6 +154,8 @@ class Ledger:
     _reservation_by_request: dict[str, str] = field(default_factory=dict)
     _group_members: Counter[str] = field(default_factory=Counter)
     _utilisation: float | None = None
+    #: request ids whose reservation or allocations came or went since the last drain
+    _touched: set[str] = field(default_factory=set)
 
     @classmethod
     def with_allocations(
@@ -247,6 +249,17 @@ class Ledger:
         reservation_id = self._reservation_by_request.get(request_id)
         return None if reservation_id is None else self.reservations[reservation_id]
 
+    def holds_request(self, request_id: str) -> bool:
+        """Whether a reservation or an allocation of ``request_id`` is held here."""
+        return request_id in self._reservation_by_request or request_id in (
+            self._allocations_by_request
+        )
+
+    def drain_touched(self) -> set[str]:
+        """The request ids whose holdings changed since the last call (and forget them)."""
+        touched, self._touched = self._touched, set()
+        return touched
+
     def group_members(self, group: str) -> int:
         """Instances of ``group`` this node hosts or holds a reservation for."""
         return self._group_members[group]
@@ -287,6 +300,7 @@ class Ledger:
         self._reserved.update(reservation.holds())
         self._utilisation = None
         self._reservation_by_request[reservation.request_id] = reservation.reservation_id
+        self._touched.add(reservation.request_id)
         if reservation.group is not None:
             self._group_members[reservation.group] += reservation.slots
 
@@ -297,6 +311,7 @@ class Ledger:
         self._reserved.subtract(reservation.holds())
         self._utilisation = None
         del self._reservation_by_request[reservation.request_id]
+        self._touched.add(reservation.request_id)
         if reservation.group is not None:
             self._group_members[reservation.group] -= reservation.slots
         return reservation
@@ -309,6 +324,7 @@ class Ledger:
         self._utilisation = None
         self._allocations_by_request[allocation.request_id].add(allocation.allocation_id)
         self._allocations_by_reservation[allocation.reservation_id].add(allocation.allocation_id)
+        self._touched.add(allocation.request_id)
         if allocation.group is not None:
             self._group_members[allocation.group] += 1
 
@@ -320,6 +336,7 @@ class Ledger:
         self._utilisation = None
         _discard(self._allocations_by_request, allocation.request_id, allocation_id)
         _discard(self._allocations_by_reservation, allocation.reservation_id, allocation_id)
+        self._touched.add(allocation.request_id)
         if allocation.group is not None:
             self._group_members[allocation.group] -= 1
         return allocation

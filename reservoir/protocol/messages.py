@@ -6,18 +6,26 @@ sender. They form one union discriminated on ``kind``. A request carries the *wh
 request (resources, traits, NUMA shape, server group, hints): whatever a node needs to
 decide, it finds there, so the node runs the one and only copy of the placement logic.
 
-Conversation, one per request id (see DESIGN.md):
+Conversation, one per request id (see docs/design.md):
 
-    requestor --ReservationRequest--> tier topic --> every node that hears it
-              (--Lookup--> every node, when the caller chose the request id)
+    requestor --ReservationRequest(probed_node)--> a few nodes sampled from its roster
+              (the exhaustive step: --ReservationRequest--> tier topic --> every node
+              that hears it)
+              (--Lookup--> lookup.<bucket of the id>, when the caller chose the request id)
     node      --Offer | Decline | AlreadyPlaced--> requestor's reply address
     requestor --Award | Release--> node
     node      --Accepted | Refused--> requestor
     requestor --Free--> node --Freed--> requestor       (the instance was deleted)
+
+Membership, for requestors' rosters (not a conversation; ``request_id`` is ``roster``):
+
+    node      --NodeStatus--> roster topic    (at start, on every change of tier, leaving)
+    requestor --RollCall--> the widest tier's topic; node --NodeStatus--> requestor
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 from typing import Annotated, Final, Literal
 
@@ -33,9 +41,12 @@ from pydantic import (
 )
 
 __all__ = [
+    "LOOKUP_BUCKETS",
     "NODE_KINDS",
     "PROTOCOL_VERSION",
     "REQUESTOR_KINDS",
+    "ROSTER_ID",
+    "ROSTER_TOPIC",
     "STANDARD_RESOURCE_CLASSES",
     "Accepted",
     "AllocationInfo",
@@ -49,6 +60,7 @@ __all__ = [
     "InstanceShape",
     "Lookup",
     "Message",
+    "NodeStatus",
     "NumaPlacement",
     "NumaSpec",
     "Offer",
@@ -56,7 +68,9 @@ __all__ = [
     "Refused",
     "Release",
     "ReservationRequest",
+    "RollCall",
     "is_resource_class",
+    "lookup_topic",
     "message_adapter",
 ]
 
@@ -64,6 +78,15 @@ PROTOCOL_VERSION: Final = 1
 
 #: The standard resource classes; any other class must be ``CUSTOM_<NAME>``.
 STANDARD_RESOURCE_CLASSES: Final = frozenset({"VCPU", "PCPU", "MEMORY_MB", "DISK_GB"})
+
+#: Nodes announce their tier on this topic of the request exchange; requestors bind it.
+ROSTER_TOPIC: Final = "roster"
+#: The ``request_id`` of membership messages, which belong to no conversation.
+ROSTER_ID: Final = "roster"
+#: Request ids hash into this many lookup buckets. A node binds ``lookup.<bucket>`` while
+#: it holds a reservation or allocation of an id in the bucket, so a ``Lookup`` reaches
+#: only nodes that may hold the id (and comes back unroutable when none can).
+LOOKUP_BUCKETS: Final = 1 << 16
 
 _CUSTOM_CLASS = re.compile(r"^CUSTOM_[A-Z0-9_]+$")
 
@@ -78,6 +101,14 @@ def is_resource_class(name: str) -> bool:
     """True for a standard class (``VCPU``, ``PCPU``, ``MEMORY_MB``, ``DISK_GB``) or a
     ``CUSTOM_*`` one."""
     return name in STANDARD_RESOURCE_CLASSES or bool(_CUSTOM_CLASS.match(name))
+
+
+def lookup_topic(request_id: str) -> str:
+    """The topic a ``Lookup`` for ``request_id`` is published on, and that a node holding
+    anything of that id binds. The same on every participant: a stable hash, not
+    Python's salted ``hash``."""
+    digest = hashlib.blake2b(request_id.encode(), digest_size=4).digest()
+    return f"lookup.{int.from_bytes(digest, 'big') % LOOKUP_BUCKETS:04x}"
 
 
 def _check_resource_classes(resources: dict[str, int]) -> dict[str, int]:
@@ -202,12 +233,20 @@ class ReservationRequest(_Message, InstanceShape):
     tier: int = Field(ge=1, le=100)
     attempt: int = Field(ge=1)
     ttl_s: float = Field(gt=0, le=3600)
+    #: set when the request is a probe: sent to this node alone, one of a few sampled
+    #: from the requestor's roster, rather than broadcast. A probed node answers even
+    #: when it cannot take the request (a compact Decline), so the requestor decides the
+    #: moment every probed node has answered; a probe that comes back unroutable names
+    #: the node that is gone.
+    probed_node: Identifier | None = None
 
 
 class Lookup(_Message):
-    """Broadcast to every node with a caller-chosen request id: "does anyone already hold
-    allocations for this id?" Only holders answer (``AlreadyPlaced``). Tiers cannot do
-    this job: the node holding a placement may sit in any tier."""
+    """Published on the id's lookup bucket (:func:`lookup_topic`) when the caller chose
+    the request id: "does anyone already hold allocations for this id?" Only holders
+    answer (``AlreadyPlaced``); a node holding a reservation of the id for another
+    requestor tells both (``in_flight_elsewhere``). Tiers cannot do this job: the node
+    holding a placement may sit in any tier."""
 
     kind: Literal["lookup"] = "lookup"
     reply_to: Identifier
@@ -312,6 +351,29 @@ class Freed(_Message):
     freed: tuple[Identifier, ...] = ()
 
 
+class NodeStatus(_Message):
+    """A node's place on the tier ladder, for requestors' rosters. Published on
+    :data:`ROSTER_TOPIC` when the node starts, whenever it moves to another tier, and
+    (``leaving``) when it stops; sent to a requestor that asks with a :class:`RollCall`."""
+
+    kind: Literal["status"] = "status"
+    request_id: Identifier = ROSTER_ID
+    #: the node's address: where probes go
+    reply_to: Identifier
+    #: the narrowest tier the node belongs to, as a percentage
+    tier: int = Field(ge=1, le=100)
+    leaving: bool = False
+
+
+class RollCall(_Message):
+    """Published on the widest tier's topic by a requestor whose roster is empty (it just
+    started): every node answers with its :class:`NodeStatus`."""
+
+    kind: Literal["roll_call"] = "roll_call"
+    request_id: Identifier = ROSTER_ID
+    reply_to: Identifier
+
+
 Message = Annotated[
     ReservationRequest
     | Lookup
@@ -323,14 +385,16 @@ Message = Annotated[
     | Accepted
     | Refused
     | Free
-    | Freed,
+    | Freed
+    | NodeStatus
+    | RollCall,
     Field(discriminator="kind"),
 ]
 
 #: The kinds only a requestor sends, and the kinds only a node sends.
-REQUESTOR_KINDS: Final = frozenset({"request", "lookup", "award", "release", "free"})
+REQUESTOR_KINDS: Final = frozenset({"request", "lookup", "award", "release", "free", "roll_call"})
 NODE_KINDS: Final = frozenset(
-    {"offer", "decline", "already_placed", "accepted", "refused", "freed"}
+    {"offer", "decline", "already_placed", "accepted", "refused", "freed", "status"}
 )
 
 #: Validates and serialises any :data:`Message`.

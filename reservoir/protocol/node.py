@@ -9,9 +9,13 @@ How a node answers (one conversation per request id):
     request  -> already holds allocations for the id  : AlreadyPlaced
                 already holds a reservation for the id : the same Offer again
                 the filters allow k >= 1 instances     : reserve k until now + ttl, Offer
-                they allow none                        : Decline when asked to explain or
-                                                         when only others' reservations
+                they allow none                        : Decline when probed (sent to this
+                                                         node alone), when asked to explain
+                                                         or when only others' reservations
                                                          stand in the way (busy); else silence
+    lookup   -> holds allocations for the id           : AlreadyPlaced
+                holds another requestor's reservation  : in_flight_elsewhere, to both
+    roll call-> NodeStatus to the caller
     award    -> live reservation of the sender         : allocations stored, Accepted
                 reservation already turned into allocations : the same Accepted again
                 otherwise (expired, unknown)           : Refused
@@ -19,7 +23,11 @@ How a node answers (one conversation per request id):
     free     -> free the allocations named, Freed (idempotent)
     timer    -> reservations whose deadline has come are dropped
 
-After every change the node re-binds if its utilisation moved it across a tier boundary.
+After every change the node re-binds if its utilisation moved it across a tier boundary,
+and then announces its new tier on the roster topic (requestors sample whom to probe from
+what nodes announce). It also binds the lookup bucket (``lookup.<bucket>``) of every request
+id it holds a reservation or allocation of, before it offers, so that a ``Lookup`` for the
+id reaches it and no node that holds nothing of it.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from reservoir.protocol.effects import (
     DeleteAllocation,
     Dropped,
     Effect,
+    Publish,
     Send,
     SetTimer,
     StoreAllocation,
@@ -49,6 +58,7 @@ from reservoir.protocol.filters import (
 )
 from reservoir.protocol.ledger import Allocation, Inventory, Ledger, Reservation
 from reservoir.protocol.messages import (
+    ROSTER_TOPIC,
     Accepted,
     AlreadyPlaced,
     Award,
@@ -57,11 +67,14 @@ from reservoir.protocol.messages import (
     Freed,
     Lookup,
     Message,
+    NodeStatus,
     Offer,
     Reason,
     Refused,
     Release,
     ReservationRequest,
+    RollCall,
+    lookup_topic,
 )
 from reservoir.protocol.numa import NumaTopology
 from reservoir.protocol.tiers import TierLadder
@@ -107,6 +120,9 @@ class NodeMachine:
             name=config.name, traits=config.traits, ledger=self.ledger, numa=config.numa
         )
         self.bound_topics: frozenset[str] = frozenset()
+        #: lookup bucket topic -> the request ids held here that hash into it
+        self._bucket_holds: dict[str, set[str]] = {}
+        self._bucket_of: dict[str, str] = {}
         self.stopping = False
         self._sequence = 0
         self._expiry_at: float | None = None
@@ -129,14 +145,21 @@ class NodeMachine:
         """Bind the tier topics for the node's present utilisation."""
         effects: list[Effect] = []
         self._expire(now, effects)
+        self._sync_buckets(effects)
         self._retier(effects)
         self._schedule_expiry(effects)
         return effects
 
     def stop(self, now: float) -> list[Effect]:
-        """Stop hearing requests and withdraw every live reservation."""
+        """Stop hearing requests, withdraw every live reservation, and tell requestors
+        the node is leaving."""
         self.stopping = True
         effects: list[Effect] = [Unbind(topic) for topic in sorted(self.bound_topics)]
+        effects.extend(Unbind(topic) for topic in sorted(self._bucket_holds))
+        self._bucket_holds.clear()
+        self._bucket_of.clear()
+        if self.bound_topics:
+            effects.append(Publish(ROSTER_TOPIC, self._status(leaving=True)))
         self.bound_topics = frozenset()
         for reservation in list(self.ledger.reservations.values()):
             self.ledger.pop_reservation(reservation.reservation_id)
@@ -166,8 +189,12 @@ class NodeMachine:
             self._on_release(message, effects)
         elif isinstance(message, Free):
             self._on_free(message, effects)
+        elif isinstance(message, RollCall):
+            if not self.stopping:
+                effects.append(Send(message.reply_to, self._status()))
         else:
             effects.append(Dropped("unexpected", f"a node does not take {message.kind!r}"))
+        self._sync_buckets(effects)
         self._retier(effects)
         self._schedule_expiry(effects)
         return effects
@@ -177,6 +204,7 @@ class NodeMachine:
         if key == EXPIRY_TIMER:
             self._expiry_at = None
         self._expire(now, effects)
+        self._sync_buckets(effects)
         self._retier(effects)
         self._schedule_expiry(effects)
         return effects
@@ -187,8 +215,14 @@ class NodeMachine:
         for allocation_id in allocation_ids:
             if self.ledger.remove_allocation(allocation_id) is not None:
                 effects.append(DeleteAllocation(allocation_id))
+        self._sync_buckets(effects)
         self._retier(effects)
         return effects
+
+    def _status(self, *, leaving: bool = False) -> NodeStatus:
+        return NodeStatus(
+            sender=self.name, reply_to=self.config.address, tier=self.tier(), leaving=leaving
+        )
 
     # -- messages ----------------------------------------------------------------------
 
@@ -255,6 +289,8 @@ class NodeMachine:
     def _on_request(self, request: ReservationRequest, now: float, effects: list[Effect]) -> None:
         if self.stopping:
             effects.append(Dropped("stopping", f"request {request.request_id}"))
+            if request.probed_node:  # the requestor waits for our answer: don't make it wait
+                effects.append(Send(request.reply_to, self._decline(request)))
             return
         if self._already_placed(request.request_id, request.reply_to, effects):
             return
@@ -276,7 +312,13 @@ class NodeMachine:
             # here (an affinity requestor must know where its group is, even if full).
             members = self._group_members(request)
             group_reasons = tuple(r for r in evaluation.reasons if r.code in GROUP_REASONS)
-            if request.explain or evaluation.busy or members or group_reasons:
+            if (
+                request.probed_node
+                or request.explain
+                or evaluation.busy
+                or members
+                or group_reasons
+            ):
                 effects.append(
                     Send(
                         request.reply_to,
@@ -307,6 +349,8 @@ class NodeMachine:
         )
         members_before = self._group_members(request)
         self.ledger.add_reservation(reservation)
+        # Findable by a Lookup for the id before anyone hears of the offer.
+        self._sync_buckets(effects)
         effects.append(
             Send(
                 request.reply_to,
@@ -314,6 +358,14 @@ class NodeMachine:
                     reservation, request, now, score=evaluation.score, group_members=members_before
                 ),
             )
+        )
+
+    def _decline(self, request: ReservationRequest) -> Decline:
+        return Decline(
+            request_id=request.request_id,
+            sender=self.name,
+            reply_to=self.config.address,
+            attempt=request.attempt,
         )
 
     def _offer(
@@ -509,6 +561,30 @@ class NodeMachine:
         effects.extend(Bind(topic) for topic in sorted(wanted - self.bound_topics))
         effects.extend(Unbind(topic) for topic in sorted(self.bound_topics - wanted))
         self.bound_topics = wanted
+        # The tier topics change exactly when the narrowest tier does: tell requestors.
+        effects.append(Publish(ROSTER_TOPIC, self._status()))
+
+    def _sync_buckets(self, effects: list[Effect]) -> None:
+        """Bind the lookup bucket of every request id held here, unbind emptied ones."""
+        if self.stopping:
+            self.ledger.drain_touched()
+            return
+        for request_id in sorted(self.ledger.drain_touched()):
+            held = self.ledger.holds_request(request_id)
+            bucket = self._bucket_of.get(request_id)
+            if held and bucket is None:
+                bucket = self._bucket_of[request_id] = lookup_topic(request_id)
+                holders = self._bucket_holds.setdefault(bucket, set())
+                if not holders:
+                    effects.append(Bind(bucket))
+                holders.add(request_id)
+            elif not held and bucket is not None:
+                del self._bucket_of[request_id]
+                holders = self._bucket_holds[bucket]
+                holders.discard(request_id)
+                if not holders:
+                    del self._bucket_holds[bucket]
+                    effects.append(Unbind(bucket))
 
     def _schedule_expiry(self, effects: list[Effect]) -> None:
         deadline = self.ledger.next_deadline()

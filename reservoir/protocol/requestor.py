@@ -1,13 +1,23 @@
 """The requestor's side of the protocol, as a state machine with no I/O.
 
 One :class:`RequestorMachine` runs any number of concurrent conversations, one per request
-id. Its driver calls :meth:`~RequestorMachine.place`, :meth:`~RequestorMachine.handle`,
+id. Its driver calls :meth:`~RequestorMachine.start` once, then
+:meth:`~RequestorMachine.place`, :meth:`~RequestorMachine.handle`,
 :meth:`~RequestorMachine.on_unroutable` and :meth:`~RequestorMachine.on_timer` with the
-current time and carries out the effects. A conversation:
+current time and carries out the effects. It keeps a :class:`~reservoir.protocol.roster.Roster`
+of the nodes and their tiers from what nodes announce. A conversation:
 
-1. **broadcast** the request on the first tier's topic (attempt 1);
+1. **probe** a few nodes sampled from the roster, emptiest tiers first
+   (``max(min_probes, ceil(probe_factor * count))`` of them), each with the request sent
+   to it alone; every probed node answers (an offer or a compact decline), so the
+   requestor decides the moment all have answered. Not enough offers: probe again, twice
+   as many nodes not asked yet, up to ``probe_rounds`` rounds. Then, or at once when the
+   roster is empty or the request needs an affinity group's host, the **exhaustive
+   step**: **broadcast** the request on the first tier's topic, so no node that could
+   take it is left unasked (sampling never causes a false failure);
 2. **collect** offers: the first offer of an attempt opens a short window (as long again as
-   that offer took, within bounds) for the others;
+   that offer took, within bounds) for the others; a probe round closes early once every
+   probed node has answered;
 3. **decide** when the window closes: enough slots offered -> **award** the winners chosen
    by the policy, keep the best spare, **release** the rest; not enough -> **widen** to the
    next tier, keeping what is held (tiers are cumulative, so nodes that already offered
@@ -23,18 +33,23 @@ current time and carries out the effects. A conversation:
 
 The request id is an idempotency key: placing an id that is in flight joins it, placing an
 id that was placed returns that placement, and a node that already holds allocations for
-the id says so (``AlreadyPlaced``), so even a restarted requestor never places twice.
+the id says so (``AlreadyPlaced``), so even a restarted requestor never places twice. A
+caller-chosen id is also looked up (``Lookup`` on the id's bucket topic) before each
+decision, *after* the offers it would award were made: two requestors placing one id at
+once each hold reservations before they look, so at least one finds the other's.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import math
+from collections import Counter, OrderedDict
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Final
 
 from reservoir.protocol.effects import (
+    Bind,
     CancelTimer,
     Dropped,
     Effect,
@@ -46,6 +61,7 @@ from reservoir.protocol.effects import (
     SetTimer,
 )
 from reservoir.protocol.messages import (
+    ROSTER_TOPIC,
     Accepted,
     AllocationInfo,
     AlreadyPlaced,
@@ -55,10 +71,13 @@ from reservoir.protocol.messages import (
     Freed,
     Lookup,
     Message,
+    NodeStatus,
     Offer,
     Refused,
     Release,
     ReservationRequest,
+    RollCall,
+    lookup_topic,
 )
 from reservoir.protocol.node import IN_FLIGHT_ELSEWHERE
 from reservoir.protocol.placement import (
@@ -71,6 +90,7 @@ from reservoir.protocol.placement import (
     reason_label,
 )
 from reservoir.protocol.policies import Candidate, Policy, Spread
+from reservoir.protocol.roster import Member, Roster, Sampler
 from reservoir.protocol.tiers import TierLadder
 
 __all__ = ["RequestorConfig", "RequestorMachine"]
@@ -124,6 +144,14 @@ class RequestorConfig:
     free_attempts: int = 5
     #: how many finished request ids to remember for idempotent retries
     remember_finished: int = 100_000
+    #: nodes probed per instance wanted in the first round, and at least ``min_probes``
+    probe_factor: float = 2.0
+    min_probes: int = 2
+    #: sampling rounds (each asks twice as many nodes as the last) before the exhaustive
+    #: broadcast; 0 always broadcasts, as the protocol did before sampling
+    probe_rounds: int = 2
+    #: seeds the roster's sampling (None: the requestor id), so runs are reproducible
+    sample_seed: int | str | None = None
 
 
 class _LatencyEstimate:
@@ -212,6 +240,17 @@ class _Conversation:
     decision_due: bool = False
     group_hosts: dict[str, int] = field(default_factory=dict)
     note: str = ""
+    #: still sampling from the roster (False: the exhaustive tier broadcast)
+    sampling: bool = False
+    probe_round: int = 0
+    #: every node probed so far, not to be probed again by a later round
+    probed: set[str] = field(default_factory=set)
+    #: probed nodes whose answer to the current attempt is still due
+    expected: set[str] = field(default_factory=set)
+    #: the attempt whose decision a Lookup sent after its offers has cleared
+    confirmed_attempt: int = 0
+    #: busy nodes' addresses, asked again alone after a back-off
+    busy_addresses: dict[str, str] = field(default_factory=dict)
 
     def awarded_slots(self) -> int:
         return sum(a.slots for a in self.awards.values())
@@ -249,6 +288,12 @@ class RequestorMachine:
 
     def __init__(self, config: RequestorConfig) -> None:
         self.config = config
+        seed = config.sample_seed if config.sample_seed is not None else config.requestor_id
+        self.roster = Roster(config.tiers, Sampler(seed))
+        #: how often each way of asking ran: ``probes`` (messages), ``probe_rounds``,
+        #: ``exhaustive_steps`` (broadcasts after sampling found too little, or with
+        #: nothing to sample from), ``busy_retries``
+        self.counters: Counter[str] = Counter()
         self.latency = _LatencyEstimate()
         self._active: dict[str, _Conversation] = {}
         self._finished: OrderedDict[str, Placement | None] = OrderedDict()
@@ -271,6 +316,15 @@ class RequestorMachine:
         return sum(len(c.pool) for c in self._active.values())
 
     # -- driving -----------------------------------------------------------------------
+
+    def start(self, now: float) -> list[Effect]:
+        """Hear nodes' announcements, and ask every node where it stands (once: from then
+        on the announcements keep the roster current)."""
+        call = RollCall(sender=self.config.requestor_id, reply_to=self.config.reply_to)
+        return [
+            Bind(ROSTER_TOPIC),
+            Publish(TierLadder.topic(self.config.tiers.percents[-1]), call),
+        ]
 
     def place(
         self, spec: PlacementRequest, request_id: str, now: float, timeout_s: float
@@ -302,10 +356,12 @@ class RequestorMachine:
         # hosts its group, which may sit in any tier: only the widest tier reaches it.
         if spec.group is not None and spec.group.policy in ("affinity", "soft-affinity"):
             conversation.tier_index = len(self.config.tiers) - 1
+        else:
+            conversation.sampling = self.config.probe_rounds > 0
         self._active[request_id] = conversation
         effects.append(SetTimer((request_id, _DEADLINE), conversation.deadline))
         # A caller-chosen id may be placed, before or meanwhile, by another requestor, on a
-        # node in any tier: every broadcast also asks every node.
+        # node in any tier: every decision first looks it up.
         conversation.looks_up = spec.request_id is not None
         self._broadcast(conversation, now, effects)
         return effects
@@ -372,6 +428,9 @@ class RequestorMachine:
                 reservation_id=message.reservation_id,
             )
         elif isinstance(message, AlreadyPlaced):
+            c = self._active.get(message.request_id)
+            if c is not None:  # a probed node's whole answer, whatever comes of it
+                c.expected.discard(message.sender)
             self._on_accepted(
                 message.request_id,
                 message.sender,
@@ -386,6 +445,11 @@ class RequestorMachine:
             self._on_refused(message, now, effects)
         elif isinstance(message, Freed):
             self._on_freed(message, effects)
+        elif isinstance(message, NodeStatus):
+            if message.leaving:
+                self.roster.remove(message.sender)
+            else:
+                self.roster.update(message.sender, message.reply_to, message.tier)
         else:
             effects.append(Dropped("unexpected", f"a requestor does not take {message.kind!r}"))
         return effects
@@ -397,15 +461,23 @@ class RequestorMachine:
         if isinstance(message, Lookup) and conversation is not None:
             self._lookup_over(conversation, now, effects)  # no node at all: nobody holds it
             return effects
+        if isinstance(message, RollCall):
+            return effects  # no node is up yet: they announce themselves as they start
         if not isinstance(message, ReservationRequest):
             effects.append(Dropped("unroutable", f"{message.kind} for {message.request_id}"))
             return effects
+        if message.probed_node is not None:
+            # The node's inbox is gone: it stopped, or died without saying so.
+            self.roster.remove(message.probed_node)
         if conversation is None or message.attempt != conversation.attempt:
             effects.append(
                 Dropped("late_unroutable", f"attempt {message.attempt} of {message.request_id}")
             )
             return effects
-        self._nobody_came(conversation, now, effects)
+        if message.probed_node is not None:
+            self._heard_from(conversation, message.probed_node, message.attempt, now, effects)
+        else:
+            self._nobody_came(conversation, now, effects)
         return effects
 
     def on_timer(self, key: Hashable, now: float) -> list[Effect]:
@@ -433,21 +505,45 @@ class RequestorMachine:
         elif what == _LOOKUP:
             self._lookup_over(conversation, now, effects)
         elif what == _RETRY and conversation.phase is _Phase.BACKING_OFF:
+            busy = dict(conversation.busy_addresses)
             conversation.busy_nodes.clear()
-            self._broadcast(conversation, now, effects)
+            conversation.busy_addresses.clear()
+            if busy and not conversation.yield_to and conversation.following is None:
+                # Only the busy nodes were short, of room others' reservations held: ask
+                # them again, alone, rather than the whole tier.
+                self.counters["busy_retries"] += 1
+                self._probe_nodes(conversation, list(busy.items()), now, effects)
+            else:
+                self._broadcast(conversation, now, effects)
         return effects
 
     # -- broadcasting and collecting ---------------------------------------------------
 
     def _broadcast(self, c: _Conversation, now: float, effects: list[Effect]) -> None:
+        """Ask again: probe sampled nodes while sampling rounds remain, else broadcast on
+        the conversation's tier."""
         config = self.config
         if c.following is not None:
             self._follow(c, now, effects)
             return
-        c.attempt += 1
-        c.phase = _Phase.COLLECTING
-        c.collect_timer_set = False
-        c.broadcast_at = now
+        if c.sampling:
+            if c.probe_round < config.probe_rounds:
+                wanted = max(config.min_probes, math.ceil(config.probe_factor * c.needed()))
+                members = self.roster.sample(
+                    wanted * 2**c.probe_round,
+                    up_to_tier_index=len(config.tiers) - 1,
+                    exclude=c.probed,
+                )
+                if members:
+                    c.probe_round += 1
+                    self.counters["probe_rounds"] += 1
+                    self._probe_nodes(c, [(m.name, m.address) for m in members], now, effects)
+                    return
+            # Sampling found too little (or nothing to sample): ask every node, tier by
+            # tier, so that no node where the request fits goes unasked.
+            c.sampling = False
+            self.counters["exhaustive_steps"] += 1
+        self._new_attempt(c, now, effects)
         tier = config.tiers.percents[c.tier_index]
         if not c.tiers_tried or c.tiers_tried[-1] != tier:
             c.tiers_tried.append(tier)
@@ -461,18 +557,6 @@ class RequestorMachine:
             **c.spec.shape_fields(),
         )
         effects.append(Publish(TierLadder.topic(tier), request))
-        if c.looks_up:
-            lookup = Lookup(
-                request_id=c.request_id,
-                sender=config.requestor_id,
-                reply_to=config.reply_to,
-            )
-            effects.append(Publish(TierLadder.topic(config.tiers.percents[-1]), lookup))
-            # decide nothing until every holder could have answered
-            c.lookup_until = now + self._lookup_wait_s()
-            effects.append(SetTimer((c.request_id, _LOOKUP), c.lookup_until))
-        effects.append(CancelTimer((c.request_id, _COLLECT, c.attempt - 1)))
-        effects.append(CancelTimer((c.request_id, _WIDEN, c.attempt - 1)))
         # Before the last tier's verdict (failure) the wait is longer than the one that
         # only decides to look wider: a slow moment of the network or of a busy process
         # must not fail a request that offers were already on their way to.
@@ -481,6 +565,77 @@ class RequestorMachine:
             wait_s = min(max(wait_s * config.verdict_factor, config.min_verdict_s),
                          config.max_widen_s)  # fmt: skip
         effects.append(SetTimer((c.request_id, _WIDEN, c.attempt), now + wait_s))
+
+    def _new_attempt(self, c: _Conversation, now: float, effects: list[Effect]) -> None:
+        c.attempt += 1
+        c.phase = _Phase.COLLECTING
+        c.collect_timer_set = False
+        c.broadcast_at = now
+        c.expected.clear()
+        effects.append(CancelTimer((c.request_id, _COLLECT, c.attempt - 1)))
+        effects.append(CancelTimer((c.request_id, _WIDEN, c.attempt - 1)))
+
+    def _probe_nodes(
+        self,
+        c: _Conversation,
+        nodes: list[tuple[str, str]],
+        now: float,
+        effects: list[Effect],
+    ) -> None:
+        """Send the request to each of ``nodes`` (name, address) alone, as one attempt
+        that is decided the moment every one of them has answered."""
+        config = self.config
+        self._new_attempt(c, now, effects)
+        tiers = config.tiers.percents
+        widest = max((m.tier_index for m in self.roster_members(nodes)), default=0)
+        tier = tiers[widest]
+        if not c.tiers_tried or c.tiers_tried[-1] != tier:
+            c.tiers_tried.append(tier)
+        request = ReservationRequest(
+            request_id=c.request_id,
+            sender=config.requestor_id,
+            reply_to=config.reply_to,
+            tier=tier,
+            attempt=c.attempt,
+            ttl_s=c.ttl_s,
+            **c.spec.shape_fields(),
+        )
+        for name, address in nodes:
+            c.probed.add(name)
+            c.expected.add(name)
+            effects.append(Send(address, request.model_copy(update={"probed_node": name})))
+        self.counters["probes"] += len(nodes)
+        # The wait covers lost answers only: every probed node answers.
+        effects.append(SetTimer((c.request_id, _WIDEN, c.attempt), now + self._widen_wait_s()))
+
+    def roster_members(self, nodes: Iterable[tuple[str, str]]) -> list[Member]:
+        found = (self.roster.member(name) for name, _ in nodes)
+        return [m for m in found if m is not None]
+
+    def _heard_from(
+        self, c: _Conversation, node: str, attempt: int, now: float, effects: list[Effect]
+    ) -> None:
+        """A probed node answered (or its probe came back): once all have, decide."""
+        if attempt != c.attempt or node not in c.expected:
+            return
+        c.expected.discard(node)
+        if not c.expected and c.phase is _Phase.COLLECTING:
+            effects.append(CancelTimer((c.request_id, _COLLECT, c.attempt)))
+            self._nobody_came(c, now, effects)
+
+    def _look_up(self, c: _Conversation, now: float, effects: list[Effect]) -> None:
+        """Ask the nodes of the id's lookup bucket whether anyone holds it already; decide
+        nothing until every holder could have answered."""
+        lookup = Lookup(
+            request_id=c.request_id,
+            sender=self.config.requestor_id,
+            reply_to=self.config.reply_to,
+        )
+        effects.append(Publish(lookup_topic(c.request_id), lookup))
+        c.confirmed_attempt = c.attempt
+        c.lookup_until = now + self._lookup_wait_s()
+        c.decision_due = True
+        effects.append(SetTimer((c.request_id, _LOOKUP), c.lookup_until))
 
     def _follow(self, c: _Conversation, now: float, effects: list[Effect]) -> None:
         """Ask every node again what is placed of the id, contending for nothing."""
@@ -492,7 +647,7 @@ class RequestorMachine:
             reply_to=self.config.reply_to,
             following=True,
         )
-        effects.append(Publish(TierLadder.topic(self.config.tiers.percents[-1]), lookup))
+        effects.append(Publish(lookup_topic(c.request_id), lookup))
         c.lookup_until = now + self._lookup_wait_s()
         c.decision_due = True
         effects.append(SetTimer((c.request_id, _LOOKUP), c.lookup_until))
@@ -544,6 +699,7 @@ class RequestorMachine:
         self._answered(c, offer.attempt, now, effects)
         if offer.reservation_id in c.seen:
             effects.append(Dropped("duplicate_offer", offer.reservation_id))
+            self._heard_from(c, offer.sender, offer.attempt, now, effects)
             return
         c.seen.add(offer.reservation_id)
         c.offers_received += 1
@@ -559,6 +715,8 @@ class RequestorMachine:
                 self._decide(c, now, effects)
             else:
                 self._release_surplus(c, effects, keep_spares=True)
+            return
+        self._heard_from(c, offer.sender, offer.attempt, now, effects)
 
     def _answered(self, c: _Conversation, attempt: int, now: float, effects: list[Effect]) -> None:
         """The first answer to a broadcast, offer or decline, even a repeat of an offer we
@@ -582,6 +740,7 @@ class RequestorMachine:
         c.declines[decline.sender] = decline
         if decline.busy:
             c.busy_nodes.add(decline.sender)
+            c.busy_addresses[decline.sender] = decline.reply_to
         if decline.group_members:
             c.group_hosts[decline.sender] = decline.group_members
         for reason in decline.reasons:
@@ -593,6 +752,7 @@ class RequestorMachine:
             c.looks_up = True
             if (reason.subject or "") < self.config.requestor_id:
                 c.yield_to.add(reason.subject or "")
+        self._heard_from(c, decline.sender, decline.attempt, now, effects)
 
     def _nobody_came(self, c: _Conversation, now: float, effects: list[Effect]) -> None:
         """The tier's wait ran out, or the broker said nobody is bound to it."""
@@ -634,6 +794,9 @@ class RequestorMachine:
             return
         candidates, why_not = self._eligible(c, usable)
         if sum(h.offer.slots for h in candidates) >= needed:
+            if c.looks_up and c.confirmed_attempt != c.attempt:
+                self._look_up(c, now, effects)  # then decide again
+                return
             self._award(c, candidates, needed, now, effects)
         elif c.phase is _Phase.COLLECTING:
             if why_not:
@@ -740,6 +903,9 @@ class RequestorMachine:
         effects.append(SetTimer((c.request_id, _RETRY), now + backoff_s))
 
     def _widen(self, c: _Conversation, now: float, effects: list[Effect]) -> None:
+        if c.sampling:
+            self._broadcast(c, now, effects)  # the next sampling round, or every node
+            return
         if c.tier_index + 1 < len(self.config.tiers):
             c.tier_index += 1
             self._broadcast(c, now, effects)
@@ -764,6 +930,9 @@ class RequestorMachine:
             return
         if c.lookup_until is not None:
             c.decision_due = True  # fail only once holders could have said "placed"
+            return
+        if c.looks_up and c.confirmed_attempt != c.attempt:
+            self._look_up(c, now, effects)  # fail only once holders could have said "placed"
             return
         self._fail(c, now, effects, timed_out=False)
 

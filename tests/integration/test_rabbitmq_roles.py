@@ -227,7 +227,10 @@ def test_definitions_declare_what_the_adapters_expect() -> None:
 
 def test_node_cannot_publish_a_request(as_node: pika.BlockingConnection) -> None:
     reason = refused(as_node, lambda ch: ch.basic_publish("reservoir", "tier.10", b"request"))
-    assert "exchange 'reservoir'" in reason
+    assert "topic 'tier.10'" in reason
+    # Nor a lookup: on the request exchange a node may only announce itself (roster).
+    reason = refused(as_node, lambda ch: ch.basic_publish("reservoir", "lookup.00ff", b"lookup"))
+    assert "topic 'lookup.00ff'" in reason
 
 
 def test_node_cannot_send_an_award_to_another_node(as_node: pika.BlockingConnection) -> None:
@@ -254,6 +257,8 @@ def test_node_cannot_listen_in_on_what_is_not_its_own(
         return act
 
     refused(as_node, bind("reservoir", "tier.#"))  # every request, whatever its tier
+    refused(as_node, bind("reservoir", "lookup.#"))  # every lookup, whatever its bucket
+    refused(as_node, bind("reservoir", "roster"))  # other nodes' announcements
     refused(as_node, bind("reservoir.inbox", "reservoir.requestor.x"))  # a requestor's mail
     refused(as_node, bind("reservoir.inbox", "#"))
     # A queue outside its namespace.
@@ -263,18 +268,20 @@ def test_node_cannot_listen_in_on_what_is_not_its_own(
 # -- (c): what a node may do ----------------------------------------------------------------
 
 
-def test_node_may_answer_a_requestor_and_bind_its_tiers_and_address(
+def test_node_may_answer_a_requestor_announce_itself_and_bind_its_tiers_and_buckets(
     as_node: pika.BlockingConnection,
 ) -> None:
     channel = allowed(
         as_node, lambda ch: ch.basic_publish("reservoir.inbox", "reservoir.requestor.x", b"offer")
     )
+    channel.basic_publish("reservoir", "roster", b"status")
     name = f"reservoir.node.{uuid.uuid4().hex[:8]}"
     channel.queue_declare(name, exclusive=True)
     channel.queue_bind(name, "reservoir.inbox", routing_key=name)
     for percent in (10, 25, 50, 75, 100):
         channel.queue_bind(name, "reservoir", routing_key=f"tier.{percent}")
     channel.queue_unbind(name, "reservoir", routing_key="tier.10")
+    channel.queue_bind(name, "reservoir", routing_key="lookup.0a1b")
     channel.basic_consume(name, lambda *_: None, auto_ack=True)
     # Passive declares need no permission: how an adapter checks the exchanges exist.
     channel.exchange_declare("reservoir", passive=True)
@@ -285,19 +292,22 @@ def test_node_may_answer_a_requestor_and_bind_its_tiers_and_address(
 # -- (d): what a requestor may, and may not, do ---------------------------------------------
 
 
-def test_requestor_may_publish_requests_and_send_to_nodes(
+def test_requestor_may_publish_requests_and_lookups_hear_the_roster_and_send_to_nodes(
     as_requestor: pika.BlockingConnection,
 ) -> None:
     channel = allowed(as_requestor, lambda ch: ch.basic_publish("reservoir", "tier.10", b"request"))
+    channel.basic_publish("reservoir", "lookup.0a1b", b"lookup")
     channel.basic_publish("reservoir.inbox", "reservoir.node.x", b"award")
     name = f"reservoir.requestor.{uuid.uuid4().hex[:8]}"
     channel.queue_declare(name, exclusive=True)
     channel.queue_bind(name, "reservoir.inbox", routing_key=name)
+    channel.queue_bind(name, "reservoir", routing_key="roster")
     channel.basic_consume(name, lambda *_: None, auto_ack=True)
 
 
 def test_requestor_may_do_nothing_else(as_requestor: pika.BlockingConnection) -> None:
     refused(as_requestor, lambda ch: ch.basic_publish("reservoir", "award.x", b"not a tier"))
+    refused(as_requestor, lambda ch: ch.basic_publish("reservoir", "roster", b"a fake node"))
     refused(
         as_requestor,
         lambda ch: ch.basic_publish("reservoir.inbox", "reservoir.requestor.y", b"to a peer"),

@@ -11,6 +11,7 @@ from reservoir.protocol.effects import (
     DeleteAllocation,
     Dropped,
     Effect,
+    Publish,
     Send,
     SetTimer,
     StoreAllocation,
@@ -18,17 +19,22 @@ from reservoir.protocol.effects import (
 )
 from reservoir.protocol.ledger import Inventory
 from reservoir.protocol.messages import (
+    ROSTER_TOPIC,
     Accepted,
     AlreadyPlaced,
     Award,
     Decline,
     Free,
     Freed,
+    Lookup,
     Message,
+    NodeStatus,
     Offer,
     Refused,
     Release,
     ReservationRequest,
+    RollCall,
+    lookup_topic,
 )
 from reservoir.protocol.node import EXPIRY_TIMER, NodeConfig, NodeMachine
 
@@ -280,10 +286,13 @@ def test_a_node_rebinds_when_its_utilisation_crosses_a_tier_boundary() -> None:
         name="n", address="reservoir.node.n", inventories={"VCPU": Inventory(total=10)}
     )
     node = NodeMachine(config)
-    assert set(node.start(T0)) == {Bind(f"tier.{t}") for t in (10, 25, 50, 75, 100)}
+    started = node.start(T0)
+    assert {e for e in started if isinstance(e, Bind)} == {
+        Bind(f"tier.{t}") for t in (10, 25, 50, 75, 100)
+    }
     effects = node.handle(a_request(resources={"VCPU": 2}), T0)  # 20 %: leaves tier.10
     assert Unbind("tier.10") in effects
-    assert not any(isinstance(e, Bind) for e in effects)
+    assert not any(isinstance(e, Bind) and e.topic.startswith("tier.") for e in effects)
     assert node.bound_topics == {"tier.25", "tier.50", "tier.75", "tier.100"}
     effects = node.on_timer(EXPIRY_TIMER, T0 + 5)  # reservation gone: back to 0 %
     assert Bind("tier.10") in effects
@@ -320,7 +329,8 @@ def test_stopping_withdraws_live_reservations_and_unbinds() -> None:
     node.handle(a_request(), T0)
     effects = node.stop(T0)
     assert {e.topic for e in effects if isinstance(e, Unbind)} == {
-        f"tier.{t}" for t in (25, 50, 75, 100)
+        *(f"tier.{t}" for t in (25, 50, 75, 100)),
+        lookup_topic("r1"),
     }
     (refused,) = sent(effects)
     assert isinstance(refused, Refused)
@@ -353,3 +363,70 @@ def test_a_node_never_overcommits_under_a_burst_of_requests() -> None:
                 node.handle(award(message), T0)
     assert node.ledger.violations() == []
     assert node.ledger.usage("VCPU").allocated == 6
+
+
+def published(effects: list[Effect]) -> list[tuple[str, Message]]:
+    return [(e.topic, e.message) for e in effects if isinstance(e, Publish)]
+
+
+def test_a_node_announces_its_tier_when_it_starts_changes_tier_and_leaves() -> None:
+    node = NodeMachine(a_node(vcpus=10).config)
+    ((topic, started),) = published(node.start(T0))
+    assert topic == ROSTER_TOPIC
+    assert isinstance(started, NodeStatus) and (started.tier, started.leaving) == (10, False)
+    ((_, moved),) = published(node.handle(a_request(resources={"VCPU": 2}), T0))
+    assert isinstance(moved, NodeStatus) and moved.tier == 25
+    assert published(node.handle(a_request("r2", resources={"MEMORY_MB": 64}), T0)) == []
+    ((_, left),) = published(node.stop(T0))
+    assert isinstance(left, NodeStatus) and left.leaving
+
+
+def test_a_node_answers_a_roll_call_with_its_status() -> None:
+    node = a_node()
+    call = RollCall(sender=REQUESTOR, reply_to=REPLY)
+    (status,) = sent(node.handle(call, T0))
+    assert isinstance(status, NodeStatus)
+    assert (status.sender, status.reply_to, status.tier) == (node.name, node.config.address, 10)
+
+
+def test_a_probed_node_that_cannot_take_the_request_still_answers() -> None:
+    node = a_node(vcpus=2)
+    assert sent(node.handle(a_request(resources={"VCPU": 4}), T0)) == []  # broadcast: silent
+    (decline,) = sent(node.handle(a_request("r2", resources={"VCPU": 4}, probed_node="node-a"), T0))
+    assert isinstance(decline, Decline)
+    assert (decline.busy, decline.reasons) == (False, ())  # compact: no reasons unasked
+
+
+def test_a_node_binds_the_lookup_bucket_of_what_it_holds_before_it_offers() -> None:
+    node = a_node()
+    effects = node.handle(a_request(), T0)
+    bind = effects.index(Bind(lookup_topic("r1")))
+    offer = next(i for i, e in enumerate(effects) if isinstance(e, Send))
+    assert bind < offer
+    accepted = node.handle(award(the_offer(effects)), T0)
+    assert not any(isinstance(e, Unbind | Bind) for e in accepted)  # reservation -> allocation
+    ids = tuple(a.allocation_id for a in node.ledger.allocations.values())
+    free = Free(request_id="r1", sender=REQUESTOR, reply_to=REPLY, allocation_ids=ids)
+    assert Unbind(lookup_topic("r1")) in node.handle(free, T0)
+
+
+def test_a_released_or_expired_reservation_leaves_its_lookup_bucket() -> None:
+    node = a_node()
+    node.handle(a_request(), T0)
+    assert Unbind(lookup_topic("r1")) in node.on_timer(EXPIRY_TIMER, T0 + 5)
+
+
+def test_a_restarted_node_binds_the_buckets_of_its_stored_allocations() -> None:
+    node = a_node()
+    node.handle(award(the_offer(node.handle(a_request(), T0))), T0)
+    restarted = NodeMachine(node.config, list(node.ledger.allocations.values()))
+    assert Bind(lookup_topic("r1")) in restarted.start(T0)
+
+
+def test_a_lookup_from_another_requestor_finds_a_held_reservation() -> None:
+    node = a_node()
+    node.handle(a_request(), T0)
+    lookup = Lookup(request_id="r1", sender="other", reply_to="other-inbox")
+    told = sent(node.handle(lookup, T0))
+    assert {type(m) for m in told} == {Decline}
+    assert all(m.reasons[0].code == "in_flight_elsewhere" for m in told)  # type: ignore[union-attr]

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from reservoir.protocol.effects import Send
 from reservoir.protocol.ledger import Inventory
 from reservoir.protocol.messages import NumaSpec, Offer, ReservationRequest
 from reservoir.protocol.node import NodeConfig, NodeMachine
@@ -97,7 +98,7 @@ def test_memory_per_cell_limits_numa_instances_even_when_the_node_total_would_fi
     effects = node.handle(
         request("r1", resources={"VCPU": 1, "MEMORY_MB": 6144}, numa=NumaSpec(nodes=1)), T0
     )
-    decline = next(e.message for e in effects if hasattr(e, "message"))
+    decline = next(e.message for e in effects if isinstance(e, Send))
     assert decline.kind == "decline"
     assert decline.reasons[0].code == "numa"
     assert "6144 MB" in decline.reasons[0].detail
@@ -108,7 +109,7 @@ def test_an_uneven_split_is_explained() -> None:
     effects = node.handle(
         request("r1", resources={"VCPU": 3, "MEMORY_MB": 1024}, numa=NumaSpec(nodes=2)), T0
     )
-    (decline,) = [e.message for e in effects if hasattr(e, "message")]
+    (decline,) = [e.message for e in effects if isinstance(e, Send)]
     assert "do not split evenly" in decline.reasons[0].detail
 
 
@@ -130,7 +131,7 @@ def test_a_node_without_numa_cells_cannot_take_a_numa_request() -> None:
     effects = node.handle(
         request("r1", resources={"VCPU": 1, "MEMORY_MB": 512}, numa=NumaSpec()), T0
     )
-    (decline,) = [e.message for e in effects if hasattr(e, "message")]
+    (decline,) = [e.message for e in effects if isinstance(e, Send)]
     assert "no NUMA topology" in decline.reasons[0].detail
 
 

@@ -34,6 +34,7 @@ from reservoir.protocol.messages import (
     Refused,
     Release,
     ReservationRequest,
+    lookup_topic,
 )
 from reservoir.protocol.placement import PlacementRequest, PlacementTimeout
 from reservoir.protocol.requestor import RequestorConfig, RequestorMachine
@@ -380,7 +381,7 @@ def test_timing_out_while_awarding_frees_what_was_awarded() -> None:
     assert [s.address for s in sent(timed_out, Free)] == ["addr-n1"]
 
 
-def test_busy_nodes_make_the_last_tier_try_again_instead_of_failing() -> None:
+def test_busy_nodes_are_asked_again_alone_instead_of_failing() -> None:
     machine = a_requestor()
     effects = machine.place(spec(), "r1", T0, TIMEOUT_S)
     busy = Decline(request_id="r1", sender="n1", reply_to="addr-n1", attempt=5, busy=True)
@@ -392,8 +393,11 @@ def test_busy_nodes_make_the_last_tier_try_again_instead_of_failing() -> None:
     effects = machine.on_timer(key, at)
     assert not any(isinstance(e, Failed) for e in effects)
     key, retry_at = timer_at(effects, "retry")
-    (again,) = published(machine.on_timer(key, retry_at))
-    assert again.tier == 100
+    retried = machine.on_timer(key, retry_at)
+    assert published(retried) == []  # not the whole tier again
+    (again,) = sent(retried, ReservationRequest)
+    assert again.address == "addr-n1"
+    assert again.message.probed_node == "n1"  # type: ignore[attr-defined]
 
 
 def test_freeing_a_placement_sends_free_to_each_node_and_completes_on_confirmation() -> None:
@@ -439,8 +443,7 @@ def test_a_requestor_stands_back_when_one_with_precedence_places_the_same_id() -
     assert [s.address for s in sent(decided, Release)] == ["addr-n1"]
     key, at = timer_at(decided, "retry")
     retry = machine.on_timer(key, at)
-    again, lookup = [e.message for e in retry if isinstance(e, Publish)]
-    assert isinstance(lookup, Lookup)  # the other may have placed it by now: ask everyone
+    (again,) = published(retry)
     held = AlreadyPlaced(
         request_id="r1",
         sender="n2",
@@ -464,5 +467,10 @@ def test_a_requestor_with_precedence_goes_on_despite_contention() -> None:
         reasons=(Reason(code="in_flight_elsewhere", subject="zed"),),
     )
     machine.handle(contended, T0 + 0.01)
-    (award,) = sent(collect(machine, first, T0 + 0.01), Award)
-    assert award.address == "addr-n1"
+    decided = collect(machine, first, T0 + 0.01)
+    assert sent(decided, Award) == []
+    (lookup,) = [e for e in decided if isinstance(e, Publish)]
+    assert isinstance(lookup.message, Lookup)  # first: has the other placed it already?
+    assert lookup.topic == lookup_topic("r1")
+    (award,) = sent(machine.on_unroutable(lookup.message, T0 + 0.011), Award)
+    assert award.address == "addr-n1"  # nobody holds it: we go on

@@ -6,7 +6,7 @@
 Both run in virtual time with the same one-way message latency, the same nodes and the
 same requests, arriving as fast as ``--schedulers`` concurrent callers can place them.
 
-The baseline is Nova's model (see DESIGN.md and the seed messages): each scheduler reads
+The baseline is Nova's model (see docs/design.md): each scheduler reads
 every host's state as the nodes last reported it, picks the least-loaded host that fits
 (spread) and decrements its own copy; the compute node then *claims*, and a claim that no
 longer fits sends the request back to be rescheduled without that host, up to three

@@ -1,7 +1,7 @@
 """Settings shared by every participant, read from ``RESERVOIR_*`` environment variables.
 
 Every field can also be passed directly (``Settings(ttl_s=3.0)``); command-line options
-override both. Defaults are DESIGN.md's.
+override both. Defaults are those of docs/design.md.
 """
 
 from __future__ import annotations

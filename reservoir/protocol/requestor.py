@@ -106,7 +106,7 @@ _LOOKUP: Final = "lookup"
 
 @dataclass(frozen=True)
 class RequestorConfig:
-    """Who the requestor is and how patient it is. Defaults follow DESIGN.md."""
+    """Who the requestor is and how patient it is. Defaults follow docs/design.md."""
 
     requestor_id: str
     #: where nodes send offers and answers

@@ -363,6 +363,8 @@ class NodeStatus(_Message):
     #: the narrowest tier the node belongs to, as a percentage
     tier: int = Field(ge=1, le=100)
     leaving: bool = False
+    #: an answer to a RollCall (the requestor times it: its first latency samples)
+    answering: bool = False
 
 
 class RollCall(_Message):

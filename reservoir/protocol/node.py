@@ -191,7 +191,7 @@ class NodeMachine:
             self._on_free(message, effects)
         elif isinstance(message, RollCall):
             if not self.stopping:
-                effects.append(Send(message.reply_to, self._status()))
+                effects.append(Send(message.reply_to, self._status(answering=True)))
         else:
             effects.append(Dropped("unexpected", f"a node does not take {message.kind!r}"))
         self._sync_buckets(effects)
@@ -219,9 +219,13 @@ class NodeMachine:
         self._retier(effects)
         return effects
 
-    def _status(self, *, leaving: bool = False) -> NodeStatus:
+    def _status(self, *, leaving: bool = False, answering: bool = False) -> NodeStatus:
         return NodeStatus(
-            sender=self.name, reply_to=self.config.address, tier=self.tier(), leaving=leaving
+            sender=self.name,
+            reply_to=self.config.address,
+            tier=self.tier(),
+            leaving=leaving,
+            answering=answering,
         )
 
     # -- messages ----------------------------------------------------------------------

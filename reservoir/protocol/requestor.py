@@ -103,6 +103,9 @@ _RETRY: Final = "retry"
 _FREE: Final = "free"
 _LOOKUP: Final = "lookup"
 
+#: latency samples before the widening wait follows the estimate instead of its maximum
+_LATENCY_SAMPLES_TRUSTED: Final = 8
+
 
 @dataclass(frozen=True)
 class RequestorConfig:
@@ -295,6 +298,7 @@ class RequestorMachine:
         #: nothing to sample from), ``busy_retries``
         self.counters: Counter[str] = Counter()
         self.latency = _LatencyEstimate()
+        self._roll_called_at: float | None = None
         self._active: dict[str, _Conversation] = {}
         self._finished: OrderedDict[str, Placement | None] = OrderedDict()
         #: (request id, notify) -> the frees of that request awaiting confirmation
@@ -321,6 +325,7 @@ class RequestorMachine:
         """Hear nodes' announcements, and ask every node where it stands (once: from then
         on the announcements keep the roster current)."""
         call = RollCall(sender=self.config.requestor_id, reply_to=self.config.reply_to)
+        self._roll_called_at = now
         return [
             Bind(ROSTER_TOPIC),
             Publish(TierLadder.topic(self.config.tiers.percents[-1]), call),
@@ -446,6 +451,13 @@ class RequestorMachine:
         elif isinstance(message, Freed):
             self._on_freed(message, effects)
         elif isinstance(message, NodeStatus):
+            if message.answering and self._roll_called_at is not None:
+                # The first answers to the roll call time the network: without them a new
+                # requestor would wait the longest widening wait at every silent tier.
+                if self.latency.samples < _LATENCY_SAMPLES_TRUSTED:
+                    self.latency.add(now - self._roll_called_at)
+                else:
+                    self._roll_called_at = None
             if message.leaving:
                 self.roster.remove(message.sender)
             else:
@@ -674,7 +686,7 @@ class RequestorMachine:
     def _widen_wait_s(self) -> float:
         estimate = self.latency
         config = self.config
-        if estimate.mean_s is None or estimate.samples < 8:
+        if estimate.mean_s is None or estimate.samples < _LATENCY_SAMPLES_TRUSTED:
             return config.max_widen_s
         wait = estimate.mean_s + 4 * estimate.variation_s
         return min(max(wait, config.min_widen_s), config.max_widen_s)

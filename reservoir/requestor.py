@@ -108,6 +108,8 @@ class Requestor(Driver):
                 ttl_s=settings.ttl_s,
                 max_widen_s=settings.max_widen_s,
                 min_widen_s=settings.min_widen_s,
+                probe_factor=settings.probe_factor,
+                probe_rounds=settings.probe_rounds,
             )
         )
         self._placing: dict[str, list[concurrent.futures.Future[Placement]]] = {}

@@ -39,6 +39,12 @@ class Settings(BaseSettings):
     min_widen_s: float = Field(default=0.05, gt=0)
     #: how the requestor picks winners: spread, pack or least-utilised
     policy: str = "spread"
+    #: nodes a requestor probes per instance wanted (at least two), sampled from the
+    #: emptiest tiers; more probes give the policy and node weighers more to choose from
+    probe_factor: float = Field(default=2.0, gt=0, le=1000)
+    #: sampling rounds, each twice as wide, before the exhaustive tier broadcast
+    #: (0: always broadcast to whole tiers, as the first version of the protocol did)
+    probe_rounds: int = Field(default=2, ge=0, le=10)
     #: how long ``Requestor.reserve`` waits by default
     request_timeout_s: float = Field(default=30.0, gt=0)
     #: where a node agent keeps its durable ledger (None: in memory only)

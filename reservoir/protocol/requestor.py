@@ -31,6 +31,13 @@ of the nodes and their tiers from what nodes announce. A conversation:
    reservations, take a partial placement if ``min_count`` allows, otherwise **fail** with
    an explanation and release everything held.
 
+The machine is put together from smaller ones, a module each: a conversation's state and
+the table of its phases (:mod:`reservoir.protocol.conversation`), the request id's
+contention with other requestors (:mod:`reservoir.protocol.contention`), the frees re-sent
+until nodes confirm (:mod:`reservoir.protocol.freeing`), the roster
+(:mod:`reservoir.protocol.roster`) and typed timer keys (:mod:`reservoir.protocol.timers`).
+This module holds what ties them together: probing, broadcasting, deciding, accepting.
+
 The request id is an idempotency key: placing an id that is in flight joins it, placing an
 id that was placed returns that placement, and a node that already holds allocations for
 the id says so (``AlreadyPlaced``), so even a restarted requestor never places twice. A
@@ -45,9 +52,10 @@ import math
 from collections import Counter, OrderedDict
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Final
 
+from reservoir.protocol.contention import IdContention, LookupOutcome
+from reservoir.protocol.conversation import Awarded, Conversation, Event, Held, Phase
 from reservoir.protocol.effects import (
     Bind,
     CancelTimer,
@@ -60,6 +68,7 @@ from reservoir.protocol.effects import (
     Send,
     SetTimer,
 )
+from reservoir.protocol.freeing import Freeing, FreeTarget
 from reservoir.protocol.messages import (
     ROSTER_TOPIC,
     Accepted,
@@ -67,7 +76,6 @@ from reservoir.protocol.messages import (
     AlreadyPlaced,
     Award,
     Decline,
-    Free,
     Freed,
     Lookup,
     Message,
@@ -89,19 +97,12 @@ from reservoir.protocol.placement import (
     PlacementTimeout,
     reason_label,
 )
-from reservoir.protocol.policies import Candidate, Policy, Spread
-from reservoir.protocol.roster import Member, Roster, Sampler
+from reservoir.protocol.policies import Policy, Spread
+from reservoir.protocol.roster import Roster, Sampler
 from reservoir.protocol.tiers import TierLadder
+from reservoir.protocol.timers import PER_ATTEMPT, ConversationTimer, FreeTimer, TimerKind
 
-__all__ = ["RequestorConfig", "RequestorMachine"]
-
-_COLLECT: Final = "collect"
-_WIDEN: Final = "widen"
-_AWARD: Final = "award"
-_DEADLINE: Final = "deadline"
-_RETRY: Final = "retry"
-_FREE: Final = "free"
-_LOOKUP: Final = "lookup"
+__all__ = ["LatencyEstimate", "RequestorConfig", "RequestorMachine"]
 
 #: latency samples before the widening wait follows the estimate instead of its maximum
 _LATENCY_SAMPLES_TRUSTED: Final = 8
@@ -157,7 +158,7 @@ class RequestorConfig:
     sample_seed: int | str | None = None
 
 
-class _LatencyEstimate:
+class LatencyEstimate:
     """Smoothed offer latency and its variation, as TCP estimates round-trip time (RFC
     6298): the wait for a first offer is ``mean + 4 * variation``."""
 
@@ -175,117 +176,6 @@ class _LatencyEstimate:
         self.mean_s = 0.875 * self.mean_s + 0.125 * sample_s
 
 
-@dataclass
-class _Held:
-    offer: Offer
-    usable_until: float
-
-    def candidate(self) -> Candidate:
-        o = self.offer
-        return Candidate(o.reservation_id, o.sender, o.slots, o.utilisation, o.score)
-
-
-@dataclass
-class _Awarded:
-    offer: Offer
-    slots: int
-    first_sent_at: float
-    last_sent_at: float
-
-
-class _Phase(Enum):
-    #: a broadcast is out; offers are being gathered
-    COLLECTING = "collecting"
-    #: awards are out; the pool holds at most the spares
-    AWARDING = "awarding"
-    #: every tier tried, nodes were only busy: waiting to broadcast again
-    BACKING_OFF = "backing off"
-
-
-@dataclass
-class _Conversation:
-    request_id: str
-    spec: PlacementRequest
-    started_at: float
-    deadline: float
-    ttl_s: float
-    #: instances we settle for: count, or fewer once a partial placement is decided
-    target: int
-    tier_index: int = 0
-    attempt: int = 0
-    broadcast_at: float = 0.0
-    phase: _Phase = _Phase.COLLECTING
-    collect_timer_set: bool = False
-    busy_rounds: int = 0
-    pool: dict[str, _Held] = field(default_factory=dict)
-    awards: dict[str, _Awarded] = field(default_factory=dict)
-    placed: dict[str, PlacedAllocation] = field(default_factory=dict)
-    seen: set[str] = field(default_factory=set)
-    #: awards given up on: their allocations, should any turn up, are freed
-    abandoned: set[str] = field(default_factory=set)
-    #: allocations nodes reported as placed already (AlreadyPlaced), not awarded by us
-    adopted: set[str] = field(default_factory=set)
-    #: another requestor owns allocations of this id: it finishes, we only look up
-    following: str | None = None
-    #: a node said "already placed" since the last lookup went out
-    heard_placed: bool = False
-    tiers_tried: list[int] = field(default_factory=list)
-    offers_received: int = 0
-    declines: dict[str, Decline] = field(default_factory=dict)
-    busy_nodes: set[str] = field(default_factory=set)
-    #: requestors with precedence that are placing the same id
-    yield_to: set[str] = field(default_factory=set)
-    #: each broadcast also asks every node whether the id is placed already: the id was
-    #: chosen by the caller, or another requestor was seen placing it too
-    looks_up: bool = False
-    #: while a Lookup may still be answered, awards and failure wait
-    lookup_until: float | None = None
-    decision_due: bool = False
-    group_hosts: dict[str, int] = field(default_factory=dict)
-    note: str = ""
-    #: still sampling from the roster (False: the exhaustive tier broadcast)
-    sampling: bool = False
-    probe_round: int = 0
-    #: every node probed so far, not to be probed again by a later round
-    probed: set[str] = field(default_factory=set)
-    #: probed nodes whose answer to the current attempt is still due
-    expected: set[str] = field(default_factory=set)
-    #: the attempt whose decision a Lookup sent after its offers has cleared
-    confirmed_attempt: int = 0
-    #: busy nodes' addresses, asked again alone after a back-off
-    busy_addresses: dict[str, str] = field(default_factory=dict)
-
-    def awarded_slots(self) -> int:
-        return sum(a.slots for a in self.awards.values())
-
-    def needed(self) -> int:
-        return self.target - len(self.placed) - self.awarded_slots()
-
-
-@dataclass(frozen=True)
-class _FreeTarget:
-    """One ``Free`` to one node: named allocations, one reservation's worth, or (neither
-    given) everything the request holds there."""
-
-    address: str
-    node: str
-    allocation_ids: tuple[str, ...] = ()
-    reservation_id: str | None = None
-
-
-@dataclass
-class _FreeJob:
-    """Frees of one request, re-sent until each node confirms. ``notify``: a caller waits
-    for the result (releasing a placement) rather than the requestor tidying up after
-    itself (a failed request, an abandoned award, a surplus acceptance)."""
-
-    request_id: str
-    notify: bool
-    pending: set[_FreeTarget] = field(default_factory=set)
-    freed: list[str] = field(default_factory=list)
-    attempts: int = 0
-
-
 class RequestorMachine:
     """Every conversation of one requestor. Not thread-safe: its driver serialises calls."""
 
@@ -297,12 +187,16 @@ class RequestorMachine:
         #: ``exhaustive_steps`` (broadcasts after sampling found too little, or with
         #: nothing to sample from), ``busy_retries``
         self.counters: Counter[str] = Counter()
-        self.latency = _LatencyEstimate()
+        self.latency = LatencyEstimate()
         self._roll_called_at: float | None = None
-        self._active: dict[str, _Conversation] = {}
+        self._active: dict[str, Conversation] = {}
         self._finished: OrderedDict[str, Placement | None] = OrderedDict()
-        #: (request id, notify) -> the frees of that request awaiting confirmation
-        self._freeing: dict[tuple[str, bool], _FreeJob] = {}
+        self._frees = Freeing(
+            sender=config.requestor_id,
+            reply_to=config.reply_to,
+            retry_s=config.free_retry_s,
+            attempts=config.free_attempts,
+        )
 
     # -- observing ---------------------------------------------------------------------
 
@@ -339,23 +233,25 @@ class RequestorMachine:
         effects: list[Effect] = []
         if request_id in self._active:
             return effects  # in flight: the caller joins it
-        if (request_id, True) in self._freeing:
+        if self._frees.for_caller(request_id):
             raise ValueError(f"request {request_id} is being freed; place it again afterwards")
         # Tidying up after an earlier failed attempt stops here: whatever it left behind,
         # the nodes report as AlreadyPlaced and the new conversation adopts it.
-        if self._freeing.pop((request_id, False), None) is not None:
-            effects.append(CancelTimer((request_id, _FREE, False)))
+        self._frees.stop_tidying(request_id, effects)
         previous = self._finished.get(request_id)
         if previous is not None:
             effects.append(Placed(request_id, previous))
             return effects
-        conversation = _Conversation(
+        conversation = Conversation(
             request_id=request_id,
             spec=spec,
             started_at=now,
             deadline=now + timeout_s,
             ttl_s=self.config.ttl_s,
             target=spec.count,
+            # A caller-chosen id may be placed, before or meanwhile, by another requestor,
+            # on a node in any tier: every decision first looks it up.
+            contention=IdContention(self.config.requestor_id, spec.request_id is not None),
         )
         # An affinity member belongs (or, soft, prefers to be) on the node that already
         # hosts its group, which may sit in any tier: only the widest tier reaches it.
@@ -364,10 +260,8 @@ class RequestorMachine:
         else:
             conversation.sampling = self.config.probe_rounds > 0
         self._active[request_id] = conversation
-        effects.append(SetTimer((request_id, _DEADLINE), conversation.deadline))
-        # A caller-chosen id may be placed, before or meanwhile, by another requestor, on a
-        # node in any tier: every decision first looks it up.
-        conversation.looks_up = spec.request_id is not None
+        deadline = ConversationTimer(request_id, TimerKind.DEADLINE)
+        effects.append(SetTimer(deadline, conversation.deadline))
         self._broadcast(conversation, now, effects)
         return effects
 
@@ -385,10 +279,10 @@ class RequestorMachine:
             effects.append(FreeCompleted(request_id, (), ()))
             return effects
         targets = [
-            _FreeTarget(address, node, tuple(sorted(ids)))
+            FreeTarget(address, node, tuple(sorted(ids)))
             for (address, node), ids in sorted(by_address.items())
         ]
-        self._free(request_id, targets, now, effects, notify=True)
+        self._frees.free(request_id, targets, now, effects, notify=True)
         return effects
 
     def free_on_node(
@@ -403,8 +297,8 @@ class RequestorMachine:
         holds there. For operators who know the request and the node, not the placement."""
         effects: list[Effect] = []
         self._finished.pop(request_id, None)
-        target = _FreeTarget(address, node, tuple(sorted(allocation_ids)))
-        self._free(request_id, [target], now, effects, notify=True)
+        target = FreeTarget(address, node, tuple(sorted(allocation_ids)))
+        self._frees.free(request_id, [target], now, effects, notify=True)
         return effects
 
     def abandon(self, now: float) -> list[Effect]:
@@ -449,7 +343,7 @@ class RequestorMachine:
         elif isinstance(message, Refused):
             self._on_refused(message, now, effects)
         elif isinstance(message, Freed):
-            self._on_freed(message, effects)
+            self._frees.on_freed(message, effects)
         elif isinstance(message, NodeStatus):
             if message.answering and self._roll_called_at is not None:
                 # The first answers to the roll call time the network: without them a new
@@ -494,48 +388,45 @@ class RequestorMachine:
 
     def on_timer(self, key: Hashable, now: float) -> list[Effect]:
         effects: list[Effect] = []
-        if not (isinstance(key, tuple) and len(key) >= 2):
+        if isinstance(key, FreeTimer):
+            self._frees.on_timer(key, now, effects)
             return effects
-        request_id, what = key[0], key[1]
-        if what == _FREE:
-            job = self._freeing.get((request_id, bool(key[2])))
-            if job is not None:
-                self._retry_frees(job, now, effects)
+        if not isinstance(key, ConversationTimer):
             return effects
-        conversation = self._active.get(request_id)
-        if conversation is None:
-            return effects
-        if what == _DEADLINE:
-            conversation.note = "timed out"
-            self._fail(conversation, now, effects, timed_out=True)
-        elif what == _COLLECT and key[2] == conversation.attempt:
-            self._decide(conversation, now, effects)
-        elif what == _WIDEN and key[2] == conversation.attempt:
-            self._nobody_came(conversation, now, effects)
-        elif what == _AWARD:
-            self._chase_awards(conversation, now, effects)
-        elif what == _LOOKUP:
-            self._lookup_over(conversation, now, effects)
-        elif what == _RETRY and conversation.phase is _Phase.BACKING_OFF:
-            busy = dict(conversation.busy_addresses)
-            conversation.busy_nodes.clear()
-            conversation.busy_addresses.clear()
-            if busy and not conversation.yield_to and conversation.following is None:
+        c = self._active.get(key.request_id)
+        if c is None or (key.kind in PER_ATTEMPT and key.attempt != c.attempt):
+            return effects  # over, or an earlier attempt's
+        kind = key.kind
+        if kind is TimerKind.DEADLINE:
+            c.note = "timed out"
+            self._fail(c, now, effects, timed_out=True)
+        elif kind is TimerKind.COLLECT:
+            self._decide(c, now, effects)
+        elif kind is TimerKind.WIDEN:
+            self._nobody_came(c, now, effects)
+        elif kind is TimerKind.AWARD:
+            self._chase_awards(c, now, effects)
+        elif kind is TimerKind.LOOKUP:
+            self._lookup_over(c, now, effects)
+        elif kind is TimerKind.RETRY and c.phase is Phase.BACKING_OFF:
+            busy = list(c.busy_nodes.items())
+            c.busy_nodes.clear()
+            if busy and not c.contention.defers_to_others():
                 # Only the busy nodes were short, of room others' reservations held: ask
                 # them again, alone, rather than the whole tier.
                 self.counters["busy_retries"] += 1
-                self._probe_nodes(conversation, list(busy.items()), now, effects)
+                self._probe_nodes(c, busy, now, effects)
             else:
-                self._broadcast(conversation, now, effects)
+                self._broadcast(c, now, effects)
         return effects
 
     # -- broadcasting and collecting ---------------------------------------------------
 
-    def _broadcast(self, c: _Conversation, now: float, effects: list[Effect]) -> None:
+    def _broadcast(self, c: Conversation, now: float, effects: list[Effect]) -> None:
         """Ask again: probe sampled nodes while sampling rounds remain, else broadcast on
-        the conversation's tier."""
+        the conversation's tier (following another requestor's placement: look it up)."""
         config = self.config
-        if c.following is not None:
+        if c.contention.following is not None:
             self._follow(c, now, effects)
             return
         if c.sampling:
@@ -555,20 +446,10 @@ class RequestorMachine:
             # tier, so that no node where the request fits goes unasked.
             c.sampling = False
             self.counters["exhaustive_steps"] += 1
+        c.enter(Event.BROADCAST)
         self._new_attempt(c, now, effects)
         tier = config.tiers.percents[c.tier_index]
-        if not c.tiers_tried or c.tiers_tried[-1] != tier:
-            c.tiers_tried.append(tier)
-        request = ReservationRequest(
-            request_id=c.request_id,
-            sender=config.requestor_id,
-            reply_to=config.reply_to,
-            tier=tier,
-            attempt=c.attempt,
-            ttl_s=c.ttl_s,
-            **c.spec.shape_fields(),
-        )
-        effects.append(Publish(TierLadder.topic(tier), request))
+        effects.append(Publish(TierLadder.topic(tier), self._request(c, tier)))
         # Before the last tier's verdict (failure) the wait is longer than the one that
         # only decides to look wider: a slow moment of the network or of a busy process
         # must not fail a request that offers were already on their way to.
@@ -576,111 +457,113 @@ class RequestorMachine:
         if c.tier_index == len(config.tiers) - 1:
             wait_s = min(max(wait_s * config.verdict_factor, config.min_verdict_s),
                          config.max_widen_s)  # fmt: skip
-        effects.append(SetTimer((c.request_id, _WIDEN, c.attempt), now + wait_s))
+        self._set_timer(c, TimerKind.WIDEN, now + wait_s, effects)
 
-    def _new_attempt(self, c: _Conversation, now: float, effects: list[Effect]) -> None:
+    def _request(self, c: Conversation, tier: int) -> ReservationRequest:
+        if not c.tiers_tried or c.tiers_tried[-1] != tier:
+            c.tiers_tried.append(tier)
+        return ReservationRequest(
+            request_id=c.request_id,
+            sender=self.config.requestor_id,
+            reply_to=self.config.reply_to,
+            tier=tier,
+            attempt=c.attempt,
+            ttl_s=c.ttl_s,
+            **c.spec.shape_fields(),
+        )
+
+    def _new_attempt(self, c: Conversation, now: float, effects: list[Effect]) -> None:
+        self._cancel_timer(c, TimerKind.COLLECT, effects)
+        self._cancel_timer(c, TimerKind.WIDEN, effects)
         c.attempt += 1
-        c.phase = _Phase.COLLECTING
         c.collect_timer_set = False
         c.broadcast_at = now
         c.expected.clear()
-        effects.append(CancelTimer((c.request_id, _COLLECT, c.attempt - 1)))
-        effects.append(CancelTimer((c.request_id, _WIDEN, c.attempt - 1)))
+
+    def _set_timer(
+        self, c: Conversation, kind: TimerKind, at: float, effects: list[Effect]
+    ) -> None:
+        effects.append(SetTimer(self._timer(c, kind), at))
+
+    def _cancel_timer(self, c: Conversation, kind: TimerKind, effects: list[Effect]) -> None:
+        effects.append(CancelTimer(self._timer(c, kind)))
+
+    @staticmethod
+    def _timer(c: Conversation, kind: TimerKind) -> ConversationTimer:
+        attempt = c.attempt if kind in PER_ATTEMPT else 0
+        return ConversationTimer(c.request_id, kind, attempt)
 
     def _probe_nodes(
         self,
-        c: _Conversation,
+        c: Conversation,
         nodes: list[tuple[str, str]],
         now: float,
         effects: list[Effect],
     ) -> None:
         """Send the request to each of ``nodes`` (name, address) alone, as one attempt
         that is decided the moment every one of them has answered."""
-        config = self.config
+        c.enter(Event.PROBE)
         self._new_attempt(c, now, effects)
-        tiers = config.tiers.percents
-        widest = max((m.tier_index for m in self.roster_members(nodes)), default=0)
-        tier = tiers[widest]
-        if not c.tiers_tried or c.tiers_tried[-1] != tier:
-            c.tiers_tried.append(tier)
-        request = ReservationRequest(
-            request_id=c.request_id,
-            sender=config.requestor_id,
-            reply_to=config.reply_to,
-            tier=tier,
-            attempt=c.attempt,
-            ttl_s=c.ttl_s,
-            **c.spec.shape_fields(),
-        )
+        members = (self.roster.member(name) for name, _ in nodes)
+        widest = max((m.tier_index for m in members if m is not None), default=0)
+        request = self._request(c, self.config.tiers.percents[widest])
         for name, address in nodes:
             c.probed.add(name)
             c.expected.add(name)
             effects.append(Send(address, request.model_copy(update={"probed_node": name})))
         self.counters["probes"] += len(nodes)
         # The wait covers lost answers only: every probed node answers.
-        effects.append(SetTimer((c.request_id, _WIDEN, c.attempt), now + self._widen_wait_s()))
-
-    def roster_members(self, nodes: Iterable[tuple[str, str]]) -> list[Member]:
-        found = (self.roster.member(name) for name, _ in nodes)
-        return [m for m in found if m is not None]
+        self._set_timer(c, TimerKind.WIDEN, now + self._widen_wait_s(), effects)
 
     def _heard_from(
-        self, c: _Conversation, node: str, attempt: int, now: float, effects: list[Effect]
+        self, c: Conversation, node: str, attempt: int, now: float, effects: list[Effect]
     ) -> None:
         """A probed node answered (or its probe came back): once all have, decide."""
         if attempt != c.attempt or node not in c.expected:
             return
         c.expected.discard(node)
-        if not c.expected and c.phase is _Phase.COLLECTING:
-            effects.append(CancelTimer((c.request_id, _COLLECT, c.attempt)))
+        if not c.expected and c.collecting:
+            self._cancel_timer(c, TimerKind.COLLECT, effects)
             self._nobody_came(c, now, effects)
 
-    def _look_up(self, c: _Conversation, now: float, effects: list[Effect]) -> None:
+    def _look_up(self, c: Conversation, now: float, effects: list[Effect]) -> None:
         """Ask the nodes of the id's lookup bucket whether anyone holds it already; decide
         nothing until every holder could have answered."""
-        lookup = Lookup(
-            request_id=c.request_id,
-            sender=self.config.requestor_id,
-            reply_to=self.config.reply_to,
-        )
-        effects.append(Publish(lookup_topic(c.request_id), lookup))
-        c.confirmed_attempt = c.attempt
-        c.lookup_until = now + self._lookup_wait_s()
-        c.decision_due = True
-        effects.append(SetTimer((c.request_id, _LOOKUP), c.lookup_until))
+        self._send_lookup(c, now, effects, following=False)
 
-    def _follow(self, c: _Conversation, now: float, effects: list[Effect]) -> None:
-        """Ask every node again what is placed of the id, contending for nothing."""
-        c.phase = _Phase.BACKING_OFF
-        c.heard_placed = False
+    def _follow(self, c: Conversation, now: float, effects: list[Effect]) -> None:
+        """Ask the id's lookup bucket again what is placed of the id, contending for
+        nothing."""
+        c.enter(Event.FOLLOW)
+        self._send_lookup(c, now, effects, following=True)
+
+    def _send_lookup(
+        self, c: Conversation, now: float, effects: list[Effect], *, following: bool
+    ) -> None:
         lookup = Lookup(
             request_id=c.request_id,
             sender=self.config.requestor_id,
             reply_to=self.config.reply_to,
-            following=True,
+            following=following,
         )
         effects.append(Publish(lookup_topic(c.request_id), lookup))
-        c.lookup_until = now + self._lookup_wait_s()
-        c.decision_due = True
-        effects.append(SetTimer((c.request_id, _LOOKUP), c.lookup_until))
+        until = now + self._lookup_wait_s()
+        c.contention.lookup_sent(c.attempt, until, following=following)
+        self._set_timer(c, TimerKind.LOOKUP, until, effects)
 
     def _lookup_wait_s(self) -> float:
         return min(self._widen_wait_s(), self.config.max_lookup_s)
 
-    def _lookup_over(self, c: _Conversation, now: float, effects: list[Effect]) -> None:
-        c.lookup_until = None
-        if c.following is not None and not c.heard_placed:
+    def _lookup_over(self, c: Conversation, now: float, effects: list[Effect]) -> None:
+        outcome = c.contention.lookup_over()
+        if outcome is LookupOutcome.OWNER_GONE:
             # Nobody holds any of it any more: the owner failed and let go. Place it
             # ourselves, from scratch.
-            c.following = None
-            for allocation_id in c.adopted:
+            for allocation_id in c.contention.adopted:
                 c.placed.pop(allocation_id, None)
-            c.adopted.clear()
-            c.decision_due = False
+            c.contention.adopted.clear()
             self._broadcast(c, now, effects)
-            return
-        if c.decision_due:
-            c.decision_due = False
+        elif outcome is LookupOutcome.DECIDE:
             self._decide(c, now, effects)
 
     def _widen_wait_s(self) -> float:
@@ -717,10 +600,10 @@ class RequestorMachine:
         c.offers_received += 1
         if offer.group_members:
             c.group_hosts[offer.sender] = offer.group_members
-        c.pool[offer.reservation_id] = _Held(
+        c.pool[offer.reservation_id] = Held(
             offer, usable_until=now + offer.ttl_s - self.config.award_margin_s
         )
-        if c.phase is not _Phase.COLLECTING:
+        if not c.collecting:
             # Between awards and acceptances, or backing off: use it if there is a gap to
             # fill, else let it go.
             if c.needed() > 0:
@@ -730,17 +613,17 @@ class RequestorMachine:
             return
         self._heard_from(c, offer.sender, offer.attempt, now, effects)
 
-    def _answered(self, c: _Conversation, attempt: int, now: float, effects: list[Effect]) -> None:
+    def _answered(self, c: Conversation, attempt: int, now: float, effects: list[Effect]) -> None:
         """The first answer to a broadcast, offer or decline, even a repeat of an offer we
         hold (a node that heard an earlier tier hears this one too), opens the collect
         window: the other nodes of the tier answer within about as long again."""
-        if attempt != c.attempt or c.collect_timer_set or c.phase is not _Phase.COLLECTING:
+        if attempt != c.attempt or c.collect_timer_set or not c.collecting:
             return
         latency_s = now - c.broadcast_at
         self.latency.add(latency_s)
         window_s = max(latency_s, self.latency.mean_s or 0.0) * self.config.collect_factor
         window_s = min(max(window_s, self.config.min_collect_s), self.config.max_collect_s)
-        effects.append(SetTimer((c.request_id, _COLLECT, c.attempt), now + window_s))
+        self._set_timer(c, TimerKind.COLLECT, now + window_s, effects)
         c.collect_timer_set = True
 
     def _on_decline(self, decline: Decline, now: float, effects: list[Effect]) -> None:
@@ -751,31 +634,28 @@ class RequestorMachine:
         self._answered(c, decline.attempt, now, effects)
         c.declines[decline.sender] = decline
         if decline.busy:
-            c.busy_nodes.add(decline.sender)
-            c.busy_addresses[decline.sender] = decline.reply_to
+            c.busy_nodes[decline.sender] = decline.reply_to
         if decline.group_members:
             c.group_hosts[decline.sender] = decline.group_members
         for reason in decline.reasons:
             # Another requestor is placing the same id. Exactly one of us must go on: the
             # one whose id sorts first. The other stands back, then asks again and hears
             # "AlreadyPlaced" (or, if the first failed, places it itself).
-            if reason.code != IN_FLIGHT_ELSEWHERE:
-                continue
-            c.looks_up = True
-            if (reason.subject or "") < self.config.requestor_id:
-                c.yield_to.add(reason.subject or "")
+            if reason.code == IN_FLIGHT_ELSEWHERE:
+                c.contention.in_flight_elsewhere(reason.subject or "")
         self._heard_from(c, decline.sender, decline.attempt, now, effects)
 
-    def _nobody_came(self, c: _Conversation, now: float, effects: list[Effect]) -> None:
-        """The tier's wait ran out, or the broker said nobody is bound to it."""
-        if c.phase is not _Phase.COLLECTING:
+    def _nobody_came(self, c: Conversation, now: float, effects: list[Effect]) -> None:
+        """The tier's wait ran out, the broker said nobody is bound to it, or every
+        probed node has answered."""
+        if not c.collecting:
             return
         if self._usable(c, now, effects):
             self._decide(c, now, effects)
         else:
             self._widen(c, now, effects)
 
-    def _usable(self, c: _Conversation, now: float, effects: list[Effect]) -> list[_Held]:
+    def _usable(self, c: Conversation, now: float, effects: list[Effect]) -> list[Held]:
         """Offers still worth awarding; the ones about to expire are released."""
         usable = []
         for reservation_id, held in list(c.pool.items()):
@@ -788,13 +668,13 @@ class RequestorMachine:
 
     # -- deciding ----------------------------------------------------------------------
 
-    def _decide(self, c: _Conversation, now: float, effects: list[Effect]) -> None:
-        if c.lookup_until is not None:
-            c.decision_due = True  # holders of an earlier placement may yet answer
+    def _decide(self, c: Conversation, now: float, effects: list[Effect]) -> None:
+        if c.contention.looking_up():
+            c.contention.decision_due = True  # holders of an earlier placement may yet answer
             return
-        own = bool(c.awards) or bool(c.placed.keys() - c.adopted)
+        own = bool(c.awards) or bool(c.placed.keys() - c.contention.adopted)
         needed = c.needed()
-        if not own and needed > 0 and (c.yield_to or c.following):
+        if not own and needed > 0 and c.contention.defers_to_others():
             # Nothing of our own is awarded or placed, and another requestor has
             # precedence or owns part of the placement already: let it finish first.
             self._stand_back(c, now, effects)
@@ -806,21 +686,21 @@ class RequestorMachine:
             return
         candidates, why_not = self._eligible(c, usable)
         if sum(h.offer.slots for h in candidates) >= needed:
-            if c.looks_up and c.confirmed_attempt != c.attempt:
+            if c.contention.must_look_up(c.attempt):
                 self._look_up(c, now, effects)  # then decide again
                 return
             self._award(c, candidates, needed, now, effects)
-        elif c.phase is _Phase.COLLECTING:
+        elif c.collecting:
             if why_not:
                 c.note = why_not
             self._widen(c, now, effects)
-        elif c.phase is _Phase.AWARDING:
+        elif c.phase is Phase.AWARDING:
             # A refusal (or an award given up) left a gap and nothing held can fill it:
-            # ask the same tier again.
+            # ask again.
             self._broadcast(c, now, effects)
-        # BACKING_OFF: the retry timer will broadcast again
+        # BACKING_OFF, FOLLOWING: the retry timer or the lookup asks again
 
-    def _eligible(self, c: _Conversation, usable: list[_Held]) -> tuple[list[_Held], str]:
+    def _eligible(self, c: Conversation, usable: list[Held]) -> tuple[list[Held], str]:
         """Hard affinity narrows the offers to the node that hosts the group, if any
         node said it does; with no host yet, to offers that can take every instance."""
         group = c.spec.group
@@ -836,8 +716,8 @@ class RequestorMachine:
 
     def _award(
         self,
-        c: _Conversation,
-        candidates: list[_Held],
+        c: Conversation,
+        candidates: list[Held],
         needed: int,
         now: float,
         effects: list[Effect],
@@ -851,15 +731,15 @@ class RequestorMachine:
         for candidate, slots in choice:
             held = by_id[candidate.reservation_id]
             del c.pool[candidate.reservation_id]
-            c.awards[candidate.reservation_id] = _Awarded(held.offer, slots, now, now)
+            c.awards[candidate.reservation_id] = Awarded(held.offer, slots, now, now)
             effects.append(self._award_message(c, held.offer, slots))
-        c.phase = _Phase.AWARDING
-        effects.append(CancelTimer((c.request_id, _COLLECT, c.attempt)))
-        effects.append(CancelTimer((c.request_id, _WIDEN, c.attempt)))
-        effects.append(SetTimer((c.request_id, _AWARD), now + self.config.award_retry_s))
+        c.enter(Event.AWARD)
+        self._cancel_timer(c, TimerKind.COLLECT, effects)
+        self._cancel_timer(c, TimerKind.WIDEN, effects)
+        self._set_timer(c, TimerKind.AWARD, now + self.config.award_retry_s, effects)
         self._release_surplus(c, effects, keep_spares=True)
 
-    def _award_message(self, c: _Conversation, offer: Offer, slots: int) -> Send:
+    def _award_message(self, c: Conversation, offer: Offer, slots: int) -> Send:
         return Send(
             offer.reply_to,
             Award(
@@ -871,7 +751,7 @@ class RequestorMachine:
             ),
         )
 
-    def _release(self, c: _Conversation, offer: Offer) -> Send:
+    def _release(self, c: Conversation, offer: Offer) -> Send:
         return Send(
             offer.reply_to,
             Release(
@@ -881,7 +761,7 @@ class RequestorMachine:
             ),
         )
 
-    def _release_surplus(self, c: _Conversation, effects: list[Effect], keep_spares: bool) -> None:
+    def _release_surplus(self, c: Conversation, effects: list[Effect], keep_spares: bool) -> None:
         """Release held offers, keeping the best ``spare_slots`` worth while awards are
         unanswered (a refusal can then be covered without a new broadcast)."""
         keep: set[str] = set()
@@ -895,26 +775,24 @@ class RequestorMachine:
                 del c.pool[reservation_id]
                 effects.append(self._release(c, held.offer))
 
-    def _stand_back(self, c: _Conversation, now: float, effects: list[Effect]) -> None:
+    def _stand_back(self, c: Conversation, now: float, effects: list[Effect]) -> None:
         """Another requestor with precedence is placing this id: let go of what we hold
         and ask again after a pause."""
-        others = sorted(c.yield_to | ({c.following} if c.following else set()))
-        c.note = f"the same request id is being placed by {', '.join(others)}"
-        c.yield_to.clear()
+        c.note = c.contention.stand_back()
         for held in c.pool.values():
             effects.append(self._release(c, held.offer))
         c.pool.clear()
         self._back_off(c, now, effects)
 
-    def _back_off(self, c: _Conversation, now: float, effects: list[Effect]) -> None:
-        c.phase = _Phase.BACKING_OFF
+    def _back_off(self, c: Conversation, now: float, effects: list[Effect]) -> None:
+        c.enter(Event.BACK_OFF)
         backoff_s = min(self.config.busy_retry_s * 2**c.busy_rounds, self.config.max_busy_retry_s)
         c.busy_rounds += 1
-        effects.append(CancelTimer((c.request_id, _COLLECT, c.attempt)))
-        effects.append(CancelTimer((c.request_id, _WIDEN, c.attempt)))
-        effects.append(SetTimer((c.request_id, _RETRY), now + backoff_s))
+        self._cancel_timer(c, TimerKind.COLLECT, effects)
+        self._cancel_timer(c, TimerKind.WIDEN, effects)
+        self._set_timer(c, TimerKind.RETRY, now + backoff_s, effects)
 
-    def _widen(self, c: _Conversation, now: float, effects: list[Effect]) -> None:
+    def _widen(self, c: Conversation, now: float, effects: list[Effect]) -> None:
         if c.sampling:
             self._broadcast(c, now, effects)  # the next sampling round, or every node
             return
@@ -922,7 +800,7 @@ class RequestorMachine:
             c.tier_index += 1
             self._broadcast(c, now, effects)
             return
-        if c.yield_to and now < c.deadline:
+        if c.contention.yield_to and now < c.deadline:
             self._stand_back(c, now, effects)
             return
         have = len(c.placed) + c.awarded_slots()
@@ -940,11 +818,12 @@ class RequestorMachine:
             else:
                 self._maybe_complete(c, now, effects)
             return
-        if c.lookup_until is not None:
-            c.decision_due = True  # fail only once holders could have said "placed"
+        # Fail only once holders of an earlier placement could have said "placed".
+        if c.contention.looking_up():
+            c.contention.decision_due = True
             return
-        if c.looks_up and c.confirmed_attempt != c.attempt:
-            self._look_up(c, now, effects)  # fail only once holders could have said "placed"
+        if c.contention.must_look_up(c.attempt):
+            self._look_up(c, now, effects)
             return
         self._fail(c, now, effects, timed_out=False)
 
@@ -972,7 +851,7 @@ class RequestorMachine:
             if stray and ours:
                 # Allocations for a request that failed, or that is placed without them:
                 # free them so nothing stays allocated that nobody asked for.
-                self._free(request_id, [_FreeTarget(address, node, stray)], now, effects)
+                self._frees.free(request_id, [FreeTarget(address, node, stray)], now, effects)
                 effects.append(
                     Dropped(
                         "late_accept",
@@ -997,12 +876,9 @@ class RequestorMachine:
                 surplus.append(info.allocation_id)
                 continue
             if reservation_id is None:
-                c.adopted.add(info.allocation_id)
-                c.heard_placed = True
-                if not ours and owner is not None:
-                    # Another requestor holds (part of) this placement: it finishes it,
-                    # we follow until it is whole.
-                    c.following = owner
+                # Placed already; if another requestor holds (part of) this placement, it
+                # finishes it and we follow until it is whole.
+                c.contention.placed_already(info.allocation_id, owner, ours)
             c.placed[info.allocation_id] = PlacedAllocation(
                 node=node,
                 address=address,
@@ -1011,7 +887,8 @@ class RequestorMachine:
                 numa=info.numa,
             )
         if surplus and not abandoned:  # an abandoned award is being freed already
-            self._free(request_id, [_FreeTarget(address, node, tuple(surplus))], now, effects)
+            target = FreeTarget(address, node, tuple(surplus))
+            self._frees.free(request_id, [target], now, effects)
         self._maybe_complete(c, now, effects)
 
     def _on_refused(self, refused: Refused, now: float, effects: list[Effect]) -> None:
@@ -1029,7 +906,7 @@ class RequestorMachine:
         c.note = f"{refused.sender} refused: {refused.reason}"
         self._decide(c, now, effects)
 
-    def _chase_awards(self, c: _Conversation, now: float, effects: list[Effect]) -> None:
+    def _chase_awards(self, c: Conversation, now: float, effects: list[Effect]) -> None:
         """Re-send unanswered awards; give up on one once its reservation must be gone."""
         give_up_after_s = c.ttl_s + self.config.award_retry_s
         gap = False
@@ -1040,20 +917,20 @@ class RequestorMachine:
                 gap = True
                 # The node may yet have allocated: freeing that reservation's allocations
                 # (until the node confirms) makes sure nothing of it stays behind there.
-                target = _FreeTarget(
+                target = FreeTarget(
                     award.offer.reply_to, award.offer.sender, reservation_id=reservation_id
                 )
-                self._free(c.request_id, [target], now, effects)
+                self._frees.free(c.request_id, [target], now, effects)
                 c.note = f"{award.offer.sender} never answered its award"
             elif now - award.last_sent_at >= self.config.award_retry_s:
                 award.last_sent_at = now
                 effects.append(self._award_message(c, award.offer, award.slots))
         if c.awards:
-            effects.append(SetTimer((c.request_id, _AWARD), now + self.config.award_retry_s))
+            self._set_timer(c, TimerKind.AWARD, now + self.config.award_retry_s, effects)
         if gap:
             self._decide(c, now, effects)
 
-    def _maybe_complete(self, c: _Conversation, now: float, effects: list[Effect]) -> None:
+    def _maybe_complete(self, c: Conversation, now: float, effects: list[Effect]) -> None:
         if c.awards or len(c.placed) < c.target:
             return
         self._release_surplus(c, effects, keep_spares=False)
@@ -1070,17 +947,15 @@ class RequestorMachine:
 
     # -- failing -----------------------------------------------------------------------
 
-    def _fail(
-        self, c: _Conversation, now: float, effects: list[Effect], *, timed_out: bool
-    ) -> None:
+    def _fail(self, c: Conversation, now: float, effects: list[Effect], *, timed_out: bool) -> None:
         for held in c.pool.values():
             effects.append(self._release(c, held.offer))
         c.pool.clear()
         # All or nothing: whatever was allocated or awarded goes back.
-        targets = {_FreeTarget(a.offer.reply_to, a.offer.sender) for a in c.awards.values()}
-        targets |= {_FreeTarget(a.address, a.node) for a in c.placed.values()}
+        targets = {FreeTarget(a.offer.reply_to, a.offer.sender) for a in c.awards.values()}
+        targets |= {FreeTarget(a.address, a.node) for a in c.placed.values()}
         if targets:
-            self._free(c.request_id, sorted(targets, key=lambda t: t.address), now, effects)
+            self._frees.free(c.request_id, sorted(targets, key=lambda t: t.address), now, effects)
         found = len(c.placed) + c.awarded_slots()
         c.awards.clear()
         c.placed.clear()
@@ -1103,92 +978,11 @@ class RequestorMachine:
         self._finish(c, None, effects)
         effects.append(Failed(c.request_id, error))
 
-    def _finish(self, c: _Conversation, outcome: Placement | None, effects: list[Effect]) -> None:
+    def _finish(self, c: Conversation, outcome: Placement | None, effects: list[Effect]) -> None:
         del self._active[c.request_id]
-        for what in (_DEADLINE, _AWARD, _RETRY, _LOOKUP):
-            effects.append(CancelTimer((c.request_id, what)))
-        effects.append(CancelTimer((c.request_id, _COLLECT, c.attempt)))
-        effects.append(CancelTimer((c.request_id, _WIDEN, c.attempt)))
+        for kind in TimerKind:
+            self._cancel_timer(c, kind, effects)
         self._finished[c.request_id] = outcome
         self._finished.move_to_end(c.request_id)
         while len(self._finished) > self.config.remember_finished:
             self._finished.popitem(last=False)
-
-    # -- freeing -----------------------------------------------------------------------
-
-    def _free(
-        self,
-        request_id: str,
-        targets: Iterable[_FreeTarget],
-        now: float,
-        effects: list[Effect],
-        *,
-        notify: bool = False,
-    ) -> None:
-        """Send each target its Free and keep re-sending until the node confirms."""
-        job = self._freeing.setdefault((request_id, notify), _FreeJob(request_id, notify))
-        new = [t for t in targets if t not in job.pending]
-        job.pending.update(new)
-        effects.extend(self._free_message(request_id, t) for t in new)
-        if job.attempts == 0:
-            job.attempts = 1
-            effects.append(SetTimer((request_id, _FREE, notify), now + self.config.free_retry_s))
-
-    def _free_message(self, request_id: str, target: _FreeTarget) -> Send:
-        return Send(
-            target.address,
-            Free(
-                request_id=request_id,
-                sender=self.config.requestor_id,
-                reply_to=self.config.reply_to,
-                allocation_ids=target.allocation_ids,
-                reservation_id=target.reservation_id,
-            ),
-        )
-
-    def _retry_frees(self, job: _FreeJob, now: float, effects: list[Effect]) -> None:
-        if job.attempts >= self.config.free_attempts:
-            del self._freeing[(job.request_id, job.notify)]
-            missing = tuple(sorted({t.node for t in job.pending}))
-            if job.notify:
-                effects.append(FreeCompleted(job.request_id, tuple(job.freed), missing))
-            else:
-                effects.append(
-                    Dropped("free_unconfirmed", f"{job.request_id} on {', '.join(missing)}")
-                )
-            return
-        job.attempts += 1
-        effects.extend(
-            self._free_message(job.request_id, t)
-            for t in sorted(job.pending, key=lambda t: t.address)
-        )
-        effects.append(
-            SetTimer((job.request_id, _FREE, job.notify), now + self.config.free_retry_s)
-        )
-
-    def _on_freed(self, freed: Freed, effects: list[Effect]) -> None:
-        target_key = (freed.allocation_ids, freed.reservation_id)
-        for notify in (True, False):
-            job = self._freeing.get((freed.request_id, notify))
-            if job is None:
-                continue
-            target = next(
-                (
-                    t
-                    for t in job.pending
-                    if t.address == freed.reply_to
-                    and (t.allocation_ids, t.reservation_id) == target_key
-                ),
-                None,
-            )
-            if target is None:
-                continue
-            job.pending.discard(target)
-            job.freed.extend(freed.freed)
-            if not job.pending:
-                del self._freeing[(freed.request_id, notify)]
-                effects.append(CancelTimer((freed.request_id, _FREE, notify)))
-                if notify:
-                    effects.append(FreeCompleted(freed.request_id, tuple(job.freed), ()))
-            return
-        effects.append(Dropped("late_freed", f"{freed.request_id} from {freed.sender}"))

@@ -55,7 +55,12 @@ class Simulation:
         return self.add_node(name, **kwargs)
 
     def add_requestor(self, name: str | None = None, **kwargs: Any) -> Requestor:
+        """Start a requestor; keyword arguments as for :class:`Requestor`. Unnamed ones are
+        numbered (``requestor-0``, ...): a requestor's name seeds its sampling, so a run
+        is reproducible."""
         kwargs.setdefault("settings", self.settings)
+        if name is None:
+            name = f"requestor-{len(self.requestors)}"
         requestor = Requestor(self.broker, name=name, scheduler=self.scheduler, **kwargs)
         self.requestors.append(requestor)
         return requestor

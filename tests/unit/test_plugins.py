@@ -85,7 +85,8 @@ def test_an_operators_weigher_shapes_the_offers_score(
     sim = reservoir_simulation
     for i in range(1, 5):
         sim.add_node(f"n{i}", vcpus=64)
-    requestor = sim.add_requestor()
+    # Weighers rank the offers of the nodes asked: ask all four.
+    requestor = sim.add_requestor(settings=Settings(probe_factor=4.0))
     nodes = {sim.place(requestor, vcpus=1).nodes[0] for _ in range(6)}
     assert nodes <= {"n2", "n4"}
 

@@ -63,7 +63,9 @@ def sent(effects: list[Effect], kind: type[Message] | None = None) -> list[Send]
 
 
 def timer_at(effects: list[Effect], what: str) -> tuple[Hashable, float]:
-    (timer,) = [e for e in effects if isinstance(e, SetTimer) and e.key[1] == what]  # type: ignore[index]
+    (timer,) = [
+        e for e in effects if isinstance(e, SetTimer) and getattr(e.key, "kind", None) == what
+    ]
     return timer.key, timer.at
 
 

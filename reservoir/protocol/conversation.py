@@ -1,0 +1,165 @@
+"""One placement conversation's state, and the table of its phases.
+
+A conversation is everything a requestor knows about placing one request id: the offers it
+holds, the awards it is waiting on, the allocations placed, what it has tried. Its
+``phase`` changes only through :meth:`Conversation.enter`, which follows
+:data:`TRANSITIONS`; an event the table does not allow in the current phase is a bug in
+the machine and raises :class:`ProtocolBug` (as h11's ``_state.py`` does).
+
+    phase          what is going on                          events that leave it
+    NEW            nothing sent yet                          PROBE, BROADCAST
+    PROBING        the request is out to sampled nodes,      PROBE (next round), BROADCAST
+                   each of which answers                     (the exhaustive step), AWARD,
+                                                             BACK_OFF, FOLLOW
+    BROADCASTING   the request is out on a tier topic        BROADCAST (widen), AWARD,
+                   (the exhaustive step)                     BACK_OFF, FOLLOW
+    AWARDING       awards are out; the pool holds the spares AWARD (a spare fills a gap),
+                                                             PROBE, BROADCAST (nothing held
+                                                             fills it), BACK_OFF, FOLLOW
+    BACKING_OFF    waiting to ask again: nodes were busy, or PROBE (the busy nodes),
+                   a requestor with precedence goes first    BROADCAST, AWARD (a late offer
+                                                             fills the gap), BACK_OFF, FOLLOW
+    FOLLOWING      another requestor owns the placement: we  BACK_OFF, PROBE, BROADCAST
+                   look the id up until it is whole          (the owner let go), AWARD,
+                                                             FOLLOW
+
+Any phase may end in a placement or a failure; the conversation is then dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Final
+
+from reservoir.protocol.contention import IdContention
+from reservoir.protocol.messages import Decline, Offer
+from reservoir.protocol.placement import PlacedAllocation, PlacementRequest
+from reservoir.protocol.policies import Candidate
+
+__all__ = ["TRANSITIONS", "Awarded", "Conversation", "Event", "Held", "Phase", "ProtocolBug"]
+
+
+class ProtocolBug(RuntimeError):
+    """The requestor machine tried a transition its table does not allow."""
+
+
+class Phase(Enum):
+    NEW = "new"
+    PROBING = "probing"
+    BROADCASTING = "broadcasting"
+    AWARDING = "awarding"
+    BACKING_OFF = "backing off"
+    FOLLOWING = "following"
+
+
+class Event(Enum):
+    #: the request was sent to sampled nodes (or busy nodes), each alone
+    PROBE = "probe"
+    #: the request was published on a tier topic
+    BROADCAST = "broadcast"
+    #: awards were sent
+    AWARD = "award"
+    #: a retry timer was set instead of asking again now
+    BACK_OFF = "back off"
+    #: a Lookup went out to follow another requestor's placement
+    FOLLOW = "follow"
+
+
+_TARGET: Final = {
+    Event.PROBE: Phase.PROBING,
+    Event.BROADCAST: Phase.BROADCASTING,
+    Event.AWARD: Phase.AWARDING,
+    Event.BACK_OFF: Phase.BACKING_OFF,
+    Event.FOLLOW: Phase.FOLLOWING,
+}
+
+_EVERY_EVENT: Final = frozenset(Event)
+
+#: phase -> the events allowed in it; each event leads to one phase (``_TARGET``)
+TRANSITIONS: Final[dict[Phase, frozenset[Event]]] = {
+    Phase.NEW: frozenset({Event.PROBE, Event.BROADCAST}),
+    Phase.PROBING: _EVERY_EVENT,
+    Phase.BROADCASTING: _EVERY_EVENT - {Event.PROBE},
+    Phase.AWARDING: _EVERY_EVENT,
+    Phase.BACKING_OFF: _EVERY_EVENT,
+    Phase.FOLLOWING: _EVERY_EVENT,
+}
+
+#: the phases in which answers to an attempt are being gathered
+COLLECTING: Final = frozenset({Phase.PROBING, Phase.BROADCASTING})
+
+
+@dataclass
+class Held:
+    """An offer held: its reservation is ours until it is awarded, released or expires."""
+
+    offer: Offer
+    usable_until: float
+
+    def candidate(self) -> Candidate:
+        o = self.offer
+        return Candidate(o.reservation_id, o.sender, o.slots, o.utilisation, o.score)
+
+
+@dataclass
+class Awarded:
+    """An award sent and not yet answered."""
+
+    offer: Offer
+    slots: int
+    first_sent_at: float
+    last_sent_at: float
+
+
+@dataclass
+class Conversation:
+    request_id: str
+    spec: PlacementRequest
+    started_at: float
+    deadline: float
+    ttl_s: float
+    #: instances we settle for: count, or fewer once a partial placement is decided
+    target: int
+    contention: IdContention
+    phase: Phase = Phase.NEW
+    tier_index: int = 0
+    attempt: int = 0
+    broadcast_at: float = 0.0
+    collect_timer_set: bool = False
+    busy_rounds: int = 0
+    pool: dict[str, Held] = field(default_factory=dict)
+    awards: dict[str, Awarded] = field(default_factory=dict)
+    placed: dict[str, PlacedAllocation] = field(default_factory=dict)
+    seen: set[str] = field(default_factory=set)
+    #: awards given up on: their allocations, should any turn up, are freed
+    abandoned: set[str] = field(default_factory=set)
+    tiers_tried: list[int] = field(default_factory=list)
+    offers_received: int = 0
+    declines: dict[str, Decline] = field(default_factory=dict)
+    #: busy nodes (name -> address), asked again alone after a back-off
+    busy_nodes: dict[str, str] = field(default_factory=dict)
+    group_hosts: dict[str, int] = field(default_factory=dict)
+    note: str = ""
+    #: still sampling from the roster (False: the exhaustive tier broadcast)
+    sampling: bool = False
+    probe_round: int = 0
+    #: every node probed so far, not to be probed again by a later round
+    probed: set[str] = field(default_factory=set)
+    #: probed nodes whose answer to the current attempt is still due
+    expected: set[str] = field(default_factory=set)
+
+    def enter(self, event: Event) -> None:
+        if event not in TRANSITIONS[self.phase]:
+            raise ProtocolBug(f"{self.request_id}: {event.value} is not allowed {self.phase.value}")
+        self.phase = _TARGET[event]
+
+    @property
+    def collecting(self) -> bool:
+        return self.phase in COLLECTING
+
+    def awarded_slots(self) -> int:
+        return sum(a.slots for a in self.awards.values())
+
+    def needed(self) -> int:
+        return self.target - len(self.placed) - self.awarded_slots()

@@ -1,0 +1,128 @@
+"""The machines the requestor is made of, each on its own: the conversation's phase table,
+request-id contention and freeing."""
+
+from __future__ import annotations
+
+import pytest
+
+from reservoir.protocol.contention import IdContention, LookupOutcome
+from reservoir.protocol.conversation import (
+    TRANSITIONS,
+    Conversation,
+    Event,
+    Phase,
+    ProtocolBug,
+)
+from reservoir.protocol.effects import CancelTimer, Dropped, Effect, FreeCompleted, Send, SetTimer
+from reservoir.protocol.freeing import Freeing, FreeTarget
+from reservoir.protocol.messages import Free, Freed
+from reservoir.protocol.placement import PlacementRequest
+from reservoir.protocol.timers import FreeTimer
+
+T0 = 100.0
+
+
+def a_conversation() -> Conversation:
+    return Conversation(
+        request_id="r1",
+        spec=PlacementRequest(resources={"VCPU": 1}),
+        started_at=T0,
+        deadline=T0 + 30,
+        ttl_s=5.0,
+        target=1,
+        contention=IdContention("req"),
+    )
+
+
+def test_a_new_conversation_can_only_probe_or_broadcast() -> None:
+    assert TRANSITIONS[Phase.NEW] == {Event.PROBE, Event.BROADCAST}
+    conversation = a_conversation()
+    with pytest.raises(ProtocolBug):
+        conversation.enter(Event.AWARD)
+    conversation.enter(Event.PROBE)
+    assert conversation.phase is Phase.PROBING and conversation.collecting
+
+
+def test_the_exhaustive_broadcast_never_goes_back_to_sampling_by_itself() -> None:
+    conversation = a_conversation()
+    conversation.enter(Event.BROADCAST)
+    with pytest.raises(ProtocolBug):
+        conversation.enter(Event.PROBE)
+    conversation.enter(Event.BACK_OFF)
+    conversation.enter(Event.PROBE)  # asking the busy nodes again, alone
+    assert conversation.phase is Phase.PROBING
+
+
+def test_every_phase_is_in_the_table() -> None:
+    assert set(TRANSITIONS) == set(Phase)
+
+
+def test_a_requestor_whose_id_sorts_later_defers_to_the_other() -> None:
+    contention = IdContention("bob")
+    contention.in_flight_elsewhere("carol")
+    assert contention.looks_up and not contention.defers_to_others()
+    contention.in_flight_elsewhere("alice")
+    assert contention.defers_to_others()
+    assert contention.stand_back() == "the same request id is being placed by alice"
+    assert not contention.defers_to_others()
+
+
+def test_a_lookup_is_needed_once_per_attempt_after_the_offers() -> None:
+    contention = IdContention("req", looks_up=True)
+    assert contention.must_look_up(1)
+    contention.lookup_sent(1, T0 + 0.1)
+    assert contention.looking_up() and not contention.must_look_up(1)
+    assert contention.lookup_over() is LookupOutcome.DECIDE
+    assert contention.must_look_up(2)
+
+
+def test_a_follower_whose_owner_let_go_places_the_id_itself() -> None:
+    contention = IdContention("req")
+    contention.placed_already("n1.x/0", owner="other", ours=False)
+    assert contention.following == "other"
+    contention.lookup_sent(1, T0 + 0.1, following=True)
+    assert contention.lookup_over() is LookupOutcome.OWNER_GONE  # nobody said "placed"
+    assert contention.following is None
+
+
+def a_freeing() -> Freeing:
+    return Freeing(sender="req", reply_to="req-inbox", retry_s=1.0, attempts=2)
+
+
+def test_frees_are_sent_again_until_every_node_confirms() -> None:
+    freeing = a_freeing()
+    effects: list[Effect] = []
+    target = FreeTarget("addr-n1", "n1", ("a/0",))
+    freeing.free("r1", [target], T0, effects, notify=True)
+    (free,) = [e for e in effects if isinstance(e, Send)]
+    assert isinstance(free.message, Free) and free.message.allocation_ids == ("a/0",)
+    assert SetTimer(FreeTimer("r1", True), T0 + 1.0) in effects
+    again: list[Effect] = []
+    freeing.on_timer(FreeTimer("r1", True), T0 + 1.0, again)
+    assert len([e for e in again if isinstance(e, Send)]) == 1
+    done: list[Effect] = []
+    freed = Freed(
+        request_id="r1", sender="n1", reply_to="addr-n1", allocation_ids=("a/0",), freed=("a/0",)
+    )
+    freeing.on_freed(freed, done)
+    assert FreeCompleted("r1", ("a/0",), ()) in done
+    assert CancelTimer(FreeTimer("r1", True)) in done
+    assert not freeing.for_caller("r1")
+
+
+def test_a_free_nobody_confirms_ends_naming_the_silent_node() -> None:
+    freeing = a_freeing()
+    freeing.free("r1", [FreeTarget("addr-n1", "n1")], T0, [], notify=True)
+    for attempt in range(2):
+        outcome: list[Effect] = []
+        freeing.on_timer(FreeTimer("r1", True), T0 + attempt + 1, outcome)
+    assert FreeCompleted("r1", (), ("n1",)) in outcome
+
+
+def test_tidying_up_after_oneself_ends_quietly() -> None:
+    freeing = a_freeing()
+    freeing.free("r1", [FreeTarget("addr-n1", "n1")], T0, [])
+    for attempt in range(2):
+        outcome: list[Effect] = []
+        freeing.on_timer(FreeTimer("r1", False), T0 + attempt + 1, outcome)
+    assert [type(e) for e in outcome] == [Dropped]

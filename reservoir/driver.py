@@ -4,18 +4,24 @@ scheduler and a codec.
 A :class:`Driver` owns the lock that serialises every call into its machine, whichever
 thread the call comes from (the broker's delivery thread, the scheduler's timer thread, a
 caller's thread). It decodes bodies *outside* that lock (decoding is the costly part and is
-thread-safe), carries out the machine's effects in order under it, and runs outcome
-callbacks after releasing it, so a caller's callback can call straight back in.
+thread-safe) and carries out the machine's effects in order: timers, stores and drops under
+the lock; what goes to the broker (sends, publishes, binds) is queued under it and
+transmitted after it is released, in the order the machine asked for, by whichever thread
+holds the transmit lock. So no broker round trip (a bind waits for RabbitMQ's bind-ok)
+ever holds up the machine, and a node still binds a lookup bucket before it sends the
+offer that follows. Outcome callbacks run last, so a caller's callback can call straight
+back in.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from functools import partial
 
-from reservoir.broker import Broker, BrokerError, Delivery, Endpoint
+from reservoir.broker import Broker, BrokerClosed, BrokerError, Delivery, Endpoint
 from reservoir.clock import Scheduler, ThreadScheduler, Timer
 from reservoir.metrics import Metrics
 from reservoir.protocol.effects import (
@@ -68,6 +74,9 @@ class Driver:
         self.codec = settings.codec()
         self.metrics = metrics if metrics is not None else Metrics()
         self._lock = threading.Lock()
+        #: what the machine asked to send, bind or unbind, in order, not yet transmitted
+        self._outbox: deque[Send | Publish | Bind | Unbind] = deque()
+        self._transmit_lock = threading.Lock()
         #: key -> (timer, generation); a firing whose generation is stale is ignored
         self._timers: dict[Hashable, tuple[Timer, int]] = {}
         self._timer_generation = 0
@@ -150,7 +159,7 @@ class Driver:
             del self._timers[key]
             effects = self._handle_timer(key, self.scheduler.clock.now())
             self._execute(effects, outcomes)
-        self._deliver(outcomes)
+        self._settle(outcomes)
 
     def _call(self, handler: Callable[[Message, float], list[Effect]], message: Message) -> None:
         outcomes: list[Outcome] = []
@@ -159,7 +168,7 @@ class Driver:
                 return
             effects = handler(message, self.scheduler.clock.now())
             self._execute(effects, outcomes)
-        self._deliver(outcomes)
+        self._settle(outcomes)
 
     def _run(self, step: Callable[[float], list[Effect]]) -> None:
         """Feed the machine an event that is not a message (a caller's request, start, stop)."""
@@ -167,23 +176,16 @@ class Driver:
         with self._lock:
             effects = step(self.scheduler.clock.now())
             self._execute(effects, outcomes)
-        self._deliver(outcomes)
+        self._settle(outcomes)
 
     # -- effects out -------------------------------------------------------------------
 
     def _execute(self, effects: Sequence[Effect], outcomes: list[Outcome]) -> None:
-        wall_s = self.scheduler.clock.wall()
+        """Carry out effects, under the machine's lock; what goes to the broker is queued
+        for :meth:`_settle`."""
         for effect in effects:
             if isinstance(effect, Send | Publish | Bind | Unbind):
-                try:
-                    self._transmit(effect, wall_s)
-                except BrokerError as error:
-                    # The transport gave up on this one (its buffer is full, a bind timed
-                    # out during an outage). The protocol survives a lost message, and the
-                    # effects after it (a timer, a store) must still happen.
-                    what = effect.message.kind if isinstance(effect, Send | Publish) else "bind"
-                    self.metrics.inc("transport_errors", what)
-                    log.warning("%s could not %s: %s", self.address, what, error)
+                self._outbox.append(effect)
             elif isinstance(effect, SetTimer):
                 self._set_timer(effect.key, effect.at)
             elif isinstance(effect, CancelTimer):
@@ -199,6 +201,29 @@ class Driver:
                 self._persist(effect)
             else:
                 outcomes.append(effect)
+
+    def _settle(self, outcomes: list[Outcome]) -> None:
+        """After the machine's lock is released: transmit what is queued, then hand the
+        outcomes to whoever waits for them."""
+        self._flush_outbox()
+        self._deliver(outcomes)
+
+    def _flush_outbox(self) -> None:
+        # Whoever holds the transmit lock drains the queue, ours included, in order.
+        with self._transmit_lock:
+            while self._outbox:
+                effect = self._outbox.popleft()
+                try:
+                    self._transmit(effect, self.scheduler.clock.wall())
+                except BrokerClosed:
+                    log.debug("%s closed before it could send its last messages", self.address)
+                except BrokerError as error:
+                    # The transport gave up on this one (its buffer is full, a bind timed
+                    # out during an outage). The protocol survives a lost message, and the
+                    # messages after it must still go.
+                    what = effect.message.kind if isinstance(effect, Send | Publish) else "bind"
+                    self.metrics.inc("transport_errors", what)
+                    log.warning("%s could not %s: %s", self.address, what, error)
 
     def _transmit(self, effect: Send | Publish | Bind | Unbind, wall_s: float) -> None:
         if isinstance(effect, Send):

@@ -189,7 +189,7 @@ class Requestor(Driver):
                 raise RequestorClosed(f"{self.name} is closed")
             waiting.setdefault(request_id, []).append(future)
             self._execute(step(self.scheduler.clock.now()), outcomes)
-        self._deliver(outcomes)
+        self._settle(outcomes)
         return future
 
     def reserve(
@@ -258,7 +258,7 @@ class Requestor(Driver):
             self._execute(self.machine.abandon(self.scheduler.clock.now()), outcomes)
             self._closed = True
             self._cancel_all_timers()
-        self._deliver(outcomes)
+        self._settle(outcomes)
         waiting: list[concurrent.futures.Future[Any]] = []
         for placing in self._placing.values():
             waiting += placing

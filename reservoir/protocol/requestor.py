@@ -512,8 +512,10 @@ class RequestorMachine:
             c.expected.add(name)
             effects.append(Send(address, request.model_copy(update={"probed_node": name})))
         self.counters["probes"] += len(nodes)
-        # The wait covers lost answers only: every probed node answers.
-        self._set_timer(c, TimerKind.WIDEN, now + self._widen_wait_s(), effects)
+        # Every probed node answers, and a probe to a node that is gone comes back: this
+        # wait only covers a lost answer, so it is the longest one. A short one would
+        # give up on a busy moment's answers and ask more nodes, adding to the load.
+        self._set_timer(c, TimerKind.WIDEN, now + self.config.max_widen_s, effects)
 
     def _heard_from(
         self, c: Conversation, node: str, attempt: int, now: float, effects: list[Effect]
@@ -616,15 +618,19 @@ class RequestorMachine:
     def _answered(self, c: Conversation, attempt: int, now: float, effects: list[Effect]) -> None:
         """The first answer to a broadcast, offer or decline, even a repeat of an offer we
         hold (a node that heard an earlier tier hears this one too), opens the collect
-        window: the other nodes of the tier answer within about as long again."""
+        window: the other nodes of the tier answer within about as long again. A probe
+        round needs no window (it is decided when every probed node has answered); its
+        first answer is only timed."""
         if attempt != c.attempt or c.collect_timer_set or not c.collecting:
             return
         latency_s = now - c.broadcast_at
         self.latency.add(latency_s)
+        c.collect_timer_set = True
+        if c.phase is Phase.PROBING:
+            return
         window_s = max(latency_s, self.latency.mean_s or 0.0) * self.config.collect_factor
         window_s = min(max(window_s, self.config.min_collect_s), self.config.max_collect_s)
         self._set_timer(c, TimerKind.COLLECT, now + window_s, effects)
-        c.collect_timer_set = True
 
     def _on_decline(self, decline: Decline, now: float, effects: list[Effect]) -> None:
         c = self._active.get(decline.request_id)

@@ -11,6 +11,7 @@ import pytest
 
 from brokers.inprocess import Faults
 from reservoir import PlacementError
+from reservoir.broker import Delivery
 from reservoir.protocol.placement import Placement
 from reservoir.testing import Simulation
 
@@ -100,3 +101,21 @@ def test_a_full_cluster_fails_the_next_request_within_a_second() -> None:
         sim.place(requestor, vcpus=1, memory_mb=1024)
     assert sim.scheduler.clock.now() - started < 1.0
     sim.finish(placements)
+
+
+def test_slow_answers_to_probes_are_waited_for_rather_than_asking_more_nodes() -> None:
+    # The roll call times the network at a millisecond; offers then take 0.3 s (a busy
+    # moment). Giving up on them would ask more nodes and add to the load.
+    def offers_only(delivery: Delivery) -> bool:
+        return b'"kind":"offer"' in delivery.body
+
+    faults = Faults(delay_s=(0.3, 0.3), applies_to=offers_only, seed=5)
+    sim = Simulation(faults=faults)
+    sim.add_nodes(20, vcpus=8)
+    requestor = sim.add_requestor("r0")
+    sim.advance(0.1)
+    before = delivered(sim, "request")
+    placement = sim.place(requestor, vcpus=1)
+    assert len(placement.nodes) == 1
+    assert delivered(sim, "request") - before == 2
+    sim.finish([placement])

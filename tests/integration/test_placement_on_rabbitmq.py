@@ -164,3 +164,20 @@ def test_releasing_frees_the_node_and_lowers_its_tier(cloud: Cloud) -> None:
     assert node.allocations() == []
     assert node.tier() == 10
     cloud.audit()
+
+
+def test_concurrent_requestors_place_everything_on_a_busy_broker(cloud: Cloud) -> None:
+    # Many nodes and requestors in one process keep the broker connection and the GIL
+    # busy: answers then take longer than the latency a requestor measured at its start.
+    # It must wait for them rather than ask ever more nodes (which once collapsed into
+    # "offers received: 0" for nearly every request).
+    for i in range(30):
+        cloud.node(f"busy{i}", vcpus=32, memory_mb=65536)
+    requestors = [Requestor(cloud.broker) for _ in range(6)]
+    futures = [requestors[i % 6].submit(vcpus=1, timeout_s=20) for i in range(180)]
+    placed = [f.result(timeout=60) for f in futures]
+    for requestor in requestors:
+        requestor.close()
+    assert len(placed) == 180
+    cloud.placements += placed
+    cloud.audit()

@@ -165,8 +165,12 @@ class ThreadScheduler(Scheduler):
             if self._closed:
                 timer.cancel()
                 return timer
+            head = self._timers.next_due()
             self._timers.push(timer)
-            self._condition.notify()
+            # The serving thread sleeps until the earliest timer: wake it only when this
+            # one comes first (most timers are set further out, and a wake-up is costly).
+            if head is None or when < head:
+                self._condition.notify()
         return timer
 
     def on_thread(self) -> bool:

@@ -20,10 +20,10 @@ from reservoir.clock import Scheduler
 from reservoir.driver import Driver
 from reservoir.metrics import Metrics
 from reservoir.plugins import load_filters, load_weighers
-from reservoir.protocol.effects import Bind, DeleteAllocation, Effect, StoreAllocation, Unbind
+from reservoir.protocol.effects import DeleteAllocation, Effect, Publish, StoreAllocation
 from reservoir.protocol.filters import Filter, Weigher
 from reservoir.protocol.ledger import Allocation, Inventory
-from reservoir.protocol.messages import Message, is_resource_class
+from reservoir.protocol.messages import Message, NodeStatus, is_resource_class
 from reservoir.protocol.node import NodeConfig, NodeMachine
 from reservoir.protocol.numa import NumaTopology
 from reservoir.settings import Settings
@@ -210,7 +210,8 @@ class NodeAgent(Driver):
         return self._logging_tier(self.machine.handle(message, now))
 
     def _logging_tier(self, effects: list[Effect]) -> list[Effect]:
-        if any(isinstance(e, Bind | Unbind) for e in effects):
+        # The node announces its tier exactly when it changes.
+        if any(isinstance(e, Publish) and isinstance(e.message, NodeStatus) for e in effects):
             log.info(
                 "node %s now at %.0f%% utilisation: tier %d%%",
                 self.name,

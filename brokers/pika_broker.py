@@ -142,7 +142,8 @@ Reconnection
 the endpoints' queues, closes the connection and joins both threads. Idempotent.
 
 Reply path: exclusive named queue, not direct reply-to (measured)
-    The founding design asked to choose between direct reply-to (``amq.rabbitmq.reply-to``) and a reply
+    The founding design asked to choose between direct reply-to
+    (``amq.rabbitmq.reply-to``) and a reply
     queue by measuring both. ``benchmarks/reply_path.py`` does, with pika, in one run
     (responder in its own process, paths alternated, medians of 3 rounds of 2000
     sequential round trips and 20 000 requests with 100 in flight; 256-byte bodies;

@@ -1,0 +1,1047 @@
+"""``reservoir bench``: how fast placement is on a broker, as ratios to that broker's own
+round trip measured in the same run.
+
+This module owns the command and everything one run does, in order:
+
+1. **round trip**: two endpoints of one ``brokers.connect(url)`` broker bounce a
+   :data:`RTT_BODY_BYTES`-byte body, one at a time (the baseline);
+2. **nodes**: ``--nodes`` node agents spread over ``--node-processes`` processes
+   (:mod:`reservoir.bench_nodes`, several agents per broker connection), plus a small
+   cluster of :data:`FULL_NODES` nodes of its own; on ``memory://`` they run in this
+   process, since an in-process broker cannot be shared across processes;
+3. **sequential latency**: one requestor places ``--placements`` single-instance requests
+   one after the other;
+4. **throughput**: ``--requestors`` requestors, one thread each, place ``--placements``
+   requests between them as fast as they can;
+5. **messages per placement**: every participant's ``sent`` counters over the sequential
+   run (node processes report theirs on request);
+6. **time to a clear failure**: the small cluster is filled until a placement fails, then
+   a request that cannot fit is timed, with and without ``explain``.
+
+A run talks only to exchanges of its own (``reservoir.bench.<hex>`` and
+``reservoir.bench.<hex>.full``, with their ``.inbox`` exchanges), so it never reaches real
+nodes, and deletes them at the end; ``?exchange=NAME`` on the URL makes ``NAME`` their
+prefix instead (NAME itself is never declared nor deleted). Nodes hold every placement
+of the run (nothing is freed while measuring). Progress goes to stderr; stdout gets the
+table, or with ``--json`` exactly one JSON object.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import platform
+import queue
+import secrets
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+from collections import Counter, deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import IO, Any, Final, Protocol
+
+import click
+
+from brokers._rules import check_exchange, mask_password
+from reservoir.bench_nodes import counters_of, node_inventories
+from reservoir.broker import Broker, BrokerError, Delivery, Endpoint, UnsupportedBroker
+from reservoir.clock import SystemClock, ThreadScheduler
+from reservoir.node_agent import NodeAgent
+from reservoir.plugins import load_filters, load_weighers
+from reservoir.protocol.placement import PlacementError
+from reservoir.requestor import Requestor
+from reservoir.settings import Settings
+
+__all__ = ["BenchError", "BenchResult", "bench", "run_bench"]
+
+#: the size of the body the round trip bounces (a probe or an offer is 400-500 bytes)
+RTT_BODY_BYTES: Final = 512
+#: round trips before the measured ones, and the most measured
+RTT_WARMUP: Final = 100
+MAX_RTT_SAMPLES: Final = 2000
+#: the one flavour placed: single-instance, small
+FLAVOUR_VCPUS: Final = 1
+FLAVOUR_MEMORY_MB: Final = 1024
+#: VCPUs are overcommitted 4:1, as clouds do
+VCPU_ALLOCATION_RATIO: Final = 4.0
+#: placements each requestor makes before it is measured (latency estimates settle)
+WARMUP_PLACEMENTS: Final = 20
+#: nodes hold this many times the run's placements between them
+CAPACITY_HEADROOM: Final = 3
+#: the small cluster filled for the failure measurement: nodes, and instances each holds
+FULL_NODES: Final = 4
+FULL_NODE_SLOTS: Final = 4
+#: failing requests timed with and without explain; the median is reported
+FAILURE_SAMPLES: Final = 3
+#: the longest a failing request may take before it counts as a timeout
+FAILURE_TIMEOUT_S: Final = 10.0
+PLACE_TIMEOUT_S: Final = 30.0
+READY_TIMEOUT_S: Final = 60.0
+#: how long node processes get to stop after SIGTERM before SIGKILL
+STOP_TIMEOUT_S: Final = 30.0
+COUNTERS_TIMEOUT_S: Final = 10.0
+EXCHANGE_PREFIX: Final = "reservoir.bench"
+#: schemes whose brokers are RabbitMQ (the targets for RabbitMQ apply)
+RABBITMQ_SCHEMES: Final = ("amqp", "amqps", "kombu+amqp", "kombu+amqps", "kombu+pyamqp")
+
+EXIT_BROKER: Final = 3
+EXIT_RUN_FAILED: Final = 2
+
+Progress = Callable[[str], None]
+
+
+class BenchError(RuntimeError):
+    """The run could not be carried out (a node process died, nodes never came up)."""
+
+    def __init__(self, message: str, exit_status: int = EXIT_RUN_FAILED) -> None:
+        super().__init__(message)
+        self.exit_status = exit_status
+
+
+@dataclass(frozen=True)
+class Target:
+    """A figure the project wants this command to show, and whether the run met it."""
+
+    figure: str
+    bound: float
+    at_most: bool
+    stated_for: str
+
+    def met_by(self, value: float) -> bool:
+        return value <= self.bound if self.at_most else value >= self.bound
+
+    def label(self) -> str:
+        return f"{'<=' if self.at_most else '>='} {self.bound:g}"
+
+
+RABBITMQ_TARGETS: Final = (
+    Target("place_p50_over_rtt", 3, True, "RabbitMQ, 50 nodes"),
+    Target("place_p99_over_rtt", 10, True, "RabbitMQ, 50 nodes"),
+    Target("placements_per_s", 1000, False, "RabbitMQ, 100 nodes, 8 requestors"),
+    Target("time_to_failure_ms", 1000, True, "any broker"),
+    Target("messages_per_placement", 12, True, "any broker"),
+)
+MEMORY_TARGETS: Final = (
+    Target("placements_per_s", 10_000, False, "memory://"),
+    Target("time_to_failure_ms", 1000, True, "any broker"),
+    Target("messages_per_placement", 12, True, "any broker"),
+)
+
+
+@dataclass
+class BenchResult:
+    """What one run measured. Times in milliseconds unless the name says otherwise."""
+
+    broker: str
+    exchanges: list[str]
+    nodes: int
+    node_processes: int
+    node_mode: str
+    requestors: int
+    requestor_mode: str
+    placements: int
+    rtt_samples: int
+    rtt_p50_ms: float
+    rtt_p99_ms: float
+    place_p50_ms: float
+    place_p95_ms: float
+    place_p99_ms: float
+    place_p50_over_rtt: float
+    place_p99_over_rtt: float
+    place_p99_over_rtt_p50: float
+    sequential_failed: int
+    placements_per_s: float
+    throughput_placed: int
+    throughput_failed: int
+    throughput_p50_ms: float
+    throughput_p99_ms: float
+    messages_per_placement: float
+    messages_per_placement_by_kind: dict[str, float]
+    exhaustive_steps: int
+    full_cluster_nodes: int
+    full_cluster_placed: int
+    time_to_failure_ms: float
+    time_to_failure_explain_ms: float
+    failure_explanation: str
+    machine: dict[str, Any]
+    elapsed_s: float
+    targets: dict[str, dict[str, Any]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# -- the broker URL ---------------------------------------------------------------------
+
+
+def scheme_of(url: str) -> str:
+    return url.split("://", 1)[0].lower() if "://" in url else ""
+
+
+def run_exchanges(url: str, run_id: str) -> tuple[str, str]:
+    """The two exchanges of a run: the main cluster's and the full cluster's."""
+    query = urllib.parse.parse_qs(urllib.parse.urlsplit(url).query, keep_blank_values=True)
+    prefix = query.get("exchange", [EXCHANGE_PREFIX])[-1] or EXCHANGE_PREFIX
+    main = f"{prefix}.{run_id}"
+    return main, f"{main}.full"
+
+
+def with_exchange(url: str, exchange: str) -> str:
+    """``url`` with ``?exchange=`` set to ``exchange`` (any earlier one replaced)."""
+    parts = urllib.parse.urlsplit(url)
+    query = [
+        (k, v)
+        for k, v in urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+        if k != "exchange"
+    ]
+    query.append(("exchange", exchange))
+    return urllib.parse.urlunsplit(parts._replace(query=urllib.parse.urlencode(query)))
+
+
+def check_broker_url(url: str) -> str:
+    """A URL the bench can run on, or ValueError saying why not."""
+    scheme = scheme_of(url)
+    if scheme == "memory":
+        return url
+    if scheme not in ("amqp", "amqps") and not scheme.startswith("kombu+"):
+        raise ValueError(
+            f"{mask_password(url)!r}: use memory://, amqp://, amqps:// or kombu+amqp://"
+        )
+    for name in run_exchanges(url, "0" * 8):
+        check_exchange(name)
+    return url
+
+
+# -- measuring ----------------------------------------------------------------------------
+
+
+def percentile(samples: Sequence[float], fraction: float) -> float:
+    """The ``fraction`` quantile of ``samples``, interpolated between closest ranks."""
+    if not samples:
+        return 0.0
+    ordered = sorted(samples)
+    position = fraction * (len(ordered) - 1)
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000, 3)
+
+
+def _ratio(numerator: float, denominator: float) -> float:
+    return round(numerator / denominator, 2) if denominator > 0 else 0.0
+
+
+def measure_round_trips(broker: Broker, samples: int) -> list[float]:
+    """Seconds per round trip: endpoint A sends a body to B, whose handler sends it back;
+    one at a time, after :data:`RTT_WARMUP` unmeasured ones."""
+    body = b"x" * RTT_BODY_BYTES
+    replies: queue.SimpleQueue[bytes] = queue.SimpleQueue()
+    back = broker.open_endpoint(lambda delivery: replies.put(delivery.body))
+    echo_endpoint: Endpoint | None = None
+
+    def echo(delivery: Delivery) -> None:
+        if not delivery.returned and echo_endpoint is not None:
+            echo_endpoint.send(back.address, delivery.body)
+
+    echo_endpoint = broker.open_endpoint(echo)
+    seconds: list[float] = []
+    try:
+        for index in range(RTT_WARMUP + samples):
+            started = time.perf_counter()
+            back.send(echo_endpoint.address, body)
+            try:
+                replies.get(timeout=10.0)
+            except queue.Empty:
+                raise BenchError("a round trip through the broker took more than 10 s") from None
+            if index >= RTT_WARMUP:
+                seconds.append(time.perf_counter() - started)
+    finally:
+        echo_endpoint.close()
+        back.close()
+    return seconds
+
+
+# -- nodes --------------------------------------------------------------------------------
+
+
+class NodeHost(Protocol):
+    """Where a set of node agents runs: in this process, or in processes of their own."""
+
+    def wait_ready(self, timeout_s: float) -> None: ...
+
+    def sent(self) -> Counter[str]:
+        """Messages the nodes have sent so far, by kind."""
+        ...
+
+    def stop(self) -> Counter[str]:
+        """Stop every node; what they sent in all, by kind."""
+        ...
+
+
+class InProcessNodes:
+    """Node agents on a broker of this process, sharing one timer thread."""
+
+    def __init__(
+        self,
+        broker: Broker,
+        names: Sequence[str],
+        *,
+        vcpus: int,
+        memory_mb: int,
+        vcpu_ratio: float,
+        settings: Settings,
+    ) -> None:
+        self._timers = ThreadScheduler(SystemClock(), name="bench-node-timers")
+        filters, weighers = load_filters(settings.filters), load_weighers(settings.weighers)
+        inventories = node_inventories(vcpus, memory_mb, vcpu_ratio)
+        self._agents: list[NodeAgent] = []
+        try:
+            for name in names:
+                self._agents.append(
+                    NodeAgent(
+                        broker,
+                        name=name,
+                        inventories=inventories,
+                        settings=settings,
+                        scheduler=self._timers,
+                        filters=filters,
+                        weighers=weighers,
+                    )
+                )
+        except BaseException:
+            self.stop()
+            raise
+
+    def wait_ready(self, timeout_s: float) -> None:
+        return  # started in the constructor
+
+    def sent(self) -> Counter[str]:
+        return Counter(counters_of(self._agents, "sent"))
+
+    def stop(self) -> Counter[str]:
+        sent = self.sent()
+        for agent in self._agents:
+            agent.close()
+        self._timers.close()
+        return sent
+
+
+@dataclass
+class _Child:
+    process: subprocess.Popen[str]
+    nodes: int
+    events: queue.SimpleQueue[dict[str, Any]] = field(default_factory=queue.SimpleQueue)
+    stderr_tail: deque[str] = field(default_factory=lambda: deque(maxlen=20))
+
+    def next_event(self, event: str, timeout_s: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise BenchError(f"node process {self.process.pid} never said {event!r}")
+            try:
+                message = self.events.get(timeout=min(remaining, 0.5))
+            except queue.Empty:
+                if self.process.poll() is not None and self.events.empty():
+                    raise self.died() from None
+                continue
+            if message.get("event") == event:
+                return message
+
+    def died(self) -> BenchError:
+        status = self.process.wait()
+        tail = " | ".join(line.strip() for line in self.stderr_tail if line.strip())
+        exit_status = EXIT_BROKER if status == EXIT_BROKER else EXIT_RUN_FAILED
+        return BenchError(
+            f"node process {self.process.pid} exited with status {status}: {tail or 'no output'}",
+            exit_status,
+        )
+
+
+def _pump_events(stream: IO[str], events: queue.SimpleQueue[dict[str, Any]]) -> None:
+    for line in stream:
+        with contextlib.suppress(ValueError):
+            message = json.loads(line)
+            if isinstance(message, dict):
+                events.put(message)
+
+
+def _pump_lines(stream: IO[str], tail: deque[str]) -> None:
+    for line in stream:
+        tail.append(line)
+
+
+class ProcessNodes:
+    """Node agents in processes of their own (``python -m reservoir.bench_nodes``), the
+    agents of one process sharing its broker connection."""
+
+    def __init__(
+        self,
+        url: str,
+        names: Sequence[str],
+        processes: int,
+        *,
+        vcpus: int,
+        memory_mb: int,
+        vcpu_ratio: float,
+    ) -> None:
+        package_root = str(Path(__file__).resolve().parent.parent)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (package_root, env.get("PYTHONPATH", "")) if p
+        )
+        self._children: list[_Child] = []
+        shares = [list(names[index::processes]) for index in range(processes)]
+        for share in shares:
+            if not share:
+                continue
+            process = subprocess.Popen(
+                [sys.executable, "-m", "reservoir.bench_nodes", "--broker", url,
+                 "--names", ",".join(share), "--vcpus", str(vcpus),
+                 "--memory-mb", str(memory_mb), "--vcpu-ratio", str(vcpu_ratio)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                text=True, env=env,
+            )  # fmt: skip
+            child = _Child(process, len(share))
+            assert process.stdout is not None and process.stderr is not None
+            threading.Thread(
+                target=_pump_events, args=(process.stdout, child.events), daemon=True
+            ).start()
+            threading.Thread(
+                target=_pump_lines, args=(process.stderr, child.stderr_tail), daemon=True
+            ).start()
+            self._children.append(child)
+
+    @property
+    def pids(self) -> list[int]:
+        return [child.process.pid for child in self._children]
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for child in self._children:
+            child.next_event("ready", max(0.1, deadline - time.monotonic()))
+
+    def sent(self) -> Counter[str]:
+        for child in self._children:
+            self._tell(child, "counters")
+        total: Counter[str] = Counter()
+        for child in self._children:
+            total.update(child.next_event("counters", COUNTERS_TIMEOUT_S).get("sent", {}))
+        return total
+
+    def _tell(self, child: _Child, command: str) -> None:
+        assert child.process.stdin is not None
+        try:
+            child.process.stdin.write(command + "\n")
+            child.process.stdin.flush()
+        except OSError:
+            raise child.died() from None
+
+    def stop(self) -> Counter[str]:
+        """SIGTERM every process, read what it sent, SIGKILL any still up after
+        :data:`STOP_TIMEOUT_S`."""
+        for child in self._children:
+            if child.process.poll() is None:
+                child.process.send_signal(signal.SIGTERM)
+        total: Counter[str] = Counter()
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for child in self._children:
+            with contextlib.suppress(BenchError):
+                stopped = child.next_event("stopped", max(0.1, deadline - time.monotonic()))
+                total.update(stopped.get("sent", {}))
+        for child in self._children:
+            try:
+                child.process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.process.kill()
+                child.process.wait()
+            if child.process.stdin is not None:
+                with contextlib.suppress(OSError):
+                    child.process.stdin.close()
+        return total
+
+
+# -- requestors -----------------------------------------------------------------------------
+
+
+def _wait_for_roster(requestor: Requestor, nodes: int, timeout_s: float) -> None:
+    """Until the requestor knows every node (roll call answers and announcements)."""
+    deadline = time.monotonic() + timeout_s
+    while len(requestor.machine.roster) < nodes:
+        if time.monotonic() > deadline:
+            raise BenchError(
+                f"only {len(requestor.machine.roster)} of {nodes} nodes answered "
+                f"{requestor.name}'s roll call within {timeout_s:.0f} s"
+            )
+        time.sleep(0.01)
+
+
+def _place(
+    requestor: Requestor, *, explain: bool = False, timeout_s: float = PLACE_TIMEOUT_S
+) -> None:
+    requestor.reserve(
+        vcpus=FLAVOUR_VCPUS, memory_mb=FLAVOUR_MEMORY_MB, explain=explain, timeout_s=timeout_s
+    )
+
+
+@dataclass
+class _Sequential:
+    latencies_s: list[float]
+    failed: int
+    sent: Counter[str]
+    exhaustive_steps: int
+
+
+def _run_sequential(requestor: Requestor, nodes: NodeHost, placements: int) -> _Sequential:
+    for _ in range(WARMUP_PLACEMENTS):
+        _place(requestor)
+    nodes_before = nodes.sent()
+    requestor_before = Counter(requestor.metrics.by_label("sent"))
+    steps_before = requestor.machine.counters["exhaustive_steps"]
+    latencies_s: list[float] = []
+    failed = 0
+    for _ in range(placements):
+        started = time.perf_counter()
+        try:
+            _place(requestor)
+        except PlacementError:
+            failed += 1
+        else:
+            latencies_s.append(time.perf_counter() - started)
+    sent = Counter(requestor.metrics.by_label("sent")) - requestor_before
+    sent.update(nodes.sent() - nodes_before)
+    steps = requestor.machine.counters["exhaustive_steps"] - steps_before
+    return _Sequential(latencies_s, failed, sent, steps)
+
+
+@dataclass
+class _Throughput:
+    placed: int
+    failed: int
+    elapsed_s: float
+    latencies_s: list[float]
+
+
+def _run_threads(requestors: Sequence[Requestor], placements: int) -> _Throughput:
+    """Each requestor places its share in a thread of its own, all starting together."""
+    shares = [
+        placements // len(requestors) + (1 if index < placements % len(requestors) else 0)
+        for index in range(len(requestors))
+    ]
+    start = threading.Barrier(len(requestors) + 1)
+    lock = threading.Lock()
+    latencies_s: list[float] = []
+    failures = [0]
+
+    def worker(requestor: Requestor, share: int) -> None:
+        for _ in range(WARMUP_PLACEMENTS):
+            with contextlib.suppress(PlacementError):
+                _place(requestor)
+        start.wait()
+        mine: list[float] = []
+        failed = 0
+        for _ in range(share):
+            started = time.perf_counter()
+            try:
+                _place(requestor)
+            except PlacementError:
+                failed += 1
+            else:
+                mine.append(time.perf_counter() - started)
+        with lock:
+            latencies_s.extend(mine)
+            failures[0] += failed
+
+    threads = [
+        threading.Thread(target=worker, args=(r, s), name=f"bench-requestor-{i}", daemon=True)
+        for i, (r, s) in enumerate(zip(requestors, shares, strict=True))
+    ]
+    for thread in threads:
+        thread.start()
+    start.wait()
+    started = time.perf_counter()
+    for thread in threads:
+        thread.join()
+    elapsed_s = time.perf_counter() - started
+    return _Throughput(len(latencies_s), failures[0], elapsed_s, latencies_s)
+
+
+@dataclass
+class _Failure:
+    filled: int
+    plain_s: list[float]
+    explained_s: list[float]
+    explanation: str
+
+
+def _time_failures(requestor: Requestor, capacity: int) -> _Failure:
+    """Fill the small cluster until a placement fails, then time requests that cannot fit."""
+    filled = 0
+    for _ in range(capacity + FULL_NODES):
+        try:
+            _place(requestor, timeout_s=FAILURE_TIMEOUT_S)
+        except PlacementError:
+            break
+        filled += 1
+    else:
+        raise BenchError(f"the full cluster took {filled} placements and never filled up")
+    timings: dict[bool, list[float]] = {False: [], True: []}
+    explanation = ""
+    for explain in (False, True):
+        for _ in range(FAILURE_SAMPLES):
+            started = time.perf_counter()
+            try:
+                _place(requestor, explain=explain, timeout_s=FAILURE_TIMEOUT_S)
+            except PlacementError as error:
+                timings[explain].append(time.perf_counter() - started)
+                if explain:
+                    explanation = str(error.explanation)
+            else:
+                raise BenchError("a request fitted on the cluster that was full")
+    return _Failure(filled, timings[False], timings[True], explanation)
+
+
+# -- one run --------------------------------------------------------------------------------
+
+
+def _say_nothing(message: str) -> None:
+    return
+
+
+def _slots_per_node(nodes: int, requestors: int, placements: int) -> int:
+    """Instances each node can hold: every placement of the run, CAPACITY_HEADROOM times
+    over (so nothing needs freeing while measuring, and nodes stay in the lower tiers)."""
+    total = WARMUP_PLACEMENTS * (1 + requestors) + 2 * placements
+    slots = math.ceil(CAPACITY_HEADROOM * total / nodes)
+    return max(16, math.ceil(slots / VCPU_ALLOCATION_RATIO) * int(VCPU_ALLOCATION_RATIO))
+
+
+def _machine() -> dict[str, Any]:
+    return {
+        "cores": os.cpu_count() or 0,
+        "python": platform.python_version(),
+        "implementation": platform.python_implementation(),
+        "platform": platform.platform(terse=True),
+    }
+
+
+def _delete_exchanges(broker: Broker) -> None:
+    """Delete the run's own exchanges (the adapters for RabbitMQ offer it)."""
+    delete = getattr(broker, "delete_exchanges", None)
+    if callable(delete):
+        delete()
+
+
+#: the loggers of the transports and their adapters, which narrate each connection attempt
+_CONNECTING_LOGGERS: Final = ("pika", "kombu", "amqp", "brokers")
+
+
+@contextlib.contextmanager
+def _quietly_connecting() -> Iterator[None]:
+    """Keep the adapters' line per failed connection attempt off stderr while the first
+    connection is tried, so that an unreachable broker is one line (unless logging was
+    asked for at INFO or below, e.g. ``reservoir -v bench``)."""
+    if logging.getLogger().getEffectiveLevel() < logging.WARNING:
+        yield
+        return
+    loggers = [logging.getLogger(name) for name in _CONNECTING_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def _broker(url: str, *, own_exchanges: bool) -> Iterator[Broker]:
+    from brokers import connect
+
+    broker = connect(url)
+    try:
+        yield broker
+    finally:
+        broker.close()
+        if own_exchanges:
+            _delete_exchanges(broker)
+
+
+def run_bench(
+    *,
+    broker_url: str,
+    nodes: int = 50,
+    requestors: int = 8,
+    node_processes: int = 2,
+    placements: int = 2000,
+    progress: Progress = _say_nothing,
+) -> BenchResult:
+    """One run of the bench; see the module docstring. Raises :class:`BrokerError` when
+    the broker cannot be used and :class:`BenchError` when the run cannot be carried out."""
+    check_broker_url(broker_url)
+    run_started = time.perf_counter()
+    scheme = scheme_of(broker_url)
+    in_process = scheme == "memory"
+    run_id = secrets.token_hex(4)
+    notes: list[str] = []
+    if in_process:
+        main_url = full_url = broker_url
+        exchanges: list[str] = []
+        node_processes = 0
+        notes.append(
+            "memory:// cannot be shared across processes: the node agents ran in this "
+            "process, on its broker's one delivery thread"
+        )
+    else:
+        main_exchange, full_exchange = run_exchanges(broker_url, run_id)
+        main_url = with_exchange(broker_url, main_exchange)
+        full_url = with_exchange(broker_url, full_exchange)
+        exchanges = [main_exchange, full_exchange]
+        node_processes = min(node_processes, nodes)
+    slots = _slots_per_node(nodes, requestors, placements)
+    vcpus, memory_mb = slots // int(VCPU_ALLOCATION_RATIO), slots * FLAVOUR_MEMORY_MB
+    settings = Settings(broker_url=main_url)
+    full_settings = Settings(broker_url=full_url)
+    names = [f"bench-{run_id}-node-{index:04d}" for index in range(nodes)]
+    full_names = [f"bench-{run_id}-full-{index}" for index in range(FULL_NODES)]
+
+    notes.append(
+        f"the {requestors} requestors of the throughput run were threads of this process, "
+        "sharing its broker connection"
+    )
+    with contextlib.ExitStack() as stack:
+        with _quietly_connecting():
+            broker = stack.enter_context(_broker(main_url, own_exchanges=not in_process))
+        full_broker = stack.enter_context(_broker(full_url, own_exchanges=not in_process))
+        where = "this process" if in_process else f"{node_processes} processes"
+        progress(f"starting {nodes} node agents in {where} ({slots} instances each)")
+        host: NodeHost
+        full_host: NodeHost
+        if in_process:
+            host = InProcessNodes(
+                broker, names, vcpus=vcpus, memory_mb=memory_mb,
+                vcpu_ratio=VCPU_ALLOCATION_RATIO, settings=settings,
+            )  # fmt: skip
+            stack.callback(host.stop)
+            full_host = InProcessNodes(
+                full_broker, full_names, vcpus=FULL_NODE_SLOTS,
+                memory_mb=FULL_NODE_SLOTS * FLAVOUR_MEMORY_MB, vcpu_ratio=1.0,
+                settings=full_settings,
+            )  # fmt: skip
+            stack.callback(full_host.stop)
+        else:
+            host = ProcessNodes(
+                main_url, names, node_processes, vcpus=vcpus, memory_mb=memory_mb,
+                vcpu_ratio=VCPU_ALLOCATION_RATIO,
+            )  # fmt: skip
+            stack.callback(host.stop)
+            full_host = ProcessNodes(
+                full_url, full_names, 1, vcpus=FULL_NODE_SLOTS,
+                memory_mb=FULL_NODE_SLOTS * FLAVOUR_MEMORY_MB, vcpu_ratio=1.0,
+            )  # fmt: skip
+            stack.callback(full_host.stop)
+        host.wait_ready(READY_TIMEOUT_S)
+        full_host.wait_ready(READY_TIMEOUT_S)
+        if isinstance(host, ProcessNodes):
+            progress(f"node processes: {', '.join(map(str, host.pids))}")
+
+        timers = ThreadScheduler(SystemClock(), name="bench-requestor-timers")
+        stack.callback(timers.close)
+        opened: list[Requestor] = []
+
+        def open_requestor(on: Broker, name: str, req_settings: Settings) -> Requestor:
+            requestor = Requestor(
+                on, name=f"bench-{run_id}-{name}", settings=req_settings, scheduler=timers
+            )
+            opened.append(requestor)
+            return requestor
+
+        def close_requestors() -> None:
+            for requestor in opened:
+                requestor.close()
+
+        stack.callback(close_requestors)
+        sequential_requestor = open_requestor(broker, "sequential", settings)
+        _wait_for_roster(sequential_requestor, nodes, READY_TIMEOUT_S)
+
+        rtt_samples = max(100, min(placements, MAX_RTT_SAMPLES))
+        progress(f"round trip: {rtt_samples} sequential {RTT_BODY_BYTES}-byte round trips")
+        rtt_s = measure_round_trips(broker, rtt_samples)
+
+        progress(f"sequential: {placements} placements, one at a time")
+        sequential = _run_sequential(sequential_requestor, host, placements)
+
+        progress(f"throughput: {placements} placements by {requestors} requestors (threads)")
+        concurrent_requestors = [
+            open_requestor(broker, f"throughput-{index}", settings) for index in range(requestors)
+        ]
+        for requestor in concurrent_requestors:
+            _wait_for_roster(requestor, nodes, READY_TIMEOUT_S)
+        throughput = _run_threads(concurrent_requestors, placements)
+
+        progress(f"failure: filling {FULL_NODES} nodes of {FULL_NODE_SLOTS} instances each")
+        full_requestor = open_requestor(full_broker, "full", full_settings)
+        _wait_for_roster(full_requestor, FULL_NODES, READY_TIMEOUT_S)
+        failure = _time_failures(full_requestor, FULL_NODES * FULL_NODE_SLOTS)
+        progress("stopping the nodes and removing the run's exchanges")
+
+    rtt_p50, rtt_p99 = percentile(rtt_s, 0.50), percentile(rtt_s, 0.99)
+    place_p50 = percentile(sequential.latencies_s, 0.50)
+    place_p95 = percentile(sequential.latencies_s, 0.95)
+    place_p99 = percentile(sequential.latencies_s, 0.99)
+    placed = len(sequential.latencies_s)
+    messages = sum(sequential.sent.values())
+    result = BenchResult(
+        broker=mask_password(broker_url),
+        exchanges=exchanges,
+        nodes=nodes,
+        node_processes=node_processes,
+        node_mode="in-process" if in_process else "processes",
+        requestors=requestors,
+        requestor_mode="threads",
+        placements=placements,
+        rtt_samples=len(rtt_s),
+        rtt_p50_ms=_ms(rtt_p50),
+        rtt_p99_ms=_ms(rtt_p99),
+        place_p50_ms=_ms(place_p50),
+        place_p95_ms=_ms(place_p95),
+        place_p99_ms=_ms(place_p99),
+        place_p50_over_rtt=_ratio(place_p50, rtt_p50),
+        place_p99_over_rtt=_ratio(place_p99, rtt_p99),
+        place_p99_over_rtt_p50=_ratio(place_p99, rtt_p50),
+        sequential_failed=sequential.failed,
+        placements_per_s=round(throughput.placed / throughput.elapsed_s, 1)
+        if throughput.elapsed_s > 0
+        else 0.0,
+        throughput_placed=throughput.placed,
+        throughput_failed=throughput.failed,
+        throughput_p50_ms=_ms(percentile(throughput.latencies_s, 0.50)),
+        throughput_p99_ms=_ms(percentile(throughput.latencies_s, 0.99)),
+        messages_per_placement=round(messages / placed, 2) if placed else 0.0,
+        messages_per_placement_by_kind={
+            kind: round(count / placed, 2) for kind, count in sorted(sequential.sent.items())
+        }
+        if placed
+        else {},
+        exhaustive_steps=sequential.exhaustive_steps,
+        full_cluster_nodes=FULL_NODES,
+        full_cluster_placed=failure.filled,
+        time_to_failure_ms=_ms(statistics.median(failure.plain_s)),
+        time_to_failure_explain_ms=_ms(statistics.median(failure.explained_s)),
+        failure_explanation=failure.explanation,
+        machine=_machine(),
+        elapsed_s=round(time.perf_counter() - run_started, 1),
+        notes=notes,
+    )
+    targets: tuple[Target, ...] = ()
+    if in_process:
+        targets = MEMORY_TARGETS
+    elif scheme in RABBITMQ_SCHEMES:
+        targets = RABBITMQ_TARGETS
+    figures = result.as_json()
+    result.targets = {
+        t.figure: {
+            "target": t.label(),
+            "stated_for": t.stated_for,
+            "met": t.met_by(float(figures[t.figure])),
+        }
+        for t in targets
+    }
+    return result
+
+
+# -- the command ----------------------------------------------------------------------------
+
+
+def _print_table(result: BenchResult) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    r, machine = result, result.machine
+    nodes_where = (
+        "in this process" if r.node_mode == "in-process" else f"in {r.node_processes} processes"
+    )
+    console.print(f"reservoir bench on {r.broker}")
+    console.print(
+        f"{r.nodes} nodes {nodes_where}, {r.requestors} requestors ({r.requestor_mode}), "
+        f"{r.placements} placements; run took {r.elapsed_s:.0f} s"
+    )
+    console.print(
+        f"machine: {machine['cores']} cores, {machine['implementation']} {machine['python']}, "
+        f"{machine['platform']}"
+    )
+    table = Table()
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    table.add_column("target")
+    table.add_column("met")
+    rows: list[tuple[str, str, str]] = [
+        ("round trip p50", f"{r.rtt_p50_ms:.3f} ms", ""),
+        ("round trip p99", f"{r.rtt_p99_ms:.3f} ms", ""),
+        ("placement p50", f"{r.place_p50_ms:.3f} ms", ""),
+        ("placement p95", f"{r.place_p95_ms:.3f} ms", ""),
+        ("placement p99", f"{r.place_p99_ms:.3f} ms", ""),
+        ("placement p50 / round trip p50", f"x{r.place_p50_over_rtt:.2f}", "place_p50_over_rtt"),
+        ("placement p99 / round trip p99", f"x{r.place_p99_over_rtt:.2f}", "place_p99_over_rtt"),
+        ("placements per second", f"{r.placements_per_s:,.0f}", "placements_per_s"),
+        ("messages per placement", f"{r.messages_per_placement:.2f}", "messages_per_placement"),
+        ("time to a clear failure", f"{r.time_to_failure_ms:.1f} ms", "time_to_failure_ms"),
+        ("  with explain", f"{r.time_to_failure_explain_ms:.1f} ms", ""),
+        ("failed: sequential, throughput", f"{r.sequential_failed}, {r.throughput_failed}", ""),
+        ("exhaustive steps (sequential)", f"{r.exhaustive_steps}", ""),
+    ]
+    for name, value, figure in rows:
+        target = r.targets.get(figure)
+        if target is None:
+            table.add_row(name, value, "", "")
+        else:
+            met = "[green]yes[/]" if target["met"] else "[red]no[/]"
+            table.add_row(name, value, target["target"], met)
+    console.print(table)
+    stated: dict[str, list[str]] = {}
+    for figure, target in r.targets.items():
+        stated.setdefault(target["stated_for"], []).append(figure)
+    if stated:
+        groups = "; ".join(f"{where}: {', '.join(f)}" for where, f in sorted(stated.items()))
+        console.print(f"targets as stated for: {groups}")
+    kinds = ", ".join(f"{k} {v:g}" for k, v in r.messages_per_placement_by_kind.items())
+    console.print(f"messages per placement by kind: {kinds}")
+    for note in r.notes:
+        console.print(f"note: {note}")
+
+
+@contextlib.contextmanager
+def _stopped_by_sigterm() -> Iterator[None]:
+    """SIGTERM stops a run as Ctrl-C does, so its node processes and exchanges go too."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_sigterm(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _check_url(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    try:
+        return check_broker_url(value)
+    except ValueError as error:
+        raise click.BadParameter(str(error)) from None
+
+
+@click.command()
+@click.option(
+    "--broker",
+    "broker_url",
+    envvar="RESERVOIR_BROKER_URL",
+    required=True,
+    callback=_check_url,
+    help="Broker URL: memory://, amqp://user:pass@host:5672/vhost or kombu+amqp://... "
+    "[env: RESERVOIR_BROKER_URL]. ?exchange=NAME prefixes the run's own exchanges.",
+)
+@click.option(
+    "--nodes",
+    default=50,
+    show_default=True,
+    type=click.IntRange(1, 5000),
+    help="Node agents to start.",
+)
+@click.option(
+    "--requestors",
+    default=8,
+    show_default=True,
+    type=click.IntRange(1, 512),
+    help="Requestors placing at once in the throughput run (one thread each).",
+)
+@click.option(
+    "--node-processes",
+    default=2,
+    show_default=True,
+    type=click.IntRange(1, 256),
+    help="Processes the node agents are spread over (ignored on memory://).",
+)
+@click.option(
+    "--placements",
+    default=2000,
+    show_default=True,
+    type=click.IntRange(1, 1_000_000),
+    help="Placements in the sequential run, and again in the throughput run.",
+)
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print exactly one JSON object with the results, nothing else on stdout.",
+)
+def bench(
+    broker_url: str,
+    nodes: int,
+    requestors: int,
+    node_processes: int,
+    placements: int,
+    as_json: bool,
+) -> None:
+    """Measure placement against the broker's own round trip: sequential latency,
+    throughput of concurrent requestors, messages per placement and the time to a clear
+    failure on a full cluster, with node agents in processes of their own.
+
+    Runs on exchanges of its own, removed at the end. Exit status 3 when the broker
+    cannot be reached, 2 when the run cannot be carried out.
+    """
+    if scheme_of(broker_url) != "memory" and node_processes > nodes:
+        raise click.BadParameter(
+            f"{node_processes} processes for {nodes} nodes: give at most --nodes",
+            param_hint="'--node-processes'",
+        )
+    shown = mask_password(broker_url)
+
+    def progress(message: str) -> None:
+        click.echo(f"bench: {message}", err=True)
+
+    try:
+        with _stopped_by_sigterm():
+            result = run_bench(
+                broker_url=broker_url,
+                nodes=nodes,
+                requestors=requestors,
+                node_processes=node_processes,
+                placements=placements,
+                progress=progress,
+            )
+    except UnsupportedBroker as error:
+        raise click.BadParameter(str(error), param_hint="'--broker'") from None
+    except BrokerError as error:
+        click.echo(f"reservoir bench: cannot use the broker at {shown}: {error}", err=True)
+        sys.exit(EXIT_BROKER)
+    except BenchError as error:
+        click.echo(f"reservoir bench: {error}", err=True)
+        sys.exit(error.exit_status)
+    if as_json:
+        click.echo(json.dumps(result.as_json(), sort_keys=True))
+    else:
+        _print_table(result)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    bench()

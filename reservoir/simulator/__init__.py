@@ -1,0 +1,24 @@
+"""``reservoir simulate``: the protocol's own state machines at scale, in virtual time.
+
+The package drives :class:`~reservoir.protocol.node.NodeMachine` and
+:class:`~reservoir.protocol.requestor.RequestorMachine` through a lean discrete-event
+engine (:mod:`~reservoir.simulator.engine`) on a seeded workload
+(:mod:`~reservoir.simulator.workload`), and runs the same workload through baselines
+(:mod:`~reservoir.simulator.baselines`: Nova's cached scheduler, power-of-d sampling and an
+omniscient scheduler), so that scaling and the comparison come from one command. Messages
+are passed as objects, without byte serialisation.
+"""
+
+from __future__ import annotations
+
+from reservoir.simulator.network import LatencyModel, parse_latency_ms
+from reservoir.simulator.runner import SYSTEMS, SimulationConfig, SimulationResult, simulate
+
+__all__ = [
+    "SYSTEMS",
+    "LatencyModel",
+    "SimulationConfig",
+    "SimulationResult",
+    "parse_latency_ms",
+    "simulate",
+]

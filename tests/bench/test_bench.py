@@ -1,0 +1,156 @@
+"""``reservoir bench`` as a user meets it: one JSON object with every figure, clear errors,
+and nothing of its own left on the broker. Short runs; no timing is asserted."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from typing import Any
+from urllib.parse import urlsplit
+
+import pika
+import pika.exceptions
+import pytest
+from click.testing import CliRunner
+
+from reservoir.bench import bench, run_exchanges, with_exchange
+
+REQUIRED_KEYS = (
+    "rtt_p50_ms", "rtt_p99_ms", "place_p50_ms", "place_p95_ms", "place_p99_ms",
+    "place_p50_over_rtt", "place_p99_over_rtt", "placements_per_s", "messages_per_placement",
+    "time_to_failure_ms", "time_to_failure_explain_ms", "nodes", "requestors",
+    "requestor_mode", "node_processes", "broker",
+)  # fmt: skip
+
+
+def run(*args: str) -> tuple[int, str, str]:
+    result = CliRunner().invoke(bench, list(args))
+    return result.exit_code, result.stdout, result.stderr
+
+
+def short_run(broker_url: str, *extra: str) -> dict[str, Any]:
+    status, out, err = run("--broker", broker_url, "--nodes", "4", "--requestors", "2",
+                           "--placements", "30", "--json", *extra)  # fmt: skip
+    assert status == 0, err
+    result: dict[str, Any] = json.loads(out)  # the whole of stdout is one JSON object
+    return result
+
+
+def assert_sane(result: dict[str, Any]) -> None:
+    for key in REQUIRED_KEYS:
+        assert key in result, key
+    for key in ("rtt_p50_ms", "rtt_p99_ms", "place_p50_ms", "place_p95_ms", "place_p99_ms",
+                "place_p50_over_rtt", "place_p99_over_rtt", "placements_per_s",
+                "time_to_failure_ms", "time_to_failure_explain_ms"):  # fmt: skip
+        assert result[key] > 0, key
+    assert result["rtt_p50_ms"] <= result["rtt_p99_ms"]
+    assert result["place_p50_ms"] <= result["place_p95_ms"] <= result["place_p99_ms"]
+    assert result["messages_per_placement"] > 0
+    assert result["sequential_failed"] == result["throughput_failed"] == 0
+    assert result["nodes"] == 4
+    assert result["requestors"] == 2
+    assert result["requestor_mode"] in ("threads", "processes")
+    assert result["full_cluster_placed"] == 16  # 4 nodes of 4 instances, then a failure
+    assert "exhausted" in result["failure_explanation"]
+
+
+def test_a_short_run_on_the_in_process_broker_reports_every_figure() -> None:
+    result = short_run("memory://")
+    assert_sane(result)
+    assert result["broker"] == "memory://"
+    assert result["node_mode"] == "in-process"
+    assert result["node_processes"] == 0
+    assert any("memory://" in note for note in result["notes"])
+
+
+def test_the_summary_is_a_table_naming_the_machine() -> None:
+    status, out, _ = run("--broker", "memory://", "--nodes", "2", "--requestors", "1",
+                         "--placements", "10")  # fmt: skip
+    assert status == 0
+    assert "placements per second" in out
+    assert "cores" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "option"),
+    [
+        (("--broker", "memory://", "--nodes", "0"), "'--nodes'"),
+        (("--broker", "memory://", "--placements", "-1"), "'--placements'"),
+        (("--broker", "redis://localhost/"), "'--broker'"),
+        (("--broker", "amqp://guest:guest@127.0.0.1:1/?exchange=amq.mine"), "'--broker'"),
+        (("--broker", "amqp://guest:guest@127.0.0.1:1/", "--nodes", "2",
+          "--node-processes", "3"), "'--node-processes'"),
+    ],
+)  # fmt: skip
+def test_a_bad_option_is_one_line_naming_it(args: tuple[str, ...], option: str) -> None:
+    status, _, err = run(*args)
+    assert status == 2
+    errors = [line for line in err.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1
+    assert option in errors[0]
+    assert "Traceback" not in err
+
+
+def test_an_unreachable_broker_is_one_line_and_exit_status_3() -> None:
+    status, out, err = run("--broker", "amqp://guest:secret@127.0.0.1:1/", "--nodes", "1",
+                           "--node-processes", "1")  # fmt: skip
+    assert status == 3
+    assert out == ""
+    assert len(err.strip().splitlines()) == 1
+    assert "secret" not in err  # the password is masked
+
+
+def test_a_named_exchange_is_only_the_prefix_of_the_runs_own_exchanges() -> None:
+    url = "amqp://guest:guest@127.0.0.1/?heartbeat=5&exchange=team.bench"
+    main, full = run_exchanges(url, "abcd")
+    assert (main, full) == ("team.bench.abcd", "team.bench.abcd.full")
+    assert with_exchange(url, main).endswith("heartbeat=5&exchange=team.bench.abcd")
+    assert run_exchanges("amqp://h/", "abcd")[0] == "reservoir.bench.abcd"
+
+
+# -- on RabbitMQ ---------------------------------------------------------------------------
+
+
+def exchange_exists(url: str, name: str) -> bool:
+    connection = pika.BlockingConnection(pika.URLParameters(url))
+    try:
+        connection.channel().exchange_declare(name, passive=True)
+    except pika.exceptions.ChannelClosedByBroker as error:
+        if error.reply_code == 404:  # NOT_FOUND
+            return False
+        raise
+    finally:
+        if connection.is_open:
+            connection.close()
+    return True
+
+
+def names_listed_by_rabbitmqctl(what: str) -> list[str]:
+    """Exchange or queue names, as the RabbitMQ on this machine lists them (nothing when
+    rabbitmqctl is not here; the passive declares still check the exchanges)."""
+    if shutil.which("rabbitmqctl") is None:
+        return []
+    done = subprocess.run(["rabbitmqctl", "-q", f"list_{what}", "name"],
+                          capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+    return done.stdout.split()
+
+
+@pytest.mark.rabbitmq
+def test_a_short_run_on_rabbitmq_reports_every_figure_and_leaves_nothing_behind(
+    reservoir_amqp_url: str,
+) -> None:
+    result = short_run(reservoir_amqp_url, "--node-processes", "2")
+    assert_sane(result)
+    assert result["node_mode"] == "processes"
+    assert result["node_processes"] == 2
+    if urlsplit(reservoir_amqp_url).password:
+        assert urlsplit(result["broker"]).password == "***"  # masked
+    main, full = result["exchanges"]
+    run_id = main.rsplit(".", 1)[-1]
+    assert full == f"{main}.full"
+    for name in (main, f"{main}.inbox", full, f"{full}.inbox"):
+        assert not exchange_exists(reservoir_amqp_url, name), name
+    for what in ("exchanges", "queues"):
+        left = [name for name in names_listed_by_rabbitmqctl(what) if run_id in name]
+        assert left == [], f"{what} left behind: {left}"

@@ -1,0 +1,206 @@
+"""``reservoir simulate``: the protocol machines in virtual time, and the baselines beside them.
+
+Small clusters and short runs (well under a second each): what these check is that the
+engine carries out the machines' effects faithfully (a clean audit, under loss too), that a
+seed fixes a run, that the baselines behave as their definitions say, and that the command
+speaks the way the other commands do.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from reservoir.audit import AuditReport
+from reservoir.cli import main
+from reservoir.simulator import SimulationConfig, parse_latency_ms, simulate
+from reservoir.simulator.baselines import BaselineRun
+from reservoir.simulator.capacity import FreeIndex
+from reservoir.simulator.engine import ReservoirRun
+from reservoir.simulator.network import LatencyModel
+from reservoir.simulator.workload import make_cluster, make_workload
+
+ONE_MS = LatencyModel("fixed", 1.0)
+
+
+def run(*args: str) -> tuple[int, str, str]:
+    result = CliRunner().invoke(main, list(args))
+    return result.exit_code, result.stdout, result.stderr
+
+
+def reservoir_run(
+    nodes: int, requests: int, load: float, *, loss: float = 0.0, lifetime_s: float = 600.0
+) -> ReservoirRun:
+    cluster = make_cluster(nodes, seed=1)
+    workload = make_workload(
+        cluster, offered_load=load, requests=requests, seed=1, mean_lifetime_s=lifetime_s
+    )
+    return ReservoirRun(cluster, workload, latency=ONE_MS, loss=loss, seed=1)
+
+
+def without_wall_time(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in row.items() if k != "wall_s"} for row in rows]
+
+
+def test_a_small_run_ends_with_a_clean_audit() -> None:
+    simulation = reservoir_run(nodes=60, requests=1500, load=0.9)
+    result = simulation.run()
+    assert simulation.audit_report.ok, simulation.audit_report
+    assert result.audit_ok is True
+    assert result.placed + result.failed == 1500
+    assert result.placed > 1400
+    assert result.deliveries_by_kind["accepted"] >= result.placed
+    assert result.messages == sum(result.deliveries_by_kind.values())
+
+
+def test_a_lossy_network_still_ends_with_a_clean_audit() -> None:
+    simulation = reservoir_run(nodes=40, requests=600, load=0.8, loss=0.05)
+    result = simulation.run()
+    assert result.lost > 0
+    assert simulation.audit_report.ok, simulation.audit_report
+    assert result.placed + result.failed == 600
+
+
+def test_the_same_seed_gives_identical_results() -> None:
+    config = SimulationConfig(
+        nodes=50,
+        requests=400,
+        loads=(0.9,),
+        latency=parse_latency_ms("lognormal:1,0.5"),
+        loss=0.01,
+        mean_lifetime_s=120.0,
+        seed=7,
+    )
+    first, second = simulate(config), simulate(config)
+    assert without_wall_time(first.rows()) == without_wall_time(second.rows())
+    other = simulate(SimulationConfig(**{**config.__dict__, "seed": 8}))
+    assert without_wall_time(other.rows()) != without_wall_time(first.rows())
+
+
+def test_every_system_sees_the_same_arrivals_and_sizes() -> None:
+    cluster = make_cluster(30, seed=3)
+    low = make_workload(cluster, offered_load=0.5, requests=200, seed=3)
+    high = make_workload(cluster, offered_load=0.95, requests=200, seed=3)
+    assert low.flavour_of == high.flavour_of  # only the arrival rate differs
+    assert low.lifetime_s == high.lifetime_s
+    assert high.arrival_rate_per_s == pytest.approx(low.arrival_rate_per_s * 0.95 / 0.5)
+    assert high.end_s < low.end_s
+
+
+def test_the_omniscient_baseline_places_everything_at_low_load_without_false_failures() -> None:
+    cluster = make_cluster(100, seed=2)
+    for load, everything in ((0.5, True), (1.0, False)):
+        workload = make_workload(
+            cluster, offered_load=load, requests=3000, seed=2, mean_lifetime_s=60.0
+        )
+        result = BaselineRun("omniscient", cluster, workload, latency=ONE_MS).run()
+        assert result.false_failures == 0
+        assert result.reschedules == 0
+        assert (result.placed == 3000) is everything
+
+
+def test_the_nova_baseline_reschedules_more_at_high_load_than_at_low_load() -> None:
+    cluster = make_cluster(100, seed=4)
+    reschedules = {}
+    for load in (0.5, 0.95):
+        workload = make_workload(
+            cluster, offered_load=load, requests=4000, seed=4, mean_lifetime_s=60.0
+        )
+        result = BaselineRun("nova", cluster, workload, latency=ONE_MS, schedulers=8).run()
+        reschedules[load] = result.reschedules / result.placed
+        assert result.state_messages > 0
+    assert reschedules[0.95] > reschedules[0.5]
+
+
+def test_the_free_index_answers_without_scanning_nodes() -> None:
+    cluster = make_cluster(10, seed=0)
+    index = FreeIndex(cluster.shape_of, cluster.shapes)
+    for node in range(10):
+        index.change(node, -index.free_vcpus[node] + 1, -index.free_memory_mb[node] + 2048)
+    assert index.fits_somewhere(1, 2048)
+    assert not index.fits_somewhere(2, 4096)
+    index.change(3, 5, 5 * 2048)
+    assert index.most_free(4, 8192) == 3
+    assert index.least_utilised(1, 2048) == 3
+    assert index.allocated_fraction == pytest.approx((index.total_vcpus - 15) / index.total_vcpus)
+
+
+def test_latencies_are_given_as_a_small_set_of_distributions() -> None:
+    assert parse_latency_ms("5").fixed_s == 0.005
+    assert parse_latency_ms("uniform:1,3").mean_s == pytest.approx(0.002)
+    assert parse_latency_ms("lognormal:2,0").mean_s == pytest.approx(0.002)
+    for bad in ("fast", "uniform:3,1", "lognormal:2", "fixed:0", "gamma:1,2"):
+        with pytest.raises(ValueError, match=r"\w"):
+            parse_latency_ms(bad)
+
+
+def test_the_json_output_is_one_object_with_the_required_keys() -> None:
+    status, out, _ = run("simulate", "--nodes", "30", "--requests", "200",
+                         "--loads", "0.5,0.9", "--lifetime-s", "300", "--json")  # fmt: skip
+    assert status == 0
+    result = json.loads(out)  # the whole of stdout is one JSON object
+    for key in ("rows", "elapsed_s", "nodes", "requests", "seed"):
+        assert key in result
+    assert (result["nodes"], result["requests"], result["seed"]) == (30, 200, 0)
+    assert len(result["rows"]) == 2 * 4
+    for row in result["rows"]:
+        for key in ("system", "offered_load", "success_rate", "false_failures", "p50_ms",
+                    "p99_ms", "reschedules_per_placement", "messages_per_placement",
+                    "reserved_fraction", "fill_at_first_failure"):  # fmt: skip
+            assert key in row
+    assert {row["system"] for row in result["rows"]} == {
+        "reservoir", "nova", "sampling", "omniscient"
+    }  # fmt: skip
+    assert all(row["audit_ok"] for row in result["rows"] if row["system"] == "reservoir")
+
+
+def test_the_output_directory_gets_a_markdown_table_and_plots(tmp_path: Path) -> None:
+    status, out, _ = run("simulate", "--nodes", "20", "--requests", "100", "--loads", "0.8",
+                         "--systems", "reservoir,omniscient",
+                         "--output", str(tmp_path))  # fmt: skip
+    assert status == 0
+    report = (tmp_path / "results.md").read_text()
+    assert "| system |" in report
+    assert "omniscient" in report
+    assert "without byte serialisation" in report
+    assert list(tmp_path.glob("*.png"))
+    assert "reservoir" in out  # the table on stdout
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("--loads", "0.5,x"),
+        ("--loads", "0"),
+        ("--systems", "reservoir,slurm"),
+        ("--latency-ms", "uniform:5"),
+        ("--loss", "0.9"),
+        ("--nodes", "0"),
+    ],
+)
+def test_a_bad_option_is_one_clear_line_naming_it(option: str, value: str) -> None:
+    status, out, err = run("simulate", option, value)
+    assert status == 2
+    assert option in err
+    assert "Traceback" not in out + err
+
+
+def test_the_help_says_messages_are_not_serialised() -> None:
+    status, out, _ = run("simulate", "--help")
+    assert status == 0
+    assert "without byte serialisation" in " ".join(out.split())
+
+
+def test_a_broken_invariant_makes_the_command_fail(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken_audit(*args: Any, **kwargs: Any) -> AuditReport:
+        return AuditReport(("node-0: VCPU: allocated 33 + reserved 0 > capacity 32",), (), (), ())
+
+    monkeypatch.setattr("reservoir.simulator.engine.audit", broken_audit)
+    status, out, _ = run("simulate", "--nodes", "10", "--requests", "20",
+                         "--loads", "0.5", "--systems", "reservoir", "--json")  # fmt: skip
+    assert status == 2
+    assert json.loads(out)["rows"][0]["overcommitted"] == 1

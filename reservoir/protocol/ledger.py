@@ -86,6 +86,9 @@ class Allocation:
     request_count: int = 1
     group: str | None = None
     numa: NumaPlacement | None = None
+    #: a Lookup for the id must find it; not stored, so allocations loaded after a
+    #: restart are findable, whatever their request was
+    findable: bool = field(default=True, compare=False)
 
     def info(self) -> AllocationInfo:
         return AllocationInfo(
@@ -110,6 +113,8 @@ class Reservation:
     numa: tuple[NumaPlacement, ...] = ()
     #: a requestor with precedence is placing the same request id: refuse our owner's award
     superseded_by: str | None = None
+    #: a Lookup for the id must find it (see ``ReservationRequest.findable``)
+    findable: bool = False
 
     def holds(self) -> dict[str, int]:
         return {rc: amount * self.slots for rc, amount in self.per_instance.items()}
@@ -154,6 +159,7 @@ class Ledger:
     _reservation_by_request: dict[str, str] = field(default_factory=dict)
     _group_members: Counter[str] = field(default_factory=Counter)
     _utilisation: float | None = None
+    _allocated_share: float | None = None
     #: request ids whose reservation or allocations came or went since the last drain
     _touched: set[str] = field(default_factory=set)
 
@@ -191,6 +197,19 @@ class Ledger:
                     share = max(share, (self._allocated[rc] + self._reserved[rc]) / capacity)
             self._utilisation = share
         return self._utilisation
+
+    def allocated_share(self) -> float:
+        """Dominant share of the allocations alone, leaving out live reservations: what
+        a node's tier follows, so that a reservation made and released a moment later
+        does not move the node across a tier boundary and back."""
+        if self._allocated_share is None:
+            share = 0.0
+            for rc, inventory in self.inventories.items():
+                capacity = inventory.capacity
+                if capacity > 0:
+                    share = max(share, self._allocated[rc] / capacity)
+            self._allocated_share = share
+        return self._allocated_share
 
     def fit(self, per_instance: Mapping[str, int], max_slots: int) -> SlotFit:
         """How many instances of ``per_instance`` fit in what is free, up to ``max_slots``."""
@@ -249,11 +268,13 @@ class Ledger:
         reservation_id = self._reservation_by_request.get(request_id)
         return None if reservation_id is None else self.reservations[reservation_id]
 
-    def holds_request(self, request_id: str) -> bool:
-        """Whether a reservation or an allocation of ``request_id`` is held here."""
-        return request_id in self._reservation_by_request or request_id in (
-            self._allocations_by_request
-        )
+    def holds_findable(self, request_id: str) -> bool:
+        """Whether a reservation or an allocation of ``request_id`` that a Lookup must find
+        is held here."""
+        reservation = self.reservation_for(request_id)
+        if reservation is not None and reservation.findable:
+            return True
+        return any(a.findable for a in self.allocations_for(request_id))
 
     def drain_touched(self) -> set[str]:
         """The request ids whose holdings changed since the last call (and forget them)."""
@@ -321,7 +342,7 @@ class Ledger:
             raise ValueError(f"allocation {allocation.allocation_id} exists")
         self.allocations[allocation.allocation_id] = allocation
         self._allocated.update(allocation.resources)
-        self._utilisation = None
+        self._utilisation = self._allocated_share = None
         self._allocations_by_request[allocation.request_id].add(allocation.allocation_id)
         self._allocations_by_reservation[allocation.reservation_id].add(allocation.allocation_id)
         self._touched.add(allocation.request_id)
@@ -333,7 +354,7 @@ class Ledger:
         if allocation is None:
             return None
         self._allocated.subtract(allocation.resources)
-        self._utilisation = None
+        self._utilisation = self._allocated_share = None
         _discard(self._allocations_by_request, allocation.request_id, allocation_id)
         _discard(self._allocations_by_reservation, allocation.reservation_id, allocation_id)
         self._touched.add(allocation.request_id)

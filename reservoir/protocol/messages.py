@@ -239,6 +239,10 @@ class ReservationRequest(_Message, InstanceShape):
     #: moment every probed node has answered; a probe that comes back unroutable names
     #: the node that is gone.
     probed_node: Identifier | None = None
+    #: another requestor may look this id up (the caller chose it, or another requestor
+    #: places it too): the node binds the id's lookup bucket while it holds anything of
+    #: it. Generated ids are never looked up, and spare the node (and RabbitMQ) the bind.
+    findable: bool = False
 
 
 class Lookup(_Message):

@@ -23,7 +23,8 @@ How a node answers (one conversation per request id):
     free     -> free the allocations named, Freed (idempotent)
     timer    -> reservations whose deadline has come are dropped
 
-After every change the node re-binds if its utilisation moved it across a tier boundary,
+After every change the node re-binds if its allocations moved it across a tier boundary
+(live reservations do not count there: they come and go within seconds),
 and then announces its new tier on the roster topic (requestors sample whom to probe from
 what nodes announce). It also binds the lookup bucket (``lookup.<bucket>``) of every request
 id it holds a reservation or allocation of, before it offers, so that a ``Lookup`` for the
@@ -137,7 +138,7 @@ class NodeMachine:
         return self.ledger.utilisation()
 
     def tier(self) -> int:
-        return self.config.tiers.tier_for(self.ledger.utilisation())
+        return self.config.tiers.tier_for(self.ledger.allocated_share())
 
     # -- driving -----------------------------------------------------------------------
 
@@ -350,6 +351,7 @@ class NodeMachine:
             request_count=request.count,
             group=request.group.name if request.group else None,
             numa=evaluation.numa or (),
+            findable=request.findable,
         )
         members_before = self._group_members(request)
         self.ledger.add_reservation(reservation)
@@ -449,6 +451,7 @@ class NodeMachine:
                 request_count=reservation.request_count,
                 group=reservation.group,
                 numa=reservation.numa[index] if index < len(reservation.numa) else None,
+                findable=reservation.findable,
             )
             self.ledger.add_allocation(allocation)
             allocations.append(allocation)
@@ -558,7 +561,7 @@ class NodeMachine:
     def _retier(self, effects: list[Effect]) -> None:
         if self.stopping:
             return
-        wanted = self.config.tiers.topics_for(self.ledger.utilisation())
+        wanted = self.config.tiers.topics_for(self.ledger.allocated_share())
         if wanted == self.bound_topics:
             return
         # Bind before unbinding so the node is never deaf to every tier at once.
@@ -574,7 +577,7 @@ class NodeMachine:
             self.ledger.drain_touched()
             return
         for request_id in sorted(self.ledger.drain_touched()):
-            held = self.ledger.holds_request(request_id)
+            held = self.ledger.holds_findable(request_id)
             bucket = self._bucket_of.get(request_id)
             if held and bucket is None:
                 bucket = self._bucket_of[request_id] = lookup_topic(request_id)

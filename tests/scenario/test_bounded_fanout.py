@@ -13,6 +13,7 @@ from brokers.inprocess import Faults
 from reservoir import PlacementError
 from reservoir.broker import Delivery
 from reservoir.protocol.placement import Placement
+from reservoir.settings import Settings
 from reservoir.testing import Simulation
 
 
@@ -66,7 +67,8 @@ def test_a_request_only_a_rare_node_can_take_is_found_by_the_exhaustive_step(
     sim = reservoir_simulation
     sim.add_nodes(40, vcpus=8)
     sim.add_node("big", vcpus=128)
-    requestor = sim.add_requestor("r0")
+    # Two sampling rounds ask 2 + 4 nodes, emptiest first: never all 41.
+    requestor = sim.add_requestor("r0", settings=Settings(probe_rounds=2))
     sim.advance(0.1)
     first = sim.place(requestor, vcpus=70)  # big is now in tier 75: never sampled first
     steps = requestor.machine.counters["exhaustive_steps"]

@@ -281,7 +281,7 @@ def test_a_node_is_busy_when_only_live_reservations_stand_in_the_way() -> None:
     assert decline.reasons == ()  # reasons only when asked to explain
 
 
-def test_a_node_rebinds_when_its_utilisation_crosses_a_tier_boundary() -> None:
+def test_a_node_rebinds_when_its_allocations_cross_a_tier_boundary() -> None:
     config = NodeConfig(
         name="n", address="reservoir.node.n", inventories={"VCPU": Inventory(total=10)}
     )
@@ -290,12 +290,15 @@ def test_a_node_rebinds_when_its_utilisation_crosses_a_tier_boundary() -> None:
     assert {e for e in started if isinstance(e, Bind)} == {
         Bind(f"tier.{t}") for t in (10, 25, 50, 75, 100)
     }
-    effects = node.handle(a_request(resources={"VCPU": 2}), T0)  # 20 %: leaves tier.10
+    offered = node.handle(a_request(resources={"VCPU": 2}), T0)
+    assert not any(isinstance(e, Bind | Unbind) for e in offered)  # a reservation: no move
+    effects = node.handle(award(the_offer(offered)), T0)  # allocated 20 %: leaves tier.10
     assert Unbind("tier.10") in effects
     assert not any(isinstance(e, Bind) and e.topic.startswith("tier.") for e in effects)
     assert node.bound_topics == {"tier.25", "tier.50", "tier.75", "tier.100"}
-    effects = node.on_timer(EXPIRY_TIMER, T0 + 5)  # reservation gone: back to 0 %
-    assert Bind("tier.10") in effects
+    ids = tuple(node.ledger.allocations)
+    free = Free(request_id="r1", sender=REQUESTOR, reply_to=REPLY, allocation_ids=ids)
+    assert Bind("tier.10") in node.handle(free, T0 + 1)  # back to 0 %
 
 
 def test_free_releases_allocations_and_confirms() -> None:
@@ -329,8 +332,7 @@ def test_stopping_withdraws_live_reservations_and_unbinds() -> None:
     node.handle(a_request(), T0)
     effects = node.stop(T0)
     assert {e.topic for e in effects if isinstance(e, Unbind)} == {
-        *(f"tier.{t}" for t in (25, 50, 75, 100)),
-        lookup_topic("r1"),
+        f"tier.{t}" for t in (10, 25, 50, 75, 100)
     }
     (refused,) = sent(effects)
     assert isinstance(refused, Refused)
@@ -374,9 +376,12 @@ def test_a_node_announces_its_tier_when_it_starts_changes_tier_and_leaves() -> N
     ((topic, started),) = published(node.start(T0))
     assert topic == ROSTER_TOPIC
     assert isinstance(started, NodeStatus) and (started.tier, started.leaving) == (10, False)
-    ((_, moved),) = published(node.handle(a_request(resources={"VCPU": 2}), T0))
+    offered = node.handle(a_request(resources={"VCPU": 2}), T0)
+    assert published(offered) == []  # a reservation comes and goes: the tier stays
+    ((_, moved),) = published(node.handle(award(the_offer(offered)), T0))
     assert isinstance(moved, NodeStatus) and moved.tier == 25
-    assert published(node.handle(a_request("r2", resources={"MEMORY_MB": 64}), T0)) == []
+    offered = node.handle(a_request("r2", resources={"MEMORY_MB": 64}), T0)
+    assert published(node.handle(award(the_offer(offered)), T0)) == []  # still 25 %
     ((_, left),) = published(node.stop(T0))
     assert isinstance(left, NodeStatus) and left.leaving
 
@@ -399,12 +404,14 @@ def test_a_probed_node_that_cannot_take_the_request_still_answers() -> None:
 
 def test_a_node_binds_the_lookup_bucket_of_what_it_holds_before_it_offers() -> None:
     node = a_node()
-    effects = node.handle(a_request(), T0)
+    effects = node.handle(a_request(findable=True), T0)
     bind = effects.index(Bind(lookup_topic("r1")))
     offer = next(i for i, e in enumerate(effects) if isinstance(e, Send))
     assert bind < offer
     accepted = node.handle(award(the_offer(effects)), T0)
-    assert not any(isinstance(e, Unbind | Bind) for e in accepted)  # reservation -> allocation
+    assert not any(  # reservation -> allocation: the bucket stays bound
+        isinstance(e, Unbind | Bind) and e.topic.startswith("lookup.") for e in accepted
+    )
     ids = tuple(a.allocation_id for a in node.ledger.allocations.values())
     free = Free(request_id="r1", sender=REQUESTOR, reply_to=REPLY, allocation_ids=ids)
     assert Unbind(lookup_topic("r1")) in node.handle(free, T0)
@@ -412,20 +419,27 @@ def test_a_node_binds_the_lookup_bucket_of_what_it_holds_before_it_offers() -> N
 
 def test_a_released_or_expired_reservation_leaves_its_lookup_bucket() -> None:
     node = a_node()
-    node.handle(a_request(), T0)
+    node.handle(a_request(findable=True), T0)
     assert Unbind(lookup_topic("r1")) in node.on_timer(EXPIRY_TIMER, T0 + 5)
+
+
+def test_a_request_nobody_will_look_up_binds_no_lookup_bucket() -> None:
+    node = a_node()
+    effects = node.handle(a_request(), T0)  # a generated id: only its requestor knows it
+    effects += node.handle(award(the_offer(effects)), T0)
+    assert not any(isinstance(e, Bind | Unbind) and e.topic.startswith("lookup.") for e in effects)
 
 
 def test_a_restarted_node_binds_the_buckets_of_its_stored_allocations() -> None:
     node = a_node()
-    node.handle(award(the_offer(node.handle(a_request(), T0))), T0)
+    node.handle(award(the_offer(node.handle(a_request(findable=True), T0))), T0)
     restarted = NodeMachine(node.config, list(node.ledger.allocations.values()))
     assert Bind(lookup_topic("r1")) in restarted.start(T0)
 
 
 def test_a_lookup_from_another_requestor_finds_a_held_reservation() -> None:
     node = a_node()
-    node.handle(a_request(), T0)
+    node.handle(a_request(findable=True), T0)
     lookup = Lookup(request_id="r1", sender="other", reply_to="other-inbox")
     told = sent(node.handle(lookup, T0))
     assert {type(m) for m in told} == {Decline}

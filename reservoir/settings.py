@@ -44,7 +44,7 @@ class Settings(BaseSettings):
     probe_factor: float = Field(default=2.0, gt=0, le=1000)
     #: sampling rounds, each twice as wide, before the exhaustive tier broadcast
     #: (0: always broadcast to whole tiers, as the first version of the protocol did)
-    probe_rounds: int = Field(default=5, ge=0, le=10)
+    probe_rounds: int = Field(default=20, ge=0, le=40)
     #: how long ``Requestor.reserve`` waits by default
     request_timeout_s: float = Field(default=30.0, gt=0)
     #: where a node agent keeps its durable ledger (None: in memory only)

@@ -153,7 +153,7 @@ class RequestorConfig:
     min_probes: int = 2
     #: sampling rounds (each asks twice as many nodes as the last) before the exhaustive
     #: broadcast; 0 always broadcasts, as the protocol did before sampling
-    probe_rounds: int = 5
+    probe_rounds: int = 20
     #: seeds the roster's sampling (None: the requestor id), so runs are reproducible
     sample_seed: int | str | None = None
 

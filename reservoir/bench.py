@@ -53,7 +53,7 @@ from typing import IO, Any, Final, Protocol
 import click
 
 from brokers._rules import check_exchange, mask_password
-from reservoir.bench_nodes import counters_of, node_inventories
+from reservoir.bench_nodes import counters_of, ledger_summary, node_inventories
 from reservoir.broker import Broker, BrokerError, Delivery, Endpoint, UnsupportedBroker
 from reservoir.clock import SystemClock, ThreadScheduler
 from reservoir.node_agent import NodeAgent
@@ -175,11 +175,29 @@ class BenchResult:
     failure_explanation: str
     machine: dict[str, Any]
     elapsed_s: float
+    #: the invariant audit of every node's ledger at the end of the run
+    audit: dict[str, int] = field(default_factory=dict)
     targets: dict[str, dict[str, Any]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def audit_ledgers(summaries: list[dict[str, Any]]) -> dict[str, int]:
+    """The invariant audit over ledger summaries from every node host: overcommitted
+    nodes, reservations leaked past their TTL, request ids holding more instances than
+    they asked for. All 0 when the protocol kept its rules."""
+    held: dict[str, list[int]] = {}
+    for summary in summaries:
+        for request_id, (count, asked) in summary["instances"].items():
+            total = held.setdefault(request_id, [0, asked])
+            total[0] += count
+    return {
+        "overcommitted": sum(len(s["overcommitted"]) for s in summaries),
+        "leaked_reservations": sum(s["leaked_reservations"] for s in summaries),
+        "duplicate_placements": sum(1 for count, asked in held.values() if count > asked),
+    }
 
 
 # -- the broker URL ---------------------------------------------------------------------
@@ -291,6 +309,10 @@ class NodeHost(Protocol):
         """Stop every node; what they sent in all, by kind."""
         ...
 
+    def ledgers(self) -> list[dict[str, Any]]:
+        """Each process's :func:`~reservoir.bench_nodes.ledger_summary`."""
+        ...
+
 
 class InProcessNodes:
     """Node agents on a broker of this process, sharing one timer thread."""
@@ -331,6 +353,9 @@ class InProcessNodes:
 
     def sent(self) -> Counter[str]:
         return Counter(counters_of(self._agents, "sent"))
+
+    def ledgers(self) -> list[dict[str, Any]]:
+        return [ledger_summary(self._agents)]
 
     def stop(self) -> Counter[str]:
         sent = self.sent()
@@ -442,6 +467,11 @@ class ProcessNodes:
         for child in self._children:
             total.update(child.next_event("counters", COUNTERS_TIMEOUT_S).get("sent", {}))
         return total
+
+    def ledgers(self) -> list[dict[str, Any]]:
+        for child in self._children:
+            self._tell(child, "ledgers")
+        return [child.next_event("ledgers", COUNTERS_TIMEOUT_S) for child in self._children]
 
     def _tell(self, child: _Child, command: str) -> None:
         assert child.process.stdin is not None
@@ -798,6 +828,8 @@ def run_bench(
         full_requestor = open_requestor(full_broker, "full", full_settings)
         _wait_for_roster(full_requestor, FULL_NODES, READY_TIMEOUT_S)
         failure = _time_failures(full_requestor, FULL_NODES * FULL_NODE_SLOTS)
+        progress("auditing the nodes' ledgers")
+        audit = audit_ledgers(host.ledgers() + full_host.ledgers())
         progress("stopping the nodes and removing the run's exchanges")
 
     rtt_p50, rtt_p99 = percentile(rtt_s, 0.50), percentile(rtt_s, 0.99)
@@ -846,6 +878,7 @@ def run_bench(
         failure_explanation=failure.explanation,
         machine=_machine(),
         elapsed_s=round(time.perf_counter() - run_started, 1),
+        audit=audit,
         notes=notes,
     )
     targets: tuple[Target, ...] = ()
@@ -1041,6 +1074,10 @@ def bench(
         click.echo(json.dumps(result.as_json(), sort_keys=True))
     else:
         _print_table(result)
+    broken = {name: count for name, count in result.audit.items() if count}
+    if broken:
+        click.echo(f"reservoir bench: the invariant audit failed: {broken}", err=True)
+        sys.exit(EXIT_RUN_FAILED)
 
 
 if __name__ == "__main__":  # pragma: no cover

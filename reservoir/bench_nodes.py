@@ -29,6 +29,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from types import FrameType
+from typing import Any
 
 from reservoir.broker import Broker, BrokerError
 from reservoir.clock import SystemClock, ThreadScheduler
@@ -37,7 +38,7 @@ from reservoir.plugins import load_filters, load_weighers
 from reservoir.protocol.ledger import Inventory
 from reservoir.settings import Settings
 
-__all__ = ["EXIT_BROKER", "counters_of", "main", "node_inventories"]
+__all__ = ["EXIT_BROKER", "counters_of", "ledger_summary", "main", "node_inventories"]
 
 EXIT_BROKER = 3
 #: how often the main thread looks up from waiting, so that signals are handled promptly
@@ -58,6 +59,26 @@ def counters_of(agents: Sequence[NodeAgent], name: str) -> dict[str, int]:
     for agent in agents:
         total.update(agent.metrics.by_label(name))
     return dict(total)
+
+
+def ledger_summary(agents: Sequence[NodeAgent]) -> dict[str, Any]:
+    """What the invariant audit needs of these nodes' ledgers, as plain data: the nodes
+    that are overcommitted, the reservations alive more than a second past their TTL, and
+    for each request id the instances held here and the count it asked for (the bench adds
+    those up across processes: more instances than asked is a duplicate placement)."""
+    snapshots = [agent.snapshot() for agent in agents]
+    instances: dict[str, list[int]] = {}
+    for snapshot in snapshots:
+        for allocation in snapshot.allocations:
+            held = instances.setdefault(allocation.request_id, [0, allocation.request_count])
+            held[0] += 1
+    return {
+        "overcommitted": [s.name for s in snapshots if s.violations],
+        "leaked_reservations": sum(
+            1 for s in snapshots for r in s.reservations if r.deadline < s.taken_at - 1.0
+        ),
+        "instances": instances,
+    }
 
 
 def _say(event: str, **fields: object) -> None:
@@ -130,6 +151,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 continue
             if command == "stop":
                 break
+            if command == "ledgers":
+                _say("ledgers", **ledger_summary(agents))
             if command == "counters":
                 _say(
                     "counters",

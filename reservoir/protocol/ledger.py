@@ -190,12 +190,7 @@ class Ledger:
         """Dominant share: the largest (allocated + reserved) / capacity over the classes."""
         # Asked several times per message (the offer, the tier): computed once per change.
         if self._utilisation is None:
-            share = 0.0
-            for rc, inventory in self.inventories.items():
-                capacity = inventory.capacity
-                if capacity > 0:
-                    share = max(share, (self._allocated[rc] + self._reserved[rc]) / capacity)
-            self._utilisation = share
+            self._utilisation = self._dominant_share(with_reservations=True)
         return self._utilisation
 
     def allocated_share(self) -> float:
@@ -203,13 +198,17 @@ class Ledger:
         a node's tier follows, so that a reservation made and released a moment later
         does not move the node across a tier boundary and back."""
         if self._allocated_share is None:
-            share = 0.0
-            for rc, inventory in self.inventories.items():
-                capacity = inventory.capacity
-                if capacity > 0:
-                    share = max(share, self._allocated[rc] / capacity)
-            self._allocated_share = share
+            self._allocated_share = self._dominant_share(with_reservations=False)
         return self._allocated_share
+
+    def _dominant_share(self, *, with_reservations: bool) -> float:
+        share = 0.0
+        for rc, inventory in self.inventories.items():
+            capacity = inventory.capacity
+            if capacity > 0:
+                used = self._allocated[rc] + (self._reserved[rc] if with_reservations else 0)
+                share = max(share, used / capacity)
+        return share
 
     def fit(self, per_instance: Mapping[str, int], max_slots: int) -> SlotFit:
         """How many instances of ``per_instance`` fit in what is free, up to ``max_slots``."""

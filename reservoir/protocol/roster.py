@@ -99,7 +99,8 @@ class Roster:
 
     def update(self, name: str, address: str, tier_percent: int) -> None:
         """Record ``name`` at ``tier_percent`` (a node's narrowest tier)."""
-        index = self._index_of(tier_percent)
+        # The ladder owns the rule for where a percentage falls.
+        index = self._tiers.first_index_for(tier_percent / 100)
         current = self._where.get(name)
         if current is not None:
             member = current[0]
@@ -159,9 +160,3 @@ class Roster:
                     if len(chosen) == wanted:
                         break
         return chosen
-
-    def _index_of(self, tier_percent: int) -> int:
-        for index, bound in enumerate(self._tiers.percents):
-            if tier_percent <= bound:
-                return index
-        return len(self._tiers.percents) - 1

@@ -14,7 +14,7 @@ import pika.exceptions
 import pytest
 from click.testing import CliRunner
 
-from reservoir.bench import bench, run_exchanges, with_exchange
+from reservoir.bench import audit_ledgers, bench, run_exchanges, with_exchange
 
 REQUIRED_KEYS = (
     "rtt_p50_ms", "rtt_p99_ms", "place_p50_ms", "place_p95_ms", "place_p99_ms",
@@ -53,6 +53,10 @@ def assert_sane(result: dict[str, Any]) -> None:
     assert result["requestor_mode"] in ("threads", "processes")
     assert result["full_cluster_placed"] == 16  # 4 nodes of 4 instances, then a failure
     assert "exhausted" in result["failure_explanation"]
+    # the run ends with the invariant audit of every node's ledger
+    assert result["audit"] == {
+        "overcommitted": 0, "leaked_reservations": 0, "duplicate_placements": 0,
+    }  # fmt: skip
 
 
 def test_a_short_run_on_the_in_process_broker_reports_every_figure() -> None:
@@ -154,3 +158,13 @@ def test_a_short_run_on_rabbitmq_reports_every_figure_and_leaves_nothing_behind(
     for what in ("exchanges", "queues"):
         left = [name for name in names_listed_by_rabbitmqctl(what) if run_id in name]
         assert left == [], f"{what} left behind: {left}"
+
+
+def test_the_audit_counts_what_breaks_an_invariant() -> None:
+    summaries = [
+        {"overcommitted": ["n1"], "leaked_reservations": 1, "instances": {"r1": [1, 1]}},
+        {"overcommitted": [], "leaked_reservations": 0, "instances": {"r1": [1, 1], "r2": [2, 2]}},
+    ]
+    assert audit_ledgers(summaries) == {
+        "overcommitted": 1, "leaked_reservations": 1, "duplicate_placements": 1,
+    }  # fmt: skip

@@ -1,4 +1,5 @@
-"""The ``reservoir`` command: ``demo``, ``node``, ``request``, ``free`` and ``inspect``.
+"""The ``reservoir`` command: ``demo``, ``node``, ``request``, ``free``, ``inspect`` and
+``audit`` (and ``simulate``, ``bench``).
 
 Every command reads ``RESERVOIR_BROKER_URL`` (and the other ``RESERVOIR_*`` settings) when
 the matching option is absent. Exit status: 0 on success, 1 when a request could not be
@@ -723,6 +724,95 @@ def inspect(state_dir: Path, name: str, as_json: bool) -> None:
     for a in allocations:
         shown = ", ".join(f"{rc}={n}" for rc, n in sorted(a.resources.items()))
         click.echo(f"  {a.allocation_id}  request {a.request_id}  {shown}")
+
+
+# -- audit ---------------------------------------------------------------------------------
+
+
+@main.command("audit")
+@click.option(
+    "--broker", "broker_url", envvar="RESERVOIR_BROKER_URL", default=None, help=BROKER_HELP
+)
+@click.option(
+    "--placements",
+    "record_path",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    help="The callers' record: JSON lines as `reservoir request --json` prints them. With "
+    "it, every placement a caller heard of must be on the nodes, and allocations no caller "
+    "heard of are listed as orphans with the command that frees each.",
+)
+@click.option(
+    "--wait",
+    "wait_s",
+    type=click.FloatRange(0.1),
+    default=2.0,
+    show_default=True,
+    help="How long to wait for the nodes' ledgers (seconds).",
+)
+@click.option(
+    "--expect-nodes",
+    type=click.IntRange(1),
+    help="Stop waiting once this many nodes answered; fewer is a failure.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def audit_command(
+    broker_url: str | None,
+    record_path: Path | None,
+    wait_s: float,
+    expect_nodes: int | None,
+    as_json: bool,
+) -> None:
+    """Ask every live node for its ledger and check the invariants across the cluster.
+
+    Checks: no resource class overcommitted on any node; no request id holding more
+    instances across nodes than it asked for; no reservation alive more than a second past
+    its deadline; with --placements, every placement callers were told of held by the nodes,
+    and every allocation accounted for. Exit status 0 when every check holds, 2 when one
+    does not (or fewer nodes than --expect-nodes answered), 3 when the broker is
+    unreachable.
+    """
+    from reservoir.auditor import audit_cluster, read_placements_file
+
+    settings = _settings(broker_url=broker_url)
+    try:
+        record = read_placements_file(record_path) if record_path is not None else None
+    except (OSError, ValueError) as error:
+        raise click.BadParameter(str(error), param_hint="--placements") from None
+    try:
+        found = audit_cluster(
+            settings.broker_url,
+            settings=settings,
+            placements=record,
+            wait_s=wait_s,
+            expect_nodes=expect_nodes,
+        )
+    except BrokerError as error:
+        click.echo(f"reservoir audit: cannot reach the broker: {error}", err=True)
+        sys.exit(EXIT_BROKER)
+    missing = expect_nodes is not None and len(found.nodes) < expect_nodes
+    if as_json:
+        click.echo(json.dumps({**found.as_json(), "expected_nodes": expect_nodes}, sort_keys=True))
+    else:
+        click.echo(
+            f"{len(found.nodes)} node(s) answered: {found.allocations} allocation(s), "
+            f"{found.reservations} live reservation(s)"
+        )
+        for title, items in (
+            ("overcommitted", found.report.overcommitted),
+            ("placed more than once", found.report.duplicate_placements),
+            ("leaked reservations", found.report.leaked_reservations),
+            ("answered in part only", found.incomplete_nodes),
+            ("orphaned allocations", found.orphans),
+        ):
+            if items:
+                click.echo(f"{title}: {len(items)}")
+                for item in items:
+                    click.echo(f"  {item}")
+        if missing:
+            click.echo(f"expected {expect_nodes} node(s), {len(found.nodes)} answered")
+        click.echo("invariants hold" if found.ok and not missing else "invariants BROKEN")
+    if not found.ok or missing:
+        sys.exit(EXIT_USAGE)
 
 
 # -- simulate ------------------------------------------------------------------------------

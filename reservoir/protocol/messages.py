@@ -21,6 +21,11 @@ Membership, for requestors' rosters (not a conversation; ``request_id`` is ``ros
 
     node      --NodeStatus--> roster topic    (at start, on every change of tier, leaving)
     requestor --RollCall--> the widest tier's topic; node --NodeStatus--> requestor
+
+Audit, for ``reservoir audit`` (``request_id`` is ``audit``):
+
+    auditor   --LedgerQuery--> the widest tier's topic
+    node      --LedgerReport (one or more parts)--> auditor
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from pydantic import (
 )
 
 __all__ = [
+    "AUDIT_ID",
     "LOOKUP_BUCKETS",
     "NODE_KINDS",
     "PROTOCOL_VERSION",
@@ -57,7 +63,11 @@ __all__ = [
     "Freed",
     "GroupPolicy",
     "GroupSpec",
+    "HeldAllocation",
+    "HeldReservation",
     "InstanceShape",
+    "LedgerQuery",
+    "LedgerReport",
     "Lookup",
     "Message",
     "NodeStatus",
@@ -68,6 +78,7 @@ __all__ = [
     "Refused",
     "Release",
     "ReservationRequest",
+    "ResourceTally",
     "RollCall",
     "is_resource_class",
     "lookup_topic",
@@ -83,6 +94,8 @@ STANDARD_RESOURCE_CLASSES: Final = frozenset({"VCPU", "PCPU", "MEMORY_MB", "DISK
 ROSTER_TOPIC: Final = "roster"
 #: The ``request_id`` of membership messages, which belong to no conversation.
 ROSTER_ID: Final = "roster"
+#: The ``request_id`` of audit messages.
+AUDIT_ID: Final = "audit"
 #: Request ids hash into this many lookup buckets. A node binds ``lookup.<bucket>`` while
 #: it holds a reservation or allocation of an id in the bucket, so a ``Lookup`` reaches
 #: only nodes that may hold the id (and comes back unroutable when none can).
@@ -380,6 +393,78 @@ class RollCall(_Message):
     reply_to: Identifier
 
 
+class LedgerQuery(_Message):
+    """Published on the widest tier's topic by an auditor: every node answers with its
+    whole ledger (:class:`LedgerReport`), so the invariants can be checked across the
+    cluster from what the nodes hold rather than what requestors believe."""
+
+    kind: Literal["ledger_query"] = "ledger_query"
+    request_id: Identifier = AUDIT_ID
+    reply_to: Identifier
+    #: names this audit, so an auditor tells its answers from a previous audit's
+    audit_id: Identifier
+
+
+class ResourceTally(_Frozen):
+    """One resource class of a node: usable capacity, allocated and reserved amounts."""
+
+    capacity: int
+    allocated: Amount
+    reserved: Amount
+
+
+class HeldAllocation(_Frozen):
+    """One allocation in a node's ledger, as a ledger report carries it."""
+
+    allocation_id: Identifier
+    request_id: Identifier
+    reservation_id: Identifier
+    #: the requestor that was awarded it
+    owner: Identifier
+    resources: dict[str, Amount]
+    #: instances the request asked for in all (the audit's "placed at most once" bound)
+    request_count: int = Field(ge=1)
+
+
+class HeldReservation(_Frozen):
+    """One live reservation in a node's ledger. ``expires_in_s`` is measured on the
+    node's own clock when it answered (negative: the deadline has passed)."""
+
+    reservation_id: Identifier
+    request_id: Identifier
+    owner: Identifier
+    slots: int = Field(ge=0)
+    #: what each of the ``slots`` instances holds
+    per_instance: dict[str, Amount]
+    expires_in_s: float
+
+
+class LedgerReport(_Message):
+    """A node's ledger, in answer to a :class:`LedgerQuery`. A ledger too large for one
+    message comes in ``parts`` messages numbered from 0; each carries the tallies."""
+
+    kind: Literal["ledger_report"] = "ledger_report"
+    request_id: Identifier = AUDIT_ID
+    reply_to: Identifier
+    audit_id: Identifier
+    #: unique per start of the node's process: parts of two incarnations never mix
+    incarnation: Identifier
+    part: int = Field(ge=0)
+    parts: int = Field(ge=1)
+    tier: int = Field(ge=1, le=100)
+    tallies: dict[str, ResourceTally]
+    allocations: tuple[HeldAllocation, ...] = ()
+    reservations: tuple[HeldReservation, ...] = ()
+    #: what the node's own ledger says is wrong with it (overcommit)
+    violations: tuple[Annotated[str, StringConstraints(max_length=500)], ...] = ()
+
+    @model_validator(mode="after")
+    def _part_within_parts(self) -> LedgerReport:
+        if self.part >= self.parts:
+            raise ValueError(f"part {self.part} of {self.parts}: parts are numbered from 0")
+        return self
+
+
 Message = Annotated[
     ReservationRequest
     | Lookup
@@ -393,14 +478,27 @@ Message = Annotated[
     | Free
     | Freed
     | NodeStatus
-    | RollCall,
+    | RollCall
+    | LedgerQuery
+    | LedgerReport,
     Field(discriminator="kind"),
 ]
 
 #: The kinds only a requestor sends, and the kinds only a node sends.
-REQUESTOR_KINDS: Final = frozenset({"request", "lookup", "award", "release", "free", "roll_call"})
+REQUESTOR_KINDS: Final = frozenset(
+    {"request", "lookup", "award", "release", "free", "roll_call", "ledger_query"}
+)
 NODE_KINDS: Final = frozenset(
-    {"offer", "decline", "already_placed", "accepted", "refused", "freed", "status"}
+    {
+        "offer",
+        "decline",
+        "already_placed",
+        "accepted",
+        "refused",
+        "freed",
+        "status",
+        "ledger_report",
+    }
 )
 
 #: Validates and serialises any :data:`Message`.

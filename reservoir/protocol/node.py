@@ -16,6 +16,7 @@ How a node answers (one conversation per request id):
     lookup   -> holds allocations for the id           : AlreadyPlaced
                 holds another requestor's reservation  : in_flight_elsewhere, to both
     roll call-> NodeStatus to the caller
+    ledger query -> the whole ledger to the auditor, in parts of at most 50 entries
     award    -> live reservation of the sender         : allocations stored, Accepted
                 reservation already turned into allocations : the same Accepted again
                 otherwise (expired, unknown)           : Refused
@@ -66,6 +67,10 @@ from reservoir.protocol.messages import (
     Decline,
     Free,
     Freed,
+    HeldAllocation,
+    HeldReservation,
+    LedgerQuery,
+    LedgerReport,
     Lookup,
     Message,
     NodeStatus,
@@ -74,6 +79,7 @@ from reservoir.protocol.messages import (
     Refused,
     Release,
     ReservationRequest,
+    ResourceTally,
     RollCall,
     lookup_topic,
 )
@@ -86,6 +92,10 @@ __all__ = ["EXPIRY_TIMER", "IN_FLIGHT_ELSEWHERE", "NodeConfig", "NodeMachine"]
 IN_FLIGHT_ELSEWHERE: Final = "in_flight_elsewhere"
 #: Reasons a node always gives, explain or not: the requestor needs them to decide well.
 GROUP_REASONS: Final = frozenset({"anti_affinity", "affinity"})
+
+#: Allocations plus reservations per LedgerReport part: 50 entries stay well inside the
+#: default 64 KiB message limit even with 200-character ids.
+LEDGER_REPORT_ENTRIES: Final = 50
 
 #: The node keeps one timer, for its earliest reservation deadline.
 EXPIRY_TIMER: Final = "expire-reservations"
@@ -193,6 +203,8 @@ class NodeMachine:
         elif isinstance(message, RollCall):
             if not self.stopping:
                 effects.append(Send(message.reply_to, self._status(answering=True)))
+        elif isinstance(message, LedgerQuery):
+            effects.extend(Send(message.reply_to, r) for r in self.ledger_report(message, now))
         else:
             effects.append(Dropped("unexpected", f"a node does not take {message.kind!r}"))
         self._sync_buckets(effects)
@@ -219,6 +231,55 @@ class NodeMachine:
         self._sync_buckets(effects)
         self._retier(effects)
         return effects
+
+    def ledger_report(self, query: LedgerQuery, now: float) -> list[LedgerReport]:
+        """The whole ledger, as the parts of a report answering ``query``."""
+        tallies = {
+            rc: ResourceTally(capacity=u.capacity, allocated=u.allocated, reserved=u.reserved)
+            for rc, u in self.ledger.usages().items()
+        }
+        entries: list[HeldAllocation | HeldReservation] = [
+            HeldAllocation(
+                allocation_id=a.allocation_id,
+                request_id=a.request_id,
+                reservation_id=a.reservation_id,
+                owner=a.owner,
+                resources=dict(a.resources),
+                request_count=a.request_count,
+            )
+            for a in self.ledger.allocations.values()
+        ]
+        entries += [
+            HeldReservation(
+                reservation_id=r.reservation_id,
+                request_id=r.request_id,
+                owner=r.owner,
+                slots=r.slots,
+                per_instance=dict(r.per_instance),
+                expires_in_s=r.deadline - now,
+            )
+            for r in self.ledger.reservations.values()
+        ]
+        chunks = [
+            entries[start : start + LEDGER_REPORT_ENTRIES]
+            for start in range(0, len(entries), LEDGER_REPORT_ENTRIES)
+        ] or [[]]
+        return [
+            LedgerReport(
+                sender=self.name,
+                reply_to=self.config.address,
+                audit_id=query.audit_id,
+                incarnation=self.config.incarnation,
+                part=index,
+                parts=len(chunks),
+                tier=self.tier(),
+                tallies=tallies,
+                allocations=tuple(e for e in chunk if isinstance(e, HeldAllocation)),
+                reservations=tuple(e for e in chunk if isinstance(e, HeldReservation)),
+                violations=tuple(self.ledger.violations()),
+            )
+            for index, chunk in enumerate(chunks)
+        ]
 
     def _status(self, *, leaving: bool = False, answering: bool = False) -> NodeStatus:
         return NodeStatus(

@@ -227,3 +227,36 @@ def test_concurrent_requests_with_a_node_killed_mid_run_double_book_nothing(
     for name in ("a", "c"):
         cluster.stop(name)
     audit_nodes(cluster, placements, {p["request_id"]: 1 for p in placements})
+
+
+def test_reservoir_audit_reads_every_node_over_the_broker_and_lists_orphans_to_free(
+    cluster: Cluster,
+) -> None:
+    cluster.start_node("a", vcpus=8, memory_mb=16384)
+    cluster.start_node("b", vcpus=8, memory_mb=16384)
+    placed = [cluster.request("--vcpus", "2", "--memory-mb", "1024")[1] for _ in range(3)]
+    assert all(p["placed"] for p in placed)
+    record = cluster.state_dir / "record.jsonl"
+    record.write_text("".join(json.dumps(p) + "\n" for p in placed[:2]))
+    audit_args = ("audit", "--json", "--expect-nodes", "2", "--placements", str(record))
+    done = reservoir(*audit_args, env=cluster.env)
+    found = json.loads(done.stdout)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (found["nodes"], found["allocations"], found["ok"]) == (2, 3, True)
+    (orphan,) = found["orphans"]
+    assert placed[2]["allocations"][0]["allocation_id"] in orphan
+    # the command the audit names frees the orphan, and the next audit is clean
+    command = orphan.split(": ", 2)[2].split()
+    assert command[:2] == ["reservoir", "free"]
+    freed = reservoir(*command[1:], env=cluster.env)
+    assert freed.returncode == 0, freed.stderr
+    again = json.loads(reservoir(*audit_args, env=cluster.env).stdout)
+    assert (again["allocations"], again["orphans"], again["ok"]) == (2, [], True)
+    # told of a placement the nodes do not hold, the audit fails with status 2
+    record.write_text("".join(json.dumps(p) + "\n" for p in placed))
+    broken = reservoir(*audit_args, env=cluster.env)
+    assert broken.returncode == 2
+    assert placed[2]["request_id"] in " ".join(json.loads(broken.stdout)["duplicate_placements"])
+    for name in list(cluster.nodes):
+        cluster.stop(name)
+    audit_nodes(cluster, placed[:2], {p["request_id"]: 1 for p in placed})

@@ -146,7 +146,9 @@ class LedgerCollector(Driver):
             settings=settings,
             scheduler=scheduler,
             metrics=metrics,
-            endpoint_name=f"reservoir.auditor.{self.audit_id}",
+            # Named like a requestor's inbox: under the per-role broker users of deploy/rabbitmq/
+            # an auditor runs with requestor credentials, and nodes may answer only those.
+            endpoint_name=f"reservoir.requestor.auditor-{self.audit_id}",
         )
 
     def ask(self) -> None:

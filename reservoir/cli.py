@@ -13,10 +13,10 @@ import logging
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 from pydantic import ValidationError
@@ -27,6 +27,8 @@ from reservoir.protocol.messages import GroupSpec, NumaSpec
 from reservoir.protocol.numa import NumaTopology
 from reservoir.protocol.placement import Placement, PlacementError, PlacementRequest
 from reservoir.settings import Settings
+
+T = TypeVar("T")
 
 EXIT_NOT_PLACED = 1
 EXIT_USAGE = 2
@@ -47,9 +49,10 @@ def _settings(**overrides: Any) -> Settings:
 
 def _configure_logging(verbose: int) -> None:
     level = logging.WARNING - 10 * verbose
-    # pika and kombu narrate every connection step at INFO; keep them for -vv.
+    # pika and kombu narrate every connection step at INFO, and a refused connection as a
+    # dozen ERROR lines: the adapters say what matters in one line. Keep them for -vv.
     for chatty in ("pika", "kombu", "amqp"):
-        logging.getLogger(chatty).setLevel(logging.DEBUG if verbose >= 2 else logging.WARNING)
+        logging.getLogger(chatty).setLevel(logging.DEBUG if verbose >= 2 else logging.CRITICAL)
     logging.basicConfig(
         level=max(level, logging.DEBUG),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -328,6 +331,14 @@ def _node_inventories(
     show_default=True,
     help="With --state-dir, rewrite NAME.status.json this often (seconds).",
 )
+@click.option(
+    "--connect-attempts",
+    type=click.IntRange(0),
+    default=0,
+    show_default=True,
+    help="Give up after this many failed attempts to reach the broker (0: keep trying, "
+    "with backoff up to 15 s between attempts, until stopped).",
+)
 def node(
     broker_url: str | None,
     name: str,
@@ -343,11 +354,13 @@ def node(
     hugepages: tuple[str, ...],
     metrics_port: int | None,
     status_interval: float,
+    connect_attempts: int,
 ) -> None:
     """Run a node agent until SIGTERM or SIGINT.
 
-    On a signal it stops taking requests, withdraws its live reservations and closes
-    cleanly; allocations stay in --state-dir for the next start.
+    A broker that is not up yet (or restarting) is waited for, with a line per failed
+    attempt. On a signal it stops taking requests, withdraws its live reservations and
+    closes cleanly; allocations stay in --state-dir for the next start.
     """
     from reservoir.node_agent import NodeAgent
     from reservoir.store import StateError
@@ -362,8 +375,9 @@ def node(
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    try:
-        agent = NodeAgent(
+
+    def start_agent() -> NodeAgent:
+        return NodeAgent(
             settings.broker_url,
             name=name,
             inventories=inventories,
@@ -371,6 +385,9 @@ def node(
             numa=topology,
             settings=settings,
         )
+
+    try:
+        agent = _until_connected(start_agent, f"node {name}", connect_attempts, stop)
     except StateError as error:
         click.echo(f"reservoir node: {error}", err=True)
         sys.exit(EXIT_USAGE)
@@ -379,6 +396,9 @@ def node(
         sys.exit(EXIT_BROKER)
     except ValueError as error:
         raise click.UsageError(str(error)) from None
+    if agent is None:
+        click.echo(f"node {name}: stopped before the broker answered", err=True)
+        return
     if metrics_port is not None:
         _serve_metrics(agent, metrics_port)
     snapshot = agent.snapshot()
@@ -400,6 +420,51 @@ def node(
         if status_path is not None:
             agent.write_status(status_path)
         click.echo(f"node {name}: stopped", err=True)
+
+
+def _until_connected(
+    start: Callable[[], T], who: str, attempts: int, stop: threading.Event
+) -> T | None:
+    """``start()`` until it gets past the broker, waiting with capped exponential backoff
+    (and jitter, so a fleet restarted with its broker does not knock in step) between
+    attempts; ``attempts`` of 0 means without end. None when ``stop`` is set meanwhile."""
+    from tenacity import (
+        Retrying,
+        retry_if_exception_type,
+        stop_after_attempt,
+        stop_never,
+        wait_exponential_jitter,
+    )
+
+    def say_waiting(state: Any) -> None:
+        error = state.outcome.exception() if state.outcome is not None else None
+        click.echo(
+            f"{who}: cannot reach the broker (attempt {state.attempt_number}): {error}; "
+            f"retrying in {state.upcoming_sleep:.1f} s",
+            err=True,
+        )
+
+    def interruptible_sleep(seconds: float) -> None:
+        if stop.wait(seconds):
+            raise _Stopped
+
+    retrying = Retrying(
+        stop=stop_after_attempt(attempts) if attempts else stop_never,
+        # 1 s, 2 s, 4 s ... up to 15 s, each plus up to 0.5 s of jitter
+        wait=wait_exponential_jitter(max=15.0, jitter=0.5),
+        retry=retry_if_exception_type(BrokerError),
+        before_sleep=say_waiting,
+        sleep=interruptible_sleep,
+        reraise=True,
+    )
+    try:
+        return retrying(start)
+    except _Stopped:
+        return None
+
+
+class _Stopped(Exception):
+    """A signal came while waiting for the broker."""
 
 
 def _serve_metrics(agent: Any, port: int) -> None:

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Any, TypeVar
+from typing import Any
 
 import click
 from pydantic import ValidationError
@@ -27,8 +27,6 @@ from reservoir.protocol.messages import GroupSpec, NumaSpec
 from reservoir.protocol.numa import NumaTopology
 from reservoir.protocol.placement import Placement, PlacementError, PlacementRequest
 from reservoir.settings import Settings
-
-T = TypeVar("T")
 
 EXIT_NOT_PLACED = 1
 EXIT_USAGE = 2
@@ -362,6 +360,7 @@ def node(
     attempt. On a signal it stops taking requests, withdraws its live reservations and
     closes cleanly; allocations stay in --state-dir for the next start.
     """
+    from reservoir.backoff import until_connected
     from reservoir.node_agent import NodeAgent
     from reservoir.store import StateError
 
@@ -387,7 +386,7 @@ def node(
         )
 
     try:
-        agent = _until_connected(start_agent, f"node {name}", connect_attempts, stop)
+        agent = until_connected(start_agent, connect_attempts, stop, on_wait=_say_waiting(name))
     except StateError as error:
         click.echo(f"reservoir node: {error}", err=True)
         sys.exit(EXIT_USAGE)
@@ -422,49 +421,15 @@ def node(
         click.echo(f"node {name}: stopped", err=True)
 
 
-def _until_connected(
-    start: Callable[[], T], who: str, attempts: int, stop: threading.Event
-) -> T | None:
-    """``start()`` until it gets past the broker, waiting with capped exponential backoff
-    (and jitter, so a fleet restarted with its broker does not knock in step) between
-    attempts; ``attempts`` of 0 means without end. None when ``stop`` is set meanwhile."""
-    from tenacity import (
-        Retrying,
-        retry_if_exception_type,
-        stop_after_attempt,
-        stop_never,
-        wait_exponential_jitter,
-    )
-
-    def say_waiting(state: Any) -> None:
-        error = state.outcome.exception() if state.outcome is not None else None
+def _say_waiting(name: str) -> Callable[[int, BaseException, float], None]:
+    def say(attempt: int, error: BaseException, wait_s: float) -> None:
         click.echo(
-            f"{who}: cannot reach the broker (attempt {state.attempt_number}): {error}; "
-            f"retrying in {state.upcoming_sleep:.1f} s",
+            f"node {name}: cannot reach the broker (attempt {attempt}): {error}; "
+            f"retrying in {wait_s:.1f} s",
             err=True,
         )
 
-    def interruptible_sleep(seconds: float) -> None:
-        if stop.wait(seconds):
-            raise _Stopped
-
-    retrying = Retrying(
-        stop=stop_after_attempt(attempts) if attempts else stop_never,
-        # 1 s, 2 s, 4 s ... up to 15 s, each plus up to 0.5 s of jitter
-        wait=wait_exponential_jitter(max=15.0, jitter=0.5),
-        retry=retry_if_exception_type(BrokerError),
-        before_sleep=say_waiting,
-        sleep=interruptible_sleep,
-        reraise=True,
-    )
-    try:
-        return retrying(start)
-    except _Stopped:
-        return None
-
-
-class _Stopped(Exception):
-    """A signal came while waiting for the broker."""
+    return say
 
 
 def _serve_metrics(agent: Any, port: int) -> None:
@@ -1114,6 +1079,11 @@ def simulate(
 from reservoir.bench import bench  # noqa: E402
 
 main.add_command(bench)
+
+# So is the chaos command, in reservoir/chaos/harness.py.
+from reservoir.chaos.harness import chaos  # noqa: E402
+
+main.add_command(chaos)
 
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -128,6 +128,8 @@ class Conversation:
     broadcast_at: float = 0.0
     collect_timer_set: bool = False
     busy_rounds: int = 0
+    #: rounds over every tier in which no node answered at all (see ``_start_over``)
+    unheard_rounds: int = 0
     pool: dict[str, Held] = field(default_factory=dict)
     awards: dict[str, Awarded] = field(default_factory=dict)
     placed: dict[str, PlacedAllocation] = field(default_factory=dict)
@@ -157,6 +159,13 @@ class Conversation:
     @property
     def collecting(self) -> bool:
         return self.phase in COLLECTING
+
+    def heard_from_anyone(self) -> bool:
+        """Whether any node answered this conversation: an offer, a decline, "busy", or
+        allocations placed or awarded."""
+        return bool(
+            self.offers_received or self.declines or self.busy_nodes or self.placed or self.awards
+        )
 
     def awarded_slots(self) -> int:
         return sum(a.slots for a in self.awards.values())

@@ -141,6 +141,11 @@ class RequestorConfig:
     #: doubling each round up to ``max_busy_retry_s``
     busy_retry_s: float = 0.05
     max_busy_retry_s: float = 1.0
+    #: when every tier is tried and no node answered at all (no offer, not even a
+    #: decline), start over after this long, doubling up to ``max_unheard_retry_s``,
+    #: until the caller's deadline: the path to the nodes is down for a moment
+    unheard_retry_s: float = 0.25
+    max_unheard_retry_s: float = 2.0
     #: offered slots kept (not released) beyond the winners until they accept
     spare_slots: int = 1
     #: re-send an unanswered free after this long, this many times
@@ -398,7 +403,7 @@ class RequestorMachine:
             return effects  # over, or an earlier attempt's
         kind = key.kind
         if kind is TimerKind.DEADLINE:
-            c.note = "timed out"
+            c.note = f"timed out; {c.note}" if c.note else "timed out"
             self._fail(c, now, effects, timed_out=True)
         elif kind is TimerKind.COLLECT:
             self._decide(c, now, effects)
@@ -460,7 +465,7 @@ class RequestorMachine:
         self._set_timer(c, TimerKind.WIDEN, now + wait_s, effects)
 
     def _request(self, c: Conversation, tier: int) -> ReservationRequest:
-        if not c.tiers_tried or c.tiers_tried[-1] != tier:
+        if tier not in c.tiers_tried:
             c.tiers_tried.append(tier)
         return ReservationRequest(
             request_id=c.request_id,
@@ -832,7 +837,34 @@ class RequestorMachine:
         if c.contention.must_look_up(c.attempt):
             self._look_up(c, now, effects)
             return
+        if not c.heard_from_anyone() and now + self._unheard_backoff_s(c) < c.deadline:
+            # Not one node answered, not even to decline: this is no verdict on the
+            # request, the path to the nodes is down (our connection or theirs lost, the
+            # broker restarting, nodes restarting). Failing now would fail a request that
+            # fits because of a moment's outage: start over shortly, until the deadline.
+            self._start_over(c, now, effects)
+            return
         self._fail(c, now, effects, timed_out=False)
+
+    def _unheard_backoff_s(self, c: Conversation) -> float:
+        config = self.config
+        return min(config.unheard_retry_s * 2.0**c.unheard_rounds, config.max_unheard_retry_s)
+
+    def _start_over(self, c: Conversation, now: float, effects: list[Effect]) -> None:
+        """Ask from the first tier again after a pause (sampling from the roster again)."""
+        backoff_s = self._unheard_backoff_s(c)
+        c.unheard_rounds += 1
+        self.counters["unheard_retries"] += 1
+        c.note = f"no node answered in {c.unheard_rounds} round(s) over every tier"
+        affinity = c.spec.group is not None and c.spec.group.policy in ("affinity", "soft-affinity")
+        c.tier_index = len(self.config.tiers) - 1 if affinity else 0
+        c.sampling = not affinity and self.config.probe_rounds > 0
+        c.probe_round = 0
+        c.probed.clear()
+        c.enter(Event.BACK_OFF)
+        self._cancel_timer(c, TimerKind.COLLECT, effects)
+        self._cancel_timer(c, TimerKind.WIDEN, effects)
+        self._set_timer(c, TimerKind.RETRY, now + backoff_s, effects)
 
     # -- accepting ---------------------------------------------------------------------
 

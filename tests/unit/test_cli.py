@@ -74,13 +74,14 @@ def test_an_unknown_resource_class_is_refused_before_anything_starts() -> None:
     assert "unknown resource class GPUS" in err
 
 
-def test_a_request_nobody_hears_fails_with_an_explanation_and_status_1() -> None:
+def test_a_request_nobody_hears_fails_at_its_deadline_with_an_explanation_and_status_1() -> None:
     status, out, _ = run("request", "--broker", "memory://", "--vcpus", "1", "--json",
-                         "--timeout", "5")  # fmt: skip
+                         "--timeout", "1")  # fmt: skip
     assert status == 1
     result = json.loads(out)
     assert result["placed"] is False
     assert result["tiers_tried"] == [10, 25, 50, 75, 100]
+    assert "no node answered in" in result["explanation"]
 
 
 def test_group_and_policy_go_together() -> None:

@@ -125,22 +125,62 @@ def test_an_unroutable_tier_widens_at_once() -> None:
     assert (wider.tier, wider.attempt) == (25, 2)
 
 
-def test_widening_walks_every_tier_then_fails_with_an_explanation() -> None:
-    machine = a_requestor()
-    effects = machine.place(spec(), "r1", T0, TIMEOUT_S)
-    now = T0
-    tiers = []
+def walk_the_ladder(machine: RequestorMachine, effects: list[Effect]) -> list[Effect]:
+    """Let every tier's wait run out, from the first tier to the last; returns what the
+    last wait's end produced."""
     for _ in range(5):
-        (request,) = published(effects)
-        tiers.append(request.tier)
         key, now = timer_at(effects, "widen")
         effects = machine.on_timer(key, now)
-    failed = outcome(effects)
+    return effects
+
+
+def test_widening_walks_every_tier_then_a_request_some_node_declined_fails() -> None:
+    machine = a_requestor()
+    effects = machine.place(spec(), "r1", T0, TIMEOUT_S)
+    tiers = [published(effects)[0].tier]
+    machine.handle(Decline(request_id="r1", sender="n0", reply_to="addr-n0", attempt=1), T0)
+    for _ in range(4):
+        key, now = timer_at(effects, "widen")
+        effects = machine.on_timer(key, now)
+        tiers.append(published(effects)[0].tier)
+    key, now = timer_at(effects, "widen")
+    failed = outcome(machine.on_timer(key, now))
     assert isinstance(failed, Failed)
     assert tiers == [10, 25, 50, 75, 100]
     assert failed.error.explanation.tiers_tried == (10, 25, 50, 75, 100)
     assert "tiers tried: 10%, 25%, 50%, 75%, 100%" in str(failed.error)
     assert not machine.is_active("r1")
+
+
+def test_when_no_node_answers_at_all_the_requestor_starts_over_until_the_deadline() -> None:
+    machine = a_requestor()
+    effects = machine.place(spec(), "r1", T0, 30.0)
+    rounds = 0
+    while not any(isinstance(e, Placed | Failed) for e in effects):
+        effects = walk_the_ladder(machine, effects)
+        if any(isinstance(e, Failed) for e in effects):
+            break
+        key, retry_at = timer_at(effects, "retry")  # a pause, then the first tier again
+        effects = machine.on_timer(key, retry_at)
+        assert published(effects)[0].tier == 10
+        rounds += 1
+    failed = outcome(effects)
+    assert isinstance(failed, Failed)
+    assert rounds >= 2
+    assert failed.error.explanation.tiers_tried == (10, 25, 50, 75, 100)
+    assert f"no node answered in {rounds} round(s)" in str(failed.error)
+    assert machine.counters["unheard_retries"] == rounds
+
+
+def test_a_node_answering_after_a_start_over_places_the_request() -> None:
+    machine = a_requestor()
+    effects = walk_the_ladder(machine, machine.place(spec(), "r1", T0, TIMEOUT_S))
+    key, retry_at = timer_at(effects, "retry")
+    effects = machine.on_timer(key, retry_at)
+    (request,) = published(effects)
+    effects = machine.handle(offer("n1", attempt=request.attempt), retry_at + 0.01)
+    (award,) = sent(collect(machine, effects, retry_at + 0.01), Award)
+    assert award.address == "addr-n1"
 
 
 def test_explained_declines_are_counted_per_reason_in_the_failure() -> None:

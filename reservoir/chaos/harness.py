@@ -55,6 +55,7 @@ import click
 from reservoir.audit import NodeSnapshot, audit
 from reservoir.auditor import audit_cluster, check
 from reservoir.chaos.record import judge, read_events
+from reservoir.chaos.worker import SHAPES
 from reservoir.protocol.ledger import Inventory, Ledger
 from reservoir.store import SqliteStore
 from reservoir.testing.tcp_proxy import TcpProxy
@@ -65,8 +66,21 @@ FAULT_KINDS: Final = ("kill_node", "kill_requestor", "cut", "stall", "broker_clo
 
 NODE_VCPUS: Final = 16
 NODE_MEMORY_MB: Final = 32768
-#: placements each requestor keeps before freeing its oldest
+#: placements each requestor keeps before freeing its oldest, at most
 LIVE_PER_REQUESTOR: Final = 20
+#: the share of the cluster's VCPUs the requestors may hold between them: far from full
+#: even with a tenth of the nodes down and frees in flight, so that a request that fails
+#: is one that fitted (a false failure)
+MAX_HELD_SHARE: Final = 0.4
+
+
+def live_per_requestor(nodes: int, requestors: int) -> int:
+    """How many placements each requestor keeps, so the cluster stays far from full."""
+    largest_vcpus = max(shape["vcpus"] for shape in SHAPES)
+    room = int(MAX_HELD_SHARE * nodes * NODE_VCPUS / (requestors * largest_vcpus))
+    return max(1, min(LIVE_PER_REQUESTOR, room))
+
+
 REQUEST_TIMEOUT_S: Final = 30.0
 #: after the last fault: a reservation's TTL plus the audit's grace, so that what a
 #: killed requestor reserved has expired by the time the nodes are asked
@@ -414,7 +428,7 @@ def run_chaos(
                 "--placements",
                 str(share),
                 "--live",
-                str(LIVE_PER_REQUESTOR),
+                str(live_per_requestor(nodes, requestors)),
                 "--timeout",
                 str(REQUEST_TIMEOUT_S),
                 "--seed",

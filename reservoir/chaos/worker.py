@@ -124,7 +124,15 @@ class Worker:
                 timeout_s=self.timeout_s, request_id=request_id, **shape
             )
         except PlacementError as error:
-            self.writer.write("failed", id=request_id, error=str(error))
+            why = error.explanation
+            self.writer.write(
+                "failed",
+                id=request_id,
+                error=str(error),
+                declines=why.declines_received,
+                reasons=dict(why.reasons),
+                busy=why.busy_nodes,
+            )
             return
         self.writer.write("placed", id=request_id, placement=placement_json(placement))
         self.held[request_id] = placement

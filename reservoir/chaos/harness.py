@@ -136,16 +136,19 @@ def fault_schedule(
     """The faults of a run, from ``seed`` alone: the same seed, the same schedule.
 
     One fault every ``interval_s`` on average (uniformly 0.5x..1.5x apart), the first
-    after two intervals, kinds drawn evenly; a node kill is drawn only while fewer than a
-    tenth of the nodes (at least one) are down, else it becomes a cut.
+    after two intervals; the first ``len(kinds)`` faults are every kind once, in a drawn
+    order (so even a short run meets each), then kinds are drawn evenly. A node kill is
+    drawn only while fewer than a tenth of the nodes (at least one) are down, else it
+    becomes a cut.
     """
     rng = random.Random(seed)
     max_down = max(1, len(nodes) // 10)
     down_until: dict[str, float] = {}
     schedule: list[Fault] = []
+    first_round = rng.sample(list(kinds), len(kinds))
     at_s = 2 * interval_s
     while at_s < seconds:
-        kind = rng.choice(list(kinds))
+        kind = first_round.pop(0) if first_round else rng.choice(list(kinds))
         if kind == "kill_node":
             up = [n for n in nodes if down_until.get(n, 0.0) <= at_s]
             if len(nodes) - len(up) >= max_down or not up:

@@ -9,7 +9,9 @@ decides (``Lookup`` on the id's bucket), and learns of other requestors from nod
     the caller chose the id                  -> looks up before every decision
     node: in_flight_elsewhere from X         -> looks up from now on; X sorts before us:
                                                 X has precedence (stand back while we own
-                                                nothing of the id)
+                                                nothing of the id); either way the id is
+                                                contended until X's reservation must have
+                                                expired: no failure verdict before then
     node: AlreadyPlaced, owner X (not us)    -> the allocation is adopted; X finishes the
                                                 request: we follow (look up, contend for
                                                 nothing) until the placement is whole
@@ -58,6 +60,9 @@ class IdContention:
     heard_placed: bool = False
     #: allocations nodes reported as placed already (AlreadyPlaced), not awarded by us
     adopted: set[str] = field(default_factory=set)
+    #: until when another requestor's reservation of the id may still be alive: it may
+    #: yet become an allocation we must adopt, or expire and leave the room to us
+    contended_until: float | None = None
 
     # -- lookups -----------------------------------------------------------------------
 
@@ -89,11 +94,20 @@ class IdContention:
 
     # -- other requestors --------------------------------------------------------------
 
-    def in_flight_elsewhere(self, other: str) -> None:
-        """A node holds a reservation of the id for ``other`` too."""
+    def in_flight_elsewhere(self, other: str, *, alive_until: float) -> None:
+        """A node holds a reservation of the id for ``other`` too, which may live until
+        ``alive_until``."""
         self.looks_up = True
         if other < self.me:
             self.yield_to.add(other)
+        if self.contended_until is None or alive_until > self.contended_until:
+            self.contended_until = alive_until
+
+    def contended(self, now: float) -> bool:
+        """Whether another requestor's reservation of the id may still be alive (then a
+        failure would be no verdict on the request: the other may place it, or its
+        reservation expire and free the room)."""
+        return self.contended_until is not None and now < self.contended_until
 
     def placed_already(self, allocation_id: str, owner: str | None, ours: bool) -> None:
         """A node reports an allocation of the id that we did not award."""

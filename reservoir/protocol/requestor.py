@@ -106,6 +106,9 @@ __all__ = ["LatencyEstimate", "RequestorConfig", "RequestorMachine"]
 
 #: latency samples before the widening wait follows the estimate instead of its maximum
 _LATENCY_SAMPLES_TRUSTED: Final = 8
+#: another requestor's reservation of an id is taken to live this long past a TTL from
+#: when a node last reported it (timers fire late; a node's clock runs its own way)
+_CONTENTION_MARGIN_S: Final = 1.0
 
 
 @dataclass(frozen=True)
@@ -654,7 +657,9 @@ class RequestorMachine:
             # one whose id sorts first. The other stands back, then asks again and hears
             # "AlreadyPlaced" (or, if the first failed, places it itself).
             if reason.code == IN_FLIGHT_ELSEWHERE:
-                c.contention.in_flight_elsewhere(reason.subject or "")
+                # its reservation lives a TTL at most (ours and theirs are alike)
+                alive_until = now + c.ttl_s + _CONTENTION_MARGIN_S
+                c.contention.in_flight_elsewhere(reason.subject or "", alive_until=alive_until)
         self._heard_from(c, decline.sender, decline.attempt, now, effects)
 
     def _nobody_came(self, c: Conversation, now: float, effects: list[Effect]) -> None:
@@ -836,6 +841,14 @@ class RequestorMachine:
             return
         if c.contention.must_look_up(c.attempt):
             self._look_up(c, now, effects)
+            return
+        if c.contention.contended(now) and now + self.config.max_busy_retry_s < c.deadline:
+            # Another requestor's reservation of this id may still become its placement
+            # (which we then adopt) or expire (and leave the room to us): no verdict yet.
+            # Its requestor may also be dead (killed mid-conversation): then only the TTL
+            # settles it. Found by the chaos runs.
+            c.note = c.note or "the same request id is being placed by another requestor"
+            self._back_off(c, now, effects)
             return
         if not c.heard_from_anyone() and now + self._unheard_backoff_s(c) < c.deadline:
             # Not one node answered, not even to decline: this is no verdict on the

@@ -516,3 +516,21 @@ def test_a_requestor_with_precedence_goes_on_despite_contention() -> None:
     assert lookup.topic == lookup_topic("r1")
     (award,) = sent(machine.on_unroutable(lookup.message, T0 + 0.011), Award)
     assert award.address == "addr-n1"  # nobody holds it: we go on
+
+
+def test_no_failure_while_another_requestors_reservation_of_the_id_may_live() -> None:
+    # The other requestor may have died mid-conversation: only its reservation's TTL
+    # settles whether the id is placed. Until then, ask again; after it, place.
+    machine = a_requestor(max_widen_s=0.2)  # the ladder is walked within a second
+    effects = machine.place(spec(request_id="job"), "job", T0, TIMEOUT_S)
+    # "zed" sorts after us: we have precedence, and nothing else stops a verdict
+    busy = Reason(code="in_flight_elsewhere", subject="zed")
+    decline = Decline(request_id="job", sender="n0", reply_to="addr-n0", attempt=1, reasons=(busy,))
+    machine.handle(decline, T0 + 0.01)
+    now = T0
+    while not any(isinstance(e, Failed) for e in effects) and now < T0 + 5.0:
+        timers = [e for e in effects if isinstance(e, SetTimer)]
+        key, now = min(((t.key, t.at) for t in timers), key=lambda pair: pair[1])
+        effects = machine.on_timer(key, now)
+    assert not any(isinstance(e, Failed) for e in effects)
+    assert machine.is_active("job")

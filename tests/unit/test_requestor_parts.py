@@ -59,12 +59,22 @@ def test_every_phase_is_in_the_table() -> None:
 
 def test_a_requestor_whose_id_sorts_later_defers_to_the_other() -> None:
     contention = IdContention("bob")
-    contention.in_flight_elsewhere("carol")
+    contention.in_flight_elsewhere("carol", alive_until=T0 + 6)
     assert contention.looks_up and not contention.defers_to_others()
-    contention.in_flight_elsewhere("alice")
+    contention.in_flight_elsewhere("alice", alive_until=T0 + 6)
     assert contention.defers_to_others()
     assert contention.stand_back() == "the same request id is being placed by alice"
     assert not contention.defers_to_others()
+
+
+def test_an_id_stays_contended_until_the_others_reservation_must_have_expired() -> None:
+    contention = IdContention("bob")
+    assert not contention.contended(T0)
+    contention.in_flight_elsewhere("alice", alive_until=T0 + 6)
+    contention.in_flight_elsewhere("alice", alive_until=T0 + 4)  # an older report
+    contention.stand_back()
+    assert contention.contended(T0 + 5.9)
+    assert not contention.contended(T0 + 6)
 
 
 def test_a_lookup_is_needed_once_per_attempt_after_the_offers() -> None:

@@ -1,0 +1,225 @@
+"""A RabbitMQ cluster on loopback for tests: ``size`` nodes of the machine's own
+``rabbitmq-server``, each with its own node name, AMQP port, inter-node port and data
+directory under one base directory, clustered with ``rabbitmqctl join_cluster``.
+
+Nothing leaves loopback: every listener and the Erlang distribution bind 127.0.0.1, and
+epmd is asked to listen there only. The nodes share an Erlang cookie of their own (in
+the base directory), so they are not reachable with the machine's RabbitMQ's cookie, and
+they never touch that RabbitMQ's data. :meth:`RabbitMqCluster.kill` ends a node the hard
+way (SIGKILL of its Erlang VM), as a crashed broker host would.
+
+It needs ``rabbitmq-server`` and ``rabbitmqctl`` (Debian's package is enough) and a user
+allowed to run them: root, or the ``rabbitmq`` user.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["ClusterUnavailable", "RabbitMqCluster"]
+
+_SERVER = Path("/usr/lib/rabbitmq/bin/rabbitmq-server")
+_CTL = Path("/usr/lib/rabbitmq/bin/rabbitmqctl")
+START_TIMEOUT_S = 90.0
+
+
+class ClusterUnavailable(RuntimeError):
+    """This machine cannot run a RabbitMQ cluster (no RabbitMQ, or not allowed)."""
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+@dataclass
+class ClusterNode:
+    name: str
+    amqp_port: int
+    dist_port: int
+    directory: Path
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def node_name(self) -> str:
+        return f"{self.name}@localhost"
+
+
+class RabbitMqCluster:
+    """``size`` clustered RabbitMQ nodes on loopback; a context manager."""
+
+    def __init__(self, base_dir: Path, *, size: int = 3, user: str = "guest") -> None:
+        for tool in (_SERVER, _CTL):
+            if not tool.exists():
+                raise ClusterUnavailable(f"{tool} is missing: install rabbitmq-server")
+        if hasattr(os, "geteuid") and os.geteuid() != 0:
+            raise ClusterUnavailable("starting RabbitMQ nodes of its own needs root")
+        self.base_dir = base_dir
+        self.user = user
+        self.home = base_dir / "home"
+        self.home.mkdir(parents=True, exist_ok=True)
+        cookie = self.home / ".erlang.cookie"
+        if not cookie.exists():
+            cookie.write_text(secrets.token_hex(16).upper())
+            cookie.chmod(0o400)
+        tag = secrets.token_hex(3)
+        self.nodes = [
+            ClusterNode(f"reservoir-{tag}-{i}", _free_port(), _free_port(), base_dir / f"n{i}")
+            for i in range(size)
+        ]
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def start(self) -> RabbitMqCluster:
+        for node in self.nodes:
+            self._launch(node)
+        for node in self.nodes:
+            self._wait_up(node)
+        first = self.nodes[0]
+        for node in self.nodes[1:]:
+            self.ctl(node, "stop_app")
+            self.ctl(node, "reset")
+            self.ctl(node, "join_cluster", first.node_name)
+            self.ctl(node, "start_app")
+        for node in self.nodes:
+            self.ctl(node, "await_startup")
+        return self
+
+    def __enter__(self) -> RabbitMqCluster:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop every node and remove their data."""
+        for node in self.nodes:
+            if node.process is not None and node.process.poll() is None:
+                with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired):
+                    self.ctl(node, "stop", timeout_s=30)
+                if node.process.poll() is None:
+                    self._kill_vm(node)
+        shutil.rmtree(self.base_dir, ignore_errors=True)
+
+    # -- faults ------------------------------------------------------------------------
+
+    def kill(self, index: int) -> None:
+        """SIGKILL one node's Erlang VM: a broker host crashing."""
+        self._kill_vm(self.nodes[index])
+
+    def restart(self, index: int) -> None:
+        """Start a killed node again; it rejoins the cluster from its data."""
+        node = self.nodes[index]
+        self._launch(node)
+        self._wait_up(node)
+        self.ctl(node, "await_startup")
+
+    # -- addresses ---------------------------------------------------------------------
+
+    def url(self, index: int, *, vhost: str = "") -> str:
+        return f"amqp://{self.user}:{self.user}@127.0.0.1:{self.nodes[index].amqp_port}/{vhost}"
+
+    def urls(self, *, vhost: str = "") -> list[str]:
+        return [self.url(i, vhost=vhost) for i in range(len(self.nodes))]
+
+    def ctl(self, node: ClusterNode, *args: str, timeout_s: float = 60.0) -> str:
+        done = subprocess.run(
+            [str(_CTL), "-q", "-n", node.node_name, *args],
+            env=self._env(node),
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+        )
+        if done.returncode != 0:
+            said = (done.stderr or done.stdout).strip()
+            raise RuntimeError(f"rabbitmqctl {' '.join(args)} on {node.name}: {said}")
+        return done.stdout
+
+    def connected_node(self, peer_port: int) -> int | None:
+        """Which node holds the client connection from local port ``peer_port``."""
+        for index, node in enumerate(self.nodes):
+            if node.process is None or node.process.poll() is not None:
+                continue
+            with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired):
+                for line in self.ctl(node, "list_connections", "peer_port").split():
+                    if line.isdigit() and int(line) == peer_port:
+                        return index
+        return None
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _env(self, node: ClusterNode) -> dict[str, str]:
+        node.directory.mkdir(parents=True, exist_ok=True)
+        config = node.directory / "rabbitmq.conf"
+        if not config.exists():
+            config.write_text(
+                f"listeners.tcp.local = 127.0.0.1:{node.amqp_port}\n"
+                "loopback_users = none\n"
+                # keep the test cluster small: a stopped node must not block the others
+                "cluster_partition_handling = ignore\n"
+            )
+            (node.directory / "enabled_plugins").write_text("[].\n")
+            (node.directory / "env.conf").write_text("")
+        return {
+            **{k: v for k, v in os.environ.items() if not k.startswith("RABBITMQ_")},
+            "HOME": str(self.home),
+            "RABBITMQ_CONF_ENV_FILE": str(node.directory / "env.conf"),
+            "RABBITMQ_NODENAME": node.node_name,
+            "RABBITMQ_CONFIG_FILE": str(config),
+            "RABBITMQ_ENABLED_PLUGINS_FILE": str(node.directory / "enabled_plugins"),
+            "RABBITMQ_MNESIA_BASE": str(node.directory / "mnesia"),
+            "RABBITMQ_LOG_BASE": str(node.directory / "log"),
+            "RABBITMQ_PID_FILE": str(node.directory / "rabbit.pid"),
+            "RABBITMQ_DIST_PORT": str(node.dist_port),
+            "ERL_EPMD_ADDRESS": "127.0.0.1",
+            "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS": "-kernel inet_dist_use_interface {127,0,0,1}",
+            "RABBITMQ_CTL_ERL_ARGS": "-kernel inet_dist_use_interface {127,0,0,1}",
+        }
+
+    def _launch(self, node: ClusterNode) -> None:
+        log = (node.directory / "server.out").open("ab") if node.directory.exists() else None
+        env = self._env(node)
+        if log is None:
+            log = (node.directory / "server.out").open("ab")
+        node.process = subprocess.Popen(
+            [str(_SERVER)], env=env, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )  # fmt: skip
+        log.close()
+
+    def _wait_up(self, node: ClusterNode) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            assert node.process is not None
+            if node.process.poll() is not None:
+                tail = (node.directory / "server.out").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"RabbitMQ node {node.name} exited:\n{tail}")
+            with contextlib.suppress(OSError):
+                socket.create_connection(("127.0.0.1", node.amqp_port), timeout=1).close()
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"RabbitMQ node {node.name} not up in {START_TIMEOUT_S:.0f} s")
+            time.sleep(0.2)
+
+    def _kill_vm(self, node: ClusterNode) -> None:
+        pid_file = node.directory / "rabbit.pid"
+        with contextlib.suppress(OSError, ValueError):
+            os.kill(int(pid_file.read_text().strip()), signal.SIGKILL)
+        if node.process is not None:
+            # the script's whole session: the VM and its helpers (epmd is shared; spared)
+            with contextlib.suppress(OSError):
+                os.killpg(node.process.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                node.process.wait(timeout=30)

@@ -1,0 +1,40 @@
+"""A short chaos run in the default suite: real node and requestor processes on the real
+RabbitMQ, every kind of fault injected, and the verdict of the audit, the nodes' ledgers
+and the callers' record. The long run (``reservoir chaos`` with its defaults: 30 nodes,
+8 requestors, 10,000 placements) is opt-in: ``--run-slow``."""
+
+from __future__ import annotations
+
+import pytest
+
+from reservoir.chaos.harness import FAULT_KINDS, run_chaos
+
+pytestmark = [pytest.mark.rabbitmq, pytest.mark.e2e]
+
+
+def test_a_short_chaos_run_meets_every_fault_and_every_count_is_zero(
+    reservoir_amqp_url: str,
+) -> None:
+    result = run_chaos(
+        broker_url=reservoir_amqp_url,
+        seconds=15.0,
+        seed=2026,
+        nodes=6,
+        requestors=3,
+        placements=100_000,  # more than 15 s can place: the clock ends the placing
+        interval_s=0.8,
+        progress=print,
+    )
+    summary = result.as_json()
+    assert result.ok, summary
+    assert set(result.faults) == set(FAULT_KINDS), summary
+    assert result.placements >= 50, summary
+    assert result.nodes_answering == 6
+
+
+@pytest.mark.slow
+def test_the_acceptance_chaos_run(reservoir_amqp_url: str) -> None:
+    result = run_chaos(broker_url=reservoir_amqp_url, progress=print)
+    summary = result.as_json()
+    assert result.ok, summary
+    assert result.placements >= 10_000, summary

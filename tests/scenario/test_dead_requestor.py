@@ -1,0 +1,52 @@
+"""A requestor killed mid-conversation (SIGKILL: no releases, no goodbye), and the same
+request id asked for again through a new requestor, as an API client retries with its
+idempotency key after its server died. Found by ``reservoir chaos``: the new requestor
+stood back for the dead one and then failed the request (and once left the dead one's
+allocation an orphan)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from reservoir.requestor import Requestor
+from reservoir.testing.simulation import Simulation
+
+
+def kill(requestor: Requestor) -> None:
+    """What SIGKILL leaves: the requestor's inbox gone, nothing sent on its way out."""
+    with requestor._lock:
+        requestor._closed = True
+        requestor._cancel_all_timers()
+    requestor.endpoint.close()
+
+
+def held_anywhere(sim: Simulation, request_id: str, what: str) -> Callable[[], bool]:
+    def holds() -> bool:
+        for snapshot in sim.snapshots():
+            items = snapshot.reservations if what == "reservation" else snapshot.allocations
+            if any(item.request_id == request_id for item in items):
+                return True
+        return False
+
+    return holds
+
+
+@pytest.mark.parametrize("nodes", [6, 30])
+@pytest.mark.parametrize("dies_holding", ["reservation", "allocation"])
+def test_a_request_asked_again_after_its_requestor_died_is_placed_exactly_once(
+    dies_holding: str, nodes: int
+) -> None:
+    sim = Simulation()
+    sim.add_nodes(nodes, vcpus=16, memory_mb=32768)
+    first = sim.add_requestor("worker.1")
+    first.submit(request_id="job-7", vcpus=1, memory_mb=512, timeout_s=30)
+    assert sim.scheduler.run_until(held_anywhere(sim, "job-7", dies_holding), timeout_s=10)
+    kill(first)
+    # The restarted process: a new requestor whose name sorts after the dead one's.
+    second = sim.add_requestor("worker.2")
+    placement = sim.place(second, request_id="job-7", vcpus=1, memory_mb=512, timeout_s=30)
+    assert placement.request_id == "job-7"
+    assert len(placement.allocations) == 1
+    sim.finish([placement], allow_orphans=False)

@@ -147,6 +147,7 @@ class LedgerCollector(Driver):
             scheduler=scheduler,
             metrics=metrics,
             endpoint_name=f"reservoir.auditor.{self.audit_id}",
+            role="requestor",
         )
 
     def ask(self) -> None:

@@ -28,6 +28,7 @@ import base64
 import hashlib
 import hmac
 import json
+import logging
 import re
 import secrets
 import sys
@@ -56,6 +57,8 @@ __all__ = [
     "parse_keys",
     "role_of",
 ]
+
+log = logging.getLogger(__name__)
 
 Role = Literal["node", "requestor"]
 ROLES: Final[tuple[Role, ...]] = ("node", "requestor")
@@ -117,11 +120,6 @@ class Key:
     @property
     def can_sign(self) -> bool:
         return self._hmac_secret is not None or self._private is not None
-
-    @property
-    def is_private(self) -> bool:
-        """Whether holding this key lets one sign (an HMAC secret always does)."""
-        return self.can_sign
 
     def sign(self, data: bytes) -> bytes:
         """The signature of ``data`` as ASCII (hex for HMAC, base64url for Ed25519)."""
@@ -247,8 +245,17 @@ class Keyring:
         where = f"{setting} ({path})"
         try:
             text = path.read_text()
+            mode = path.stat().st_mode
         except OSError as error:
             raise KeyConfigError(f"{where}: cannot read it: {error.strerror}") from None
+        if mode & 0o077:
+            # Like ssh with a private key: say so, since anyone who can read it can sign.
+            log.warning(
+                "%s can be read by users other than its owner (mode %o): anyone who can "
+                "read it can sign; chmod 600 it",
+                where,
+                mode & 0o777,
+            )
         try:
             loaded = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
         except ValueError as error:

@@ -23,11 +23,13 @@ message, so no one can choose a weaker check for it.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import re
 import secrets
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Final
 
 from pydantic import ValidationError
@@ -45,8 +47,9 @@ __all__ = [
 ]
 
 DEFAULT_MAX_MESSAGE_BYTES: Final = 64 * 1024
-#: The most message ids a codec remembers for replay detection (about 150 bytes each).
-DEFAULT_REPLAY_CACHE_ENTRIES: Final = 1_000_000
+#: The most message ids a codec remembers for replay detection (about 170 bytes each, so
+#: about 45 MB when full; full means 8,000 messages a second received for 30 s).
+DEFAULT_REPLAY_CACHE_ENTRIES: Final = 250_000
 _MAGIC: Final = b"RSV2"
 _HEADER_FIELDS: Final = 8
 _FIELD = re.compile(rb"^[\x21-\x7e]{1,300}$")  # printable ASCII, no space
@@ -116,8 +119,9 @@ class Codec:
         self.role = role
         self.replay_window_s = replay_window_s
         self.replay_cache_entries = replay_cache_entries
-        #: (sender, nonce) -> stamp, oldest stamp first (near enough: they arrive in order)
-        self._seen: OrderedDict[tuple[bytes, bytes], float] = OrderedDict()
+        #: digest of (sender, nonce) -> stamp, oldest stamp first (near enough: they arrive
+        #: in order); a 16-byte digest keeps an entry small whatever the sender's name
+        self._seen: OrderedDict[bytes, float] = OrderedDict()
         #: once the cache is full, the stamp of the newest id it had to forget: anything
         #: stamped at or before it can no longer be told from a replay, so it is refused
         self._forgotten_up_to_s = float("-inf")
@@ -200,7 +204,7 @@ class Codec:
                 raise DecodeError(
                     "bad_envelope", "an RSV1 envelope (an older reservoir): upgrade the sender"
                 )
-            raise DecodeError("unsigned", "a signature is required")
+            raise DecodeError("unsigned", "a signature is required", _claimed_sender(signed))
         header, newline, body = signed.partition(b"\n")
         fields = header.split(b" ")
         if not newline or len(fields) != _HEADER_FIELDS or not all(map(_FIELD.match, fields)):
@@ -238,7 +242,7 @@ class Codec:
             raise DecodeError("bad_envelope", "the stamp is not a number", sender) from None
         if not abs(wall_s - sent_s) <= self.replay_window_s:  # also refuses NaN
             raise DecodeError("stale", f"stamped {wall_s - sent_s:+.1f}s away from now", sender)
-        message_id = (sender_b, nonce)
+        message_id = hashlib.blake2b(sender_b + b" " + nonce, digest_size=16).digest()
         with self._lock:
             self._forget_before(wall_s - self.replay_window_s)
             if message_id in self._seen:
@@ -269,17 +273,26 @@ class Codec:
 class DropWarnings:
     """One warning per (reason, sender) per ``interval_s`` for messages dropped for a
     signature reason, so a wrong key shows in the log within seconds without an attacker
-    being able to flood it. Remembers at most ``max_entries`` pairs (a forger chooses
-    the sender names); the clock is the caller's."""
+    being able to flood it. A forger chooses the sender names, so it remembers at most
+    ``max_entries`` pairs and warns at most ``max_warnings`` times an interval in all
+    (saying once when it stops). The clock is the caller's."""
 
     def __init__(
-        self, logger: logging.Logger, *, interval_s: float = 60.0, max_entries: int = 1024
+        self,
+        logger: logging.Logger,
+        *,
+        interval_s: float = 60.0,
+        max_entries: int = 1024,
+        max_warnings: int = 20,
     ) -> None:
         self._log = logger
         self.interval_s = interval_s
         self.max_entries = max_entries
+        self.max_warnings = max_warnings
         self._last_s: OrderedDict[tuple[str, str | None], float] = OrderedDict()
         self._suppressed: dict[tuple[str, str | None], int] = {}
+        #: when each of the latest warnings was given, for the overall limit
+        self._recent_s: deque[float] = deque()
         self._lock = threading.Lock()
 
     def dropped(self, participant: str, error: DecodeError, now_s: float) -> bool:
@@ -293,6 +306,19 @@ class DropWarnings:
             if last_s is not None and now_s - last_s < self.interval_s:
                 self._suppressed[pair] = self._suppressed.get(pair, 0) + 1
                 return False
+            while self._recent_s and now_s - self._recent_s[0] >= self.interval_s:
+                self._recent_s.popleft()
+            if len(self._recent_s) > self.max_warnings:
+                return False
+            self._recent_s.append(now_s)
+            if len(self._recent_s) > self.max_warnings:
+                self._log.warning(
+                    "%s is dropping messages for signature reasons from many senders; no "
+                    "more warnings for up to %.0f s (the dropped{reason=...} counters go on)",
+                    participant,
+                    self.interval_s,
+                )
+                return True
             self._last_s.pop(pair, None)
             self._last_s[pair] = now_s
             while len(self._last_s) > self.max_entries:
@@ -300,8 +326,8 @@ class DropWarnings:
                 self._suppressed.pop(oldest, None)
             since = self._suppressed.pop(pair, 0)
         self._log.warning(
-            "%s dropped a message from %s: %s (%s)%s; counted as dropped{reason=%s}, "
-            "warned at most once a %.0f s per reason and sender",
+            "%s dropped a message from %s: %s (%s)%s; counted as dropped{reason=%s}; at most "
+            "one warning per reason and sender every %.0f s",
             participant,
             repr(error.sender) if error.sender else "an unknown sender",
             error.reason,
@@ -311,6 +337,16 @@ class DropWarnings:
             self.interval_s,
         )
         return True
+
+
+def _claimed_sender(body: bytes) -> str | None:
+    """Who an unsigned message says it is from, for the warning only (a participant with
+    no keys configured is the usual cause); None when it does not say."""
+    try:
+        sender = json.loads(body).get("sender")
+    except (ValueError, AttributeError):
+        return None
+    return sender[:200] if isinstance(sender, str) else None
 
 
 def _first_error(error: ValidationError) -> str:

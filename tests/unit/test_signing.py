@@ -359,3 +359,42 @@ def test_drop_warnings_forget_the_oldest_senders_rather_than_grow() -> None:
     assert not warned.dropped("n1", errors[2], 1.0)
     # a reason that is not about signatures is only counted, never warned about
     assert not warned.dropped("n1", DecodeError("malformed", "x"), 0.0)
+
+
+def test_drop_warnings_stop_after_so_many_an_interval_however_many_senders_a_forger_invents(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    warned = DropWarnings(logging.getLogger("test.cap"), interval_s=60.0, max_warnings=3)
+    with caplog.at_level(logging.WARNING, logger="test.cap"):
+        for i in range(100):
+            warned.dropped("n1", DecodeError("bad_signature", "x", sender=f"s{i}"), 0.0)
+        assert len(caplog.records) == 4  # three, and one saying it stops
+        assert "no more warnings" in caplog.records[-1].getMessage()
+        warned.dropped("n1", DecodeError("bad_signature", "x", sender="late"), 60.0)
+        assert len(caplog.records) == 5
+
+
+def test_an_unsigned_message_is_warned_about_under_the_sender_it_claims(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    sim = Simulation(settings=Settings(node_keys=NODE_KEYS, requestor_keys=REQUESTOR_KEYS))
+    node = sim.add_node("n1", vcpus=4)
+    with caplog.at_level(logging.WARNING, logger="reservoir.driver"):
+        node._on_delivery(Delivery(REQUEST.model_dump_json().encode()))  # a keyless requestor
+    assert node.metrics.get("dropped", "unsigned") == 1
+    assert "from 'req': unsigned" in caplog.records[0].getMessage()
+    sim.finish()
+
+
+def test_a_keys_file_others_can_read_is_warned_about(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"node": [NODE_KEYS], "requestor": [REQUESTOR_KEYS]}))
+    path.chmod(0o600)
+    with caplog.at_level(logging.WARNING, logger="reservoir.keys"):
+        Keyring.from_file(path)
+        assert caplog.records == []
+        path.chmod(0o644)
+        Keyring.from_file(path)
+    assert "chmod 600" in caplog.records[0].getMessage()

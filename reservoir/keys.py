@@ -263,7 +263,7 @@ class Keyring:
                 f"{where}: not valid {path.suffix[1:] or 'JSON'}: {error}"
             ) from None
         if not isinstance(loaded, dict) or set(loaded) - set(ROLES):
-            raise KeyConfigError(f"{where}: expected only the tables 'node' and 'requestor'")
+            raise KeyConfigError(f"{where}: only the keys 'node' and 'requestor' belong here")
         found: dict[str, tuple[Key, ...]] = {}
         for role in ROLES:
             entries = loaded.get(role)

@@ -7,13 +7,32 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 from pathlib import Path
 
 import pytest
 
 from reservoir.broker import Delivery
 from reservoir.keys import Key, Keyring, generate, main, parse_keys
-from reservoir.protocol.messages import Award, Message, Offer, ReservationRequest
+from reservoir.protocol.messages import (
+    NODE_KINDS,
+    REQUESTOR_KINDS,
+    Accepted,
+    AlreadyPlaced,
+    Award,
+    Decline,
+    Free,
+    Freed,
+    LedgerQuery,
+    Lookup,
+    Message,
+    NodeStatus,
+    Offer,
+    Refused,
+    Release,
+    ReservationRequest,
+    RollCall,
+)
 from reservoir.settings import Settings
 from reservoir.testing import Simulation
 from reservoir.wire import Codec, DecodeError, DropWarnings
@@ -46,6 +65,28 @@ REQUEST = ReservationRequest(
 )
 
 
+#: one message of every kind but the ledger report (whose parts need a whole ledger)
+EVERY_KIND: dict[str, Message] = {
+    m.kind: m
+    for m in [
+        REQUEST,
+        AWARD,
+        OFFER,
+        Lookup(request_id="r1", sender="req", reply_to="req"),
+        Release(request_id="r1", sender="req", reservation_id="x"),
+        Free(request_id="r1", sender="req", reply_to="req"),
+        RollCall(sender="req", reply_to="req"),
+        LedgerQuery(sender="req", reply_to="req", audit_id="a1"),
+        Decline(request_id="r1", sender="n1", reply_to="req", attempt=1),
+        AlreadyPlaced(request_id="r1", sender="n1", reply_to="req", allocations=()),
+        Accepted(request_id="r1", sender="n1", reply_to="req", reservation_id="x", allocations=()),
+        Refused(request_id="r1", sender="n1", reply_to="req", reservation_id="x", reason="gone"),
+        Freed(request_id="r1", sender="n1", reply_to="req"),
+        NodeStatus(sender="n1", reply_to="node.n1", tier=10),
+    ]
+}
+
+
 def keyring(node: str = NODE_KEYS, requestor: str = REQUESTOR_KEYS) -> Keyring:
     return Keyring(
         node=parse_keys(node, setting="node"), requestor=parse_keys(requestor, setting="req")
@@ -61,7 +102,7 @@ def refusal(codec: Codec, body: bytes, destination: str | None = "node.n1") -> s
 def envelope(role: str, key: Key, message: Message, *, destination: str, sender: str) -> bytes:
     """A message signed by hand, claiming whatever role and sender a forger likes."""
     body = message.model_dump_json().encode()
-    header = f"RSV2 {role} {key.key_id} {WALL_S:.6f} nonce{id(body)} {destination} {sender}"
+    header = f"RSV2 {role} {key.key_id} {WALL_S:.6f} {secrets.token_hex(12)} {destination} {sender}"
     signature = key.sign(header.encode() + b"\n" + body)
     return header.encode() + b" " + signature + b"\n" + body
 
@@ -81,6 +122,25 @@ def test_an_award_signed_with_a_node_key_is_refused_as_the_wrong_role() -> None:
     # and a node's own codec will not sign one at all
     with pytest.raises(ValueError, match="does not send 'award'"):
         Codec(keys=keyring(), role="node").encode(AWARD, WALL_S, destination="node.n1")
+
+
+@pytest.mark.parametrize("kind", sorted(EVERY_KIND))
+def test_no_kind_is_taken_when_signed_with_the_other_roles_key(kind: str) -> None:
+    message = EVERY_KIND[kind]
+    mine, theirs = ("node", "requestor") if kind in NODE_KINDS else ("requestor", "node")
+    assert kind in (NODE_KINDS if mine == "node" else REQUESTOR_KINDS)
+    wrong_key = keyring().of(theirs)[0]  # type: ignore[arg-type]
+    receiver = Codec(keys=keyring(), role=theirs)  # type: ignore[arg-type]
+    for claimed in ("node", "requestor"):
+        forged = envelope(claimed, wrong_key, message, destination="d", sender=message.sender)
+        assert refusal(receiver, forged, destination="d") == "wrong_role"
+    right_key = keyring().of(mine)[0]  # type: ignore[arg-type]
+    genuine = envelope(mine, right_key, message, destination="d", sender=message.sender)
+    assert receiver.decode(genuine, WALL_S, destination="d") == message
+
+
+def test_every_kind_but_the_ledger_report_is_in_that_test() -> None:
+    assert set(EVERY_KIND) == (NODE_KINDS | REQUESTOR_KINDS) - {"ledger_report"}
 
 
 def test_an_award_signed_with_a_node_secret_under_a_requestor_key_id_does_not_verify() -> None:

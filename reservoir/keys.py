@@ -185,9 +185,9 @@ def _parse_entry(entry: str) -> Key:
         private = _ed25519().from_private_bytes(_raw_ed25519(rest[len("ed25519:") :]))
         return Key(key_id, ed25519_private=private)
     if rest.startswith("ed25519-public:"):
+        _ed25519()  # says what to install when cryptography is missing
         from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-        _ed25519()
         public = Ed25519PublicKey.from_public_bytes(_raw_ed25519(rest[len("ed25519-public:") :]))
         return Key(key_id, ed25519_public=public)
     return Key(key_id, hmac_secret=rest.encode())
@@ -197,6 +197,7 @@ def parse_keys(entries: str | Sequence[str], *, setting: str) -> tuple[Key, ...]
     """Keys from ``id:secret,id:secret`` (or a list of entries), the current one first.
     Errors name ``setting`` and the entry's position, never the secret."""
     items = entries.split(",") if isinstance(entries, str) else list(entries)
+    items = [entry for entry in items if entry.strip()]  # a trailing comma is no key
     keys: list[Key] = []
     for position, entry in enumerate(items, 1):
         try:

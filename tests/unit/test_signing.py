@@ -320,7 +320,8 @@ def test_signed_participants_place_with_per_role_keys_hmac_and_ed25519() -> None
 
 
 def test_keys_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("RESERVOIR_NODE_KEYS", f"n2:{'b' * 16},{NODE_KEYS}")
+    # spaces and a trailing comma are allowed
+    monkeypatch.setenv("RESERVOIR_NODE_KEYS", f"n2:{'b' * 16}, {NODE_KEYS},")
     monkeypatch.setenv("RESERVOIR_REQUESTOR_KEYS", REQUESTOR_KEYS)
     keys = Settings().keyring()
     assert keys is not None

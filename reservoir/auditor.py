@@ -149,6 +149,7 @@ class LedgerCollector(Driver):
             # Named like a requestor's inbox: under the per-role broker users of deploy/rabbitmq/
             # an auditor runs with requestor credentials, and nodes may answer only those.
             endpoint_name=f"reservoir.requestor.auditor-{self.audit_id}",
+            role="requestor",
         )
 
     def ask(self) -> None:

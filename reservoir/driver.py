@@ -11,6 +11,11 @@ holds the transmit lock. So no broker round trip (a bind waits for RabbitMQ's bi
 ever holds up the machine, and a node still binds a lookup bucket before it sends the
 offer that follows. Outcome callbacks run last, so a caller's callback can call straight
 back in.
+
+The decode path is here too: a delivery is decoded with the codec of the driver's role,
+checked against where it arrived (its routing key, or our address), and dropped and
+counted when refused; a drop for a signature reason also logs one rate-limited warning
+naming the reason and the sender.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from functools import partial
 
 from reservoir.broker import Broker, BrokerClosed, BrokerError, Delivery, Endpoint
 from reservoir.clock import Scheduler, ThreadScheduler, Timer
+from reservoir.keys import Role
 from reservoir.metrics import Metrics
 from reservoir.protocol.effects import (
     Bind,
@@ -41,7 +47,7 @@ from reservoir.protocol.effects import (
 )
 from reservoir.protocol.messages import REQUESTOR_KINDS, Message
 from reservoir.settings import Settings
-from reservoir.wire import DecodeError
+from reservoir.wire import DecodeError, DropWarnings
 
 __all__ = ["Driver"]
 
@@ -63,15 +69,21 @@ class Driver:
         scheduler: Scheduler | None,
         metrics: Metrics | None,
         endpoint_name: str,
+        role: Role,
     ) -> None:
         """``broker`` may be a :class:`Broker` (shared, left open on close), a URL or None
         (``settings.broker_url``), opened here and closed on close; likewise a scheduler
-        of None gets one of our own. The machine must exist before this runs: deliveries
-        can arrive as soon as the endpoint is open."""
+        of None gets one of our own. ``role`` is whose keys we sign with. The machine must
+        exist before this runs: deliveries can arrive as soon as the endpoint is open."""
         self.settings = settings
+        self.role: Role = role
+        #: our address, known before the endpoint is: a delivery can race its opening
+        self._endpoint_name = endpoint_name
         self._requestor_users = settings.requestor_users
         self._node_users = settings.node_users
-        self.codec = settings.codec()
+        self.codec = settings.codec(role)
+        self._drop_warnings = DropWarnings(log)
+        self._warn_about_private_keys_of_others(endpoint_name)
         self.metrics = metrics if metrics is not None else Metrics()
         self._lock = threading.Lock()
         #: what the machine asked to send, bind or unbind, in order, not yet transmitted
@@ -119,14 +131,40 @@ class Driver:
 
     # -- events in ---------------------------------------------------------------------
 
+    def _warn_about_private_keys_of_others(self, participant: str) -> None:
+        keys = self.codec.keys
+        other: Role = "requestor" if self.role == "node" else "node"
+        if keys is None or keys.shared:
+            return
+        private = [k.key_id for k in keys.of(other) if k.can_sign and k.algorithm == "ed25519"]
+        if private:
+            # With HMAC that is unavoidable (see docs/design.md); with Ed25519 it throws
+            # away the one thing the key pair buys.
+            log.warning(
+                "%s (a %s) holds the private half of %s key(s) %s: it could sign their "
+                "messages; give it their public keys only (ed25519-public)",
+                participant,
+                self.role,
+                other,
+                ", ".join(private),
+            )
+
     def _on_delivery(self, delivery: Delivery) -> None:
+        # Where it arrived: the routing key it was published with, or our own address for
+        # a direct send. Our own returned messages may have been meant for anywhere.
+        destination = None if delivery.returned else (delivery.topic or self._endpoint_name)
         try:
             message = self.codec.decode(
-                delivery.body, self.scheduler.clock.wall(), check_replay=not delivery.returned
+                delivery.body,
+                self.scheduler.clock.wall(),
+                destination=destination,
+                check_replay=not delivery.returned,
             )
         except DecodeError as error:
             self.metrics.inc("dropped", error.reason)
-            log.debug("%s dropped a message: %s", self.address, error)
+            name = self._endpoint_name
+            if not self._drop_warnings.dropped(name, error, self.scheduler.clock.now()):
+                log.debug("%s dropped a message: %s", name, error)
             return
         if not delivery.returned and not self._trusted(message, delivery.user_id):
             self.metrics.inc("dropped", "untrusted_sender")
@@ -228,10 +266,12 @@ class Driver:
     def _transmit(self, effect: Send | Publish | Bind | Unbind, wall_s: float) -> None:
         if isinstance(effect, Send):
             self.metrics.inc("sent", effect.message.kind)
-            self.endpoint.send(effect.address, self.codec.encode(effect.message, wall_s))
+            body = self.codec.encode(effect.message, wall_s, destination=effect.address)
+            self.endpoint.send(effect.address, body)
         elif isinstance(effect, Publish):
             self.metrics.inc("sent", effect.message.kind)
-            self.endpoint.publish(effect.topic, self.codec.encode(effect.message, wall_s))
+            body = self.codec.encode(effect.message, wall_s, destination=effect.topic)
+            self.endpoint.publish(effect.topic, body)
         elif isinstance(effect, Bind):
             self.endpoint.bind(effect.topic)
         else:

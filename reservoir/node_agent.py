@@ -111,6 +111,7 @@ class NodeAgent(Driver):
                 scheduler=scheduler,
                 metrics=metrics,
                 endpoint_name=config.address,
+                role="node",
             )
         except BaseException:
             self.store.close()

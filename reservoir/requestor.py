@@ -120,6 +120,7 @@ class Requestor(Driver):
             scheduler=scheduler,
             metrics=metrics,
             endpoint_name=address,
+            role="requestor",
         )
         try:
             # Hear nodes' announcements and ask them all once where they stand.

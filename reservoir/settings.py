@@ -1,19 +1,23 @@
 """Settings shared by every participant, read from ``RESERVOIR_*`` environment variables.
 
 Every field can also be passed directly (``Settings(ttl_s=3.0)``); command-line options
-override both. Defaults are those of docs/design.md.
+override both. Defaults are those of docs/design.md. Signing keys come from here too
+(``RESERVOIR_SECRET``, or ``RESERVOIR_NODE_KEYS`` and ``RESERVOIR_REQUESTOR_KEYS``, or
+``RESERVOIR_KEYS_FILE``; see :mod:`reservoir.keys`) and are checked when the settings are
+made, so a bad key fails at start with the setting's name.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from reservoir.keys import Keyring, Role
 from reservoir.protocol.policies import POLICIES
 from reservoir.protocol.tiers import DEFAULT_TIERS, TierLadder
-from reservoir.wire import DEFAULT_MAX_MESSAGE_BYTES, Codec
+from reservoir.wire import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_REPLAY_CACHE_ENTRIES, Codec
 
 __all__ = ["Settings"]
 
@@ -21,15 +25,30 @@ __all__ = ["Settings"]
 class Settings(BaseSettings):
     """reservoir's settings. Environment: ``RESERVOIR_<FIELD>``, e.g. ``RESERVOIR_TTL_S``."""
 
-    model_config = SettingsConfigDict(env_prefix="RESERVOIR_", frozen=True, extra="forbid")
+    # Errors must not echo what was given: it may be a key.
+    model_config = SettingsConfigDict(
+        env_prefix="RESERVOIR_", frozen=True, extra="forbid", hide_input_in_errors=True
+    )
 
     #: where the broker is; ``memory://`` is the in-process broker
     broker_url: str = "memory://"
-    #: shared secret: when set, every message is signed and unsigned ones are dropped
+    #: one shared secret for both roles (the first form of signing, still supported): when
+    #: set, every message is signed and unsigned ones are dropped, but any participant can
+    #: sign any kind; the per-role keys below separate the roles
     secret: SecretStr | None = None
+    #: the node role's keys, ``id:secret,id:secret``, the current one first (see
+    #: reservoir.keys for Ed25519 entries); a node signs with the first, everyone verifies
+    #: node messages with any of them
+    node_keys: SecretStr | None = None
+    #: the requestor role's keys (requestors and auditors), in the same form
+    requestor_keys: SecretStr | None = None
+    #: a JSON or TOML file with both roles' keys, instead of the two settings above
+    keys_file: Path | None = None
     max_message_bytes: int = Field(default=DEFAULT_MAX_MESSAGE_BYTES, ge=1024)
     #: signed messages stamped further than this from the receiver's clock are dropped
     replay_window_s: float = Field(default=30.0, gt=0)
+    #: the most recent message ids kept to refuse replays (bounds the codec's memory)
+    replay_cache_entries: int = Field(default=DEFAULT_REPLAY_CACHE_ENTRIES, ge=1000)
     #: how long a node holds a reservation
     ttl_s: float = Field(default=5.0, gt=0, le=3600)
     tiers: tuple[int, ...] = DEFAULT_TIERS
@@ -72,14 +91,31 @@ class Settings(BaseSettings):
             raise ValueError(f"unknown policy {policy!r}; choose one of {sorted(POLICIES)}")
         return policy
 
+    @model_validator(mode="after")
+    def _usable_keys(self) -> Settings:
+        self.keyring()  # raises KeyConfigError (a ValueError) naming the setting
+        return self
+
     @property
     def ladder(self) -> TierLadder:
         return TierLadder(self.tiers)
 
-    def codec(self) -> Codec:
-        secret = self.secret.get_secret_value().encode() if self.secret else None
+    def keyring(self) -> Keyring | None:
+        """The signing keys these settings describe (read afresh: a keys file may have
+        been rolled over), or None when messages are not signed."""
+        return Keyring.from_settings(
+            secret=self.secret.get_secret_value() if self.secret else None,
+            node_keys=self.node_keys.get_secret_value() if self.node_keys else None,
+            requestor_keys=self.requestor_keys.get_secret_value() if self.requestor_keys else None,
+            keys_file=self.keys_file,
+        )
+
+    def codec(self, role: Role | None = None) -> Codec:
+        """A codec speaking for ``role`` (None: any role, for tools)."""
         return Codec(
             max_bytes=self.max_message_bytes,
-            secret=secret,
+            keys=self.keyring(),
+            role=role,
             replay_window_s=self.replay_window_s,
+            replay_cache_entries=self.replay_cache_entries,
         )

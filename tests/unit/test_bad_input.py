@@ -57,7 +57,7 @@ EXPECTED_REASON = {
 @pytest.mark.parametrize("name", sorted(BAD_BODIES))
 def test_the_codec_refuses_bad_bodies_with_a_reason(name: str) -> None:
     with pytest.raises(DecodeError) as refused:
-        Codec().decode(BAD_BODIES[name], 0.0)
+        Codec().decode(BAD_BODIES[name], 0.0, destination="tier.10")
     assert refused.value.reason == EXPECTED_REASON.get(name, "invalid")
 
 
@@ -108,9 +108,10 @@ def test_with_a_secret_a_forged_signature_is_dropped() -> None:
     sim = signed_simulation()
     node = sim.add_node("n1", vcpus=4)
     forger = Codec(secret=b"not-the-shared-secret-at-all")
-    node._on_delivery(Delivery(forger.encode(GOOD_REQUEST, sim.scheduler.clock.wall())))
+    wall_s = sim.scheduler.clock.wall()
+    node._on_delivery(Delivery(forger.encode(GOOD_REQUEST, wall_s, destination=node.address)))
     assert node.metrics.get("dropped", "bad_signature") == 1
-    tampered = Codec(secret=SECRET.encode()).encode(GOOD_REQUEST, sim.scheduler.clock.wall())
+    tampered = Codec(secret=SECRET.encode()).encode(GOOD_REQUEST, wall_s, destination=node.address)
     node._on_delivery(Delivery(tampered.replace(b'"VCPU":1', b'"VCPU":4')))
     assert node.metrics.get("dropped", "bad_signature") == 2
     sim.finish()
@@ -121,7 +122,7 @@ def test_with_a_secret_a_replayed_message_is_dropped() -> None:
     node = sim.add_node("n1", vcpus=4)
     codec = Codec(secret=SECRET.encode())
     release = Release(request_id="r1", sender="req", reservation_id="x")
-    body = codec.encode(release, sim.scheduler.clock.wall())
+    body = codec.encode(release, sim.scheduler.clock.wall(), destination=node.address)
     node._on_delivery(Delivery(body))
     node._on_delivery(Delivery(body))
     assert node.metrics.get("dropped", "replayed") == 1
@@ -132,7 +133,7 @@ def test_with_a_secret_a_stale_message_is_dropped() -> None:
     sim = signed_simulation()
     node = sim.add_node("n1", vcpus=4)
     codec = Codec(secret=SECRET.encode())
-    body = codec.encode(GOOD_REQUEST, sim.scheduler.clock.wall() - 120)
+    body = codec.encode(GOOD_REQUEST, sim.scheduler.clock.wall() - 120, destination=node.address)
     node._on_delivery(Delivery(body))
     assert node.metrics.get("dropped", "stale") == 1
     sim.finish()

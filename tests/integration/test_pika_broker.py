@@ -465,13 +465,9 @@ def test_publishes_beyond_max_pending_fail_fast(
 def test_close_joins_its_threads_even_from_a_handler(
     open_broker: Callable[..., PikaBroker], ns: str
 ) -> None:
-    def ours() -> list[threading.Thread]:
-        return [t for t in threading.enumerate() if t.name.startswith("reservoir-pika-")]
-
-    before = set(ours())
     broker = open_broker()
-    mine = [t for t in ours() if t not in before]
-    assert sorted(t.name.split("-")[2] for t in mine) == ["dispatch", "io"]
+    mine = [t for t in threading.enumerate() if t.name.startswith(f"{broker.connection_name}:")]
+    assert sorted(t.name.rsplit(":", 1)[1] for t in mine) == ["dispatch", "io"]
     closed = threading.Event()
 
     def close_broker(delivery: Delivery) -> None:

@@ -39,4 +39,4 @@ def connect(url: str | BrokerUrl | None = None) -> Broker:
         return PikaBroker(parsed)
     from brokers.kombu_broker import KombuBroker
 
-    return KombuBroker(url if isinstance(url, str) else parsed.display)
+    return KombuBroker(parsed)

@@ -36,24 +36,8 @@ import pika.exceptions
 from pika.adapters.select_connection import IOLoop
 
 from brokers._rules import DEFAULT_EXCHANGE, INBOX_SUFFIX
-from brokers.amqp.session import (
-    Action,
-    AmqpStats,
-    BindQueue,
-    CloseConnection,
-    Connect,
-    Consume,
-    DeclareExchange,
-    DeclareQueue,
-    DeleteQueue,
-    OpenChannel,
-    Publish,
-    Role,
-    Session,
-    SetTimer,
-    Stop,
-    UnbindQueue,
-)
+from brokers.amqp import session as core
+from brokers.amqp.session import Action, Role, Session
 from brokers.amqp.threaded import AmqpBroker, AmqpEndpoint, Future
 from brokers.url import BrokerUrl
 
@@ -73,7 +57,7 @@ Channel = Any
 Frame = Any
 
 PikaEndpoint = AmqpEndpoint
-PikaStats = AmqpStats
+PikaStats = core.AmqpStats
 
 #: errors that retrying the first connection cannot fix
 _FATAL = (
@@ -139,7 +123,7 @@ class PikaBroker(AmqpBroker):
 
     def _do(self, action: Action[Future]) -> None:
         gen = self._gen
-        if isinstance(action, Publish):
+        if isinstance(action, core.Publish):
             message = action.message
             try:
                 self._channels["publish"].basic_publish(
@@ -151,22 +135,22 @@ class PikaBroker(AmqpBroker):
                 )
             except Exception as error:
                 self._close(f"publish failed: {error!r}")
-        elif isinstance(action, Connect):
+        elif isinstance(action, core.Connect):
             self._connect(action.gen)
-        elif isinstance(action, OpenChannel):
+        elif isinstance(action, core.OpenChannel):
             self._channels.pop(action.role, None)
             try:
                 self._connection.channel(on_open_callback=partial(self._opened, gen, action.role))
             except Exception as error:
                 self._close(f"cannot open the {action.role} channel: {error!r}")
-        elif isinstance(action, SetTimer):
+        elif isinstance(action, core.SetTimer):
             if self._timer is not None:
                 self._ioloop.remove_timeout(self._timer)
             delay_s = max(0.0, action.at_s - self._now())
             self._timer = self._ioloop.call_later(delay_s, self._tick)
-        elif isinstance(action, CloseConnection):
+        elif isinstance(action, core.CloseConnection):
             self._close(action.reason)
-        elif isinstance(action, Stop):
+        elif isinstance(action, core.Stop):
             self._stopping = True
             if not self._close("closing"):
                 self._ioloop.stop()
@@ -176,7 +160,7 @@ class PikaBroker(AmqpBroker):
     def _control(self, gen: int, action: Action[Future]) -> None:
         replied = partial(self._replied, gen)
         try:
-            if isinstance(action, Consume):
+            if isinstance(action, core.Consume):
                 tag = self._channels["consume"].basic_consume(
                     action.address,
                     partial(self._on_message, action.token),
@@ -187,7 +171,7 @@ class PikaBroker(AmqpBroker):
                 self._consumers[tag] = action.token
                 return
             control = self._channels["control"]
-            if isinstance(action, DeclareExchange):
+            if isinstance(action, core.DeclareExchange):
                 control.exchange_declare(
                     action.name,
                     exchange_type="topic",
@@ -196,17 +180,17 @@ class PikaBroker(AmqpBroker):
                     passive=action.passive,
                     callback=replied,
                 )
-            elif isinstance(action, DeclareQueue):
+            elif isinstance(action, core.DeclareQueue):
                 control.queue_declare(action.address, exclusive=True, callback=replied)
-            elif isinstance(action, BindQueue):
+            elif isinstance(action, core.BindQueue):
                 control.queue_bind(
                     action.address, action.exchange, routing_key=action.pattern, callback=replied
                 )
-            elif isinstance(action, UnbindQueue):
+            elif isinstance(action, core.UnbindQueue):
                 control.queue_unbind(
                     action.address, action.exchange, routing_key=action.pattern, callback=replied
                 )
-            elif isinstance(action, DeleteQueue):
+            elif isinstance(action, core.DeleteQueue):
                 control.queue_delete(action.address, callback=replied)
         except Exception as error:  # the channel closed under us: its callback says why
             log.debug("%s: a control method failed: %r", self.connection_name, error)

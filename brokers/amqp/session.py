@@ -114,6 +114,7 @@ TRANSITIONS: dict[tuple[State, str], State] = {
     (State.CLOSING, "lost"): State.CLOSED,
     (State.CLOSING, "abandon"): State.CLOSED,
 }
+# ... and any state but CLOSED goes to CLOSED when the driver itself fails (Session.abort).
 
 
 @dataclass(slots=True)
@@ -673,6 +674,13 @@ class Session(Generic[W]):
                 log.warning("%s: the connection did not close in time", self.name)
                 self._move("abandon")
                 self._finish()
+
+    def abort(self, error: BrokerError) -> None:
+        """The driver failed (a bug): closed for good, everyone waiting told why."""
+        if self.state is not State.CLOSED:
+            self.failure = self.failure or error
+            self.state = State.CLOSED
+            self._finish()
 
     # -- inside ----------------------------------------------------------------------------
 

@@ -177,6 +177,8 @@ class AmqpBroker(Broker, ABC):
         self._tokens = itertools.count(1)
         self._wake_pending = False
         self._pumping = False
+        #: callables other threads handed to the IO thread (see :meth:`call_on_io_thread`)
+        self._soon: list[Callable[[], None]] = []
         self._deliveries: queue.SimpleQueue[tuple[AmqpEndpoint, Delivery] | None] = (
             queue.SimpleQueue()
         )
@@ -382,10 +384,11 @@ class AmqpBroker(Broker, ABC):
         except BaseException as error:  # a bug: say so, and let callers fail fast
             log.exception("%s: the IO thread failed", self.connection_name)
             with self._lock:
-                session = self._session
-                session.failure = session.failure or BrokerError(f"IO thread failed: {error!r}")
-                if session.state is not State.CLOSED:
-                    session.state = State.CLOSED
+                self._session.abort(BrokerError(f"the IO thread failed: {error!r}"))
+                actions = self._session.take_actions()
+            for action in actions:
+                if isinstance(action, Resolve | Deliver):
+                    self._carry_out(action)
         finally:
             with self._lock:
                 self._changed.notify_all()
@@ -412,6 +415,10 @@ class AmqpBroker(Broker, ABC):
         self._pumping = True
         try:
             while True:
+                with self._lock:
+                    soon, self._soon = self._soon, []
+                for call in soon:
+                    call()
                 with self._lock:
                     self._wake_pending = False
                     state = self._session.state
@@ -443,6 +450,20 @@ class AmqpBroker(Broker, ABC):
             pass  # its channel was replaced meanwhile: the session republishes it
         else:
             self._do(action)
+
+    def call_on_io_thread(self, call: Callable[[], None]) -> None:
+        """Run ``call`` on the IO thread soon, between two of the client library's events.
+        For tests that play the client library's part: ``broker.call_on_io_thread(lambda:
+        broker.report(Session.blocked, "alarm"))`` is what a ``connection.blocked`` does."""
+        with self._lock:
+            self._soon.append(call)
+            self._wake_pending = False  # a wake-up already sent may have been consumed
+        self._wake()
+
+    def report(self, event: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+        """Report a client library event to the session (a :class:`Session` method), as the
+        driver's callbacks do. On the IO thread only (see :meth:`call_on_io_thread`)."""
+        self._event(event, *args, **kwargs)
 
     def _request_wake(self) -> bool:
         """Whether a wake-up must be sent (one is enough until the pump runs)."""

@@ -27,6 +27,7 @@ from amqp.exceptions import NotFound
 from kombu import Connection
 
 from brokers import connect
+from brokers.amqp.session import Session
 from brokers.kombu_broker import KombuBroker
 from reservoir.broker import BrokerError, Delivery, Endpoint, UnsupportedBroker
 
@@ -399,23 +400,29 @@ def test_a_handler_may_close_the_broker(open_broker: OpenBroker) -> None:
 @pytest.mark.rabbitmq
 def test_publishes_wait_while_rabbitmq_blocks_publishing(open_broker: OpenBroker) -> None:
     # A real resource alarm would block every client of the shared RabbitMQ, so this
-    # drives the adapter's connection.blocked / unblocked callbacks on its IO thread.
+    # reports connection.blocked / unblocked on the IO thread, as py-amqp's callbacks do.
     broker = open_broker()
     ns = f"k{uuid.uuid4().hex[:10]}"
     receiver = Inbox()
     receiving = broker.open_endpoint(receiver)
     receiving.bind(f"{ns}.a")
     sender = broker.open_endpoint(Inbox())
-    broker._call(None, lambda: broker._on_blocked("test alarm"), "block")
+    reported = threading.Event()
+
+    def block() -> None:
+        broker.report(Session.blocked, "test alarm")
+        reported.set()
+
+    broker.call_on_io_thread(block)
+    assert reported.wait(WAIT_S)
 
     for i in range(3):
         sender.publish(f"{ns}.a", b"held %d" % i)
     receiving.bind(f"{ns}.b")  # other operations go on meanwhile
-    held = broker._call(None, lambda: len(broker._held), "count held")
-    assert held == 3
+    assert broker.stats.blocked == 1
     assert receiver.deliveries == []
 
-    broker._call(None, broker._on_unblocked, "unblock")
+    broker.call_on_io_thread(lambda: broker.report(Session.unblocked))
     sender.publish(f"{ns}.b", b"after")
     receiver.wait_for_count(4)
     assert [d.body for d in receiver.deliveries] == [b"held 0", b"held 1", b"held 2", b"after"]

@@ -95,7 +95,7 @@ class BrokerUrl:
             port = parts.port
         except ValueError as error:
             raise ValueError(f"bad port in broker URL {_mask(url)!r}") from error
-        display = _mask(urlunsplit(urlsplit(url)._replace(fragment="")))
+        display = _mask(url.split("#", 1)[0])  # shown without its fragment
         return cls(
             scheme=scheme,
             adapter=adapter,

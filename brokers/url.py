@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Final, Literal
 from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
 
-from brokers._rules import DEFAULT_EXCHANGE, check_exchange, inbox_exchange
+from brokers._rules import DEFAULT_EXCHANGE, check_exchange, inbox_exchange, mask_password
 from reservoir.broker import UnsupportedBroker
 
 __all__ = ["DEFAULT_BROKER_URL", "Adapter", "BrokerUrl"]
@@ -140,11 +140,6 @@ class BrokerUrl:
 
 
 def _mask(url: str) -> str:
-    """``url`` with its password, if any, replaced by :data:`MASK`."""
+    """``url`` with its password, if any, replaced by :data:`MASK` (``kombu+`` kept)."""
     prefix, plus, rest = url.partition("+") if url.lower().startswith("kombu+") else ("", "", url)
-    parts = urlsplit(rest)
-    if parts.password is None:
-        return url
-    userinfo, _, hostport = parts.netloc.rpartition("@")
-    masked = urlunsplit(parts._replace(netloc=f"{userinfo.partition(':')[0]}:{MASK}@{hostport}"))
-    return f"{prefix}{plus}{masked}"
+    return f"{prefix}{plus}{mask_password(rest, MASK)}"

@@ -36,6 +36,32 @@ that one call, and every sequence (declare a queue, bind it, consume) keeps its 
 across any interleaving with callers' calls.
 
 The connection's states and the events that move it are :data:`TRANSITIONS`.
+
+Topology
+    Two durable, not auto-deleted topic exchanges (an auto-deleted one would vanish when
+    the last queue unbinds, and the next publish would kill the channel): ``<exchange>``
+    for ``publish`` (routing key = topic; ``bind`` binds there) and ``<exchange>.inbox``
+    for ``send`` (routing key = destination address). Every endpoint is an exclusive queue
+    named by its address, so the address survives a reconnect, bound to the inbox exchange
+    by that address (which may not contain ``*`` or ``#``, so it matches one queue).
+
+    Sends do not use the default exchange because it is a direct exchange, and RabbitMQ's
+    topic permissions apply only to topic exchanges: through ``<exchange>.inbox`` an
+    operator gives each role a user whose topic permissions say where it may send and which
+    addresses it may bind (``deploy/rabbitmq/``). Exchanges are declared actively first,
+    because only an active declare checks an existing one's type (a ``direct`` exchange of
+    that name would route patterns literally, silently); a user refused that (403) declares
+    passively from then on, at the cost of one control channel and one ``access refused``
+    line in RabbitMQ's log on the first connection only.
+
+Publishing and consuming
+    Every message is ``mandatory`` and carries ``user_id`` (RabbitMQ checks it against the
+    authenticated user, so ``Delivery.user_id`` is an authenticated sender) and its sending
+    endpoint's token (``app_id``), by which a ``basic.return`` finds its sender. A nack
+    (RabbitMQ refusing responsibility, e.g. a full ``reject-publish`` queue) is counted,
+    not retried: the protocol survives a lost message. Consumers are auto-ack: the queues
+    are exclusive, so a manual ack could not get a message redelivered to anyone after a
+    crash, and it would cost a frame and a hop per delivery.
 """
 
 from __future__ import annotations
@@ -305,9 +331,19 @@ class _Call:
     """One control method, and what its answer means."""
 
     action: ControlAction | None  # None: a marker run in order, with no I/O
+    #: answered
     ok: Callable[[], None] | None = None
+    #: RabbitMQ closed the channel over it, with this reply code and text
     refused: Callable[[int, str], None] | None = None
+    #: the connection went before it was answered
     lost: Callable[[], None] | None = None
+    #: dropped unsent because its endpoint closed
+    dropped: Callable[[], None] | None = None
+
+    @property
+    def channel(self) -> Role:
+        """The channel it goes out on."""
+        return "consume" if isinstance(self.action, Consume) else "control"
 
 
 class Session(Generic[W]):
@@ -529,8 +565,7 @@ class Session(Generic[W]):
         if role == "publish":
             # A new confirm-mode channel numbers its messages from 1.
             self._tag = 0
-        elif role == "control":
-            self._issued = False
+
         self._issue()
         self._maybe_ready()
 
@@ -554,13 +589,15 @@ class Session(Generic[W]):
         if role == "publish" and code == 403:
             self._publish_refused(text)
             self._open_channel("publish")
-        elif role == "control" and code is not None and self._issued and self._calls:
-            # Methods go one at a time: the oldest one out was refused.
+        elif code is not None and self._issued and self._calls[0].channel == role:
+            # Methods go one at a time: the one out on that channel was refused. It costs
+            # that call and the channel, which is reopened; the connection carries on.
             call = self._calls.popleft()
             self._issued = False
-            self._open_channel("control")
+            self._open_channel(role)
             if call.refused is not None:
                 call.refused(code, text)
+            self._issue()  # the next call, if its channel is still open
         else:
             self._close_connection(f"{role} channel closed: {code} {text}")
         self._maybe_drained()
@@ -752,6 +789,7 @@ class Session(Generic[W]):
                 ok=lambda: self._resolve(waiter),
                 refused=refused,
                 lost=lambda: self._after_ready.append(waiter),
+                dropped=lambda: self._resolve(waiter, BrokerClosed("the endpoint is closed")),
             )
         )
         self._issue()
@@ -761,21 +799,26 @@ class Session(Generic[W]):
         one of its calls is out (so its queue may exist)."""
         out = self._issued and bool(self._calls) and _address(self._calls[0]) == address
         head = [self._calls.popleft()] if self._issued and self._calls else []
-        kept = [c for c in self._calls if _address(c) != address]
+        kept: list[_Call] = []
+        for call in self._calls:
+            if _address(call) != address:
+                kept.append(call)
+            elif call.dropped is not None:
+                call.dropped()
         self._calls = deque(head + kept)
         return out
 
     def _issue(self) -> None:
         """Send the oldest control method, unless one is out; run markers on the way."""
-        while self._calls and not self._issued and "control" in self._open:
+        while self._calls and not self._issued:
             call = self._calls[0]
             if call.action is None:
                 self._calls.popleft()
                 if call.ok is not None:
                     call.ok()
                 continue
-            if isinstance(call.action, Consume) and "consume" not in self._open:
-                return  # issued once the consume channel is open
+            if call.channel not in self._open:
+                return  # issued once its channel is (re)opened
             self._issued = True
             self._actions.append(call.action)
 

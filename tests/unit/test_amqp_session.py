@@ -646,3 +646,35 @@ def test_close_while_disconnected_fails_every_waiter_and_refuses_more() -> None:
     assert isinstance(link.resolved()["waiting bind"], BrokerClosed)
     with pytest.raises(BrokerClosed):
         link.publish("1", "t", b"x")
+
+
+def test_a_refused_consume_fails_that_open_and_costs_only_the_consume_channel() -> None:
+    link = ready_link()
+    link.session.open_endpoint("1", "node-a", "opened")
+    for _ in range(2):  # declare, bind its address: answered
+        link.actions()
+        link.session.replied(link.gen)
+    assert link.of(Consume) == [Consume("1", "node-a")]
+    link.session.channel_closed(link.gen, "consume", 403, "ACCESS_REFUSED - read access")
+    actions = link.actions()
+    assert OpenChannel("consume") in actions
+    assert DeleteQueue("node-a") in actions  # declared: not left behind
+    assert not any(isinstance(a, CloseConnection) for a in actions)
+    assert isinstance(link.resolved()["opened"], BrokerError)
+    assert link.session.ready
+
+
+def test_closing_an_endpoint_fails_its_binds_still_queued_as_closed() -> None:
+    link = ready_link()
+    open_endpoint(link, "1", "node-a")
+    open_endpoint(link, "2", "node-b")
+    link.session.bind("2", "other", "bind out")  # goes out first, holds the line
+    link.session.bind("1", "tier.10", "bind queued")
+    link.actions()
+    link.session.close_endpoint("1", "closed")
+    link.actions()
+    assert isinstance(link.resolved()["bind queued"], BrokerClosed)
+    link.session.replied(link.gen)  # the bind that was out
+    link.settle()
+    assert link.resolved()["bind out"] is None
+    assert BindQueue("node-a", EXCHANGE, "tier.10") not in link.log

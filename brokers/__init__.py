@@ -13,11 +13,19 @@ from __future__ import annotations
 
 import os
 
-from brokers.admin import TopologyAdmin, admin
+from brokers.admin import ExchangeInUse, TopologyAdmin, admin, own_exchange
 from brokers.url import DEFAULT_BROKER_URL, BrokerUrl
 from reservoir.broker import Broker
 
-__all__ = ["DEFAULT_BROKER_URL", "BrokerUrl", "TopologyAdmin", "admin", "connect"]
+__all__ = [
+    "DEFAULT_BROKER_URL",
+    "BrokerUrl",
+    "ExchangeInUse",
+    "TopologyAdmin",
+    "admin",
+    "connect",
+    "own_exchange",
+]
 
 
 def connect(url: str | BrokerUrl | None = None) -> Broker:

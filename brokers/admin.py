@@ -9,7 +9,16 @@ works before, during or after a broker's life, and names itself ``<client>:admin
 
 Deleting an exchange takes every participant's bindings with it: a tool deletes only
 exchanges it made itself for its own run. ``exchange_exists`` lets it tell, before it
-declares anything, whether the exchange it was pointed at is someone else's.
+declares anything, whether the exchange it was pointed at is someone else's, and
+:func:`own_exchange` does the whole dance for a tool that wants a run of its own::
+
+    with own_exchange(url, name=f"reservoir-demo-{run_id}") as run_url:
+        broker = brokers.connect(run_url)   # declares the exchanges; deleted afterwards
+        ...
+
+If the URL names (``?exchange=``) an exchange that already exists, :func:`own_exchange`
+raises :class:`ExchangeInUse` and deletes nothing: live nodes and services on it keep
+running.
 
 Both RabbitMQ URL forms (``amqp://`` and ``kombu+amqp://``) reach the same RabbitMQ, so one
 implementation (pika's blocking connection) serves both.
@@ -17,7 +26,9 @@ implementation (pika's blocking connection) serves both.
 
 from __future__ import annotations
 
+import contextlib
 import ssl
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from brokers.url import BrokerUrl
@@ -26,7 +37,11 @@ from reservoir.broker import BrokerError
 if TYPE_CHECKING:
     import pika
 
-__all__ = ["RabbitAdmin", "TopologyAdmin", "admin"]
+__all__ = ["ExchangeInUse", "RabbitAdmin", "TopologyAdmin", "admin", "own_exchange"]
+
+
+class ExchangeInUse(BrokerError):
+    """The exchange a run was to make its own already exists: it is someone else's."""
 
 
 @runtime_checkable
@@ -56,6 +71,36 @@ def admin(
     if parsed.adapter == "memory":
         return None
     return RabbitAdmin(parsed, timeout_s=timeout_s, client=client)
+
+
+@contextlib.contextmanager
+def own_exchange(url: str | BrokerUrl, *, name: str) -> Iterator[BrokerUrl]:
+    """``url`` on exchanges of this run's own, deleted when the block ends.
+
+    The exchange is the URL's own ``?exchange=`` when it names one, else ``name``. If it (or
+    its inbox exchange) exists already, it belongs to someone else: :class:`ExchangeInUse`,
+    and nothing is deleted, then or later. (Someone creating it between this check and the
+    run's first declare would share it with the run; a name of the run's own, such as one
+    with a random part, avoids that.) On ``memory://`` the URL comes back as it is: its
+    exchanges die with the broker object."""
+    parsed = BrokerUrl.parse(url)
+    if not parsed.exchange_given:
+        parsed = parsed.with_exchange(name)
+    topology = admin(parsed)
+    if topology is None:
+        yield parsed
+        return
+    taken = [n for n in (parsed.exchange, parsed.inbox_exchange) if topology.exchange_exists(n)]
+    if taken:
+        raise ExchangeInUse(
+            f"exchange {taken[0]!r} already exists on {parsed.display}: another deployment may "
+            "be using it, so this run will neither use nor delete it (name a new exchange, or "
+            "none for a private one)"
+        )
+    try:
+        yield parsed
+    finally:
+        topology.delete_reservoir_exchanges()
 
 
 class RabbitAdmin:

@@ -27,7 +27,7 @@ import pika
 import pika.exceptions
 import pytest
 
-from brokers import BrokerUrl, admin
+from brokers import BrokerUrl, ExchangeInUse, admin, own_exchange
 from brokers.amqp.session import Session
 from brokers.amqp.threaded import AmqpBroker
 from brokers.kombu_broker import KombuBroker
@@ -545,3 +545,37 @@ def test_close_joins_its_two_threads_even_from_a_handler(
 
 def driver_url_of(driver: str, amqp_url: str) -> str:
     return f"kombu+{amqp_url}" if driver == "kombu" else amqp_url
+
+
+# -- administration -------------------------------------------------------------------------
+
+
+def test_a_run_of_its_own_refuses_an_exchange_that_exists_and_leaves_it_alone(
+    driver: str, reservoir_amqp_url: str, amqp_exchange: str, open_amqp: OpenAmqp
+) -> None:
+    someone_else = open_amqp()  # a live deployment on the exchange
+    url = BrokerUrl.parse(driver_url_of(driver, reservoir_amqp_url)).with_exchange(amqp_exchange)
+    with pytest.raises(ExchangeInUse, match=amqp_exchange), own_exchange(url, name="unused"):
+        pytest.fail("the run must not start")
+    topology = admin(url)
+    assert topology is not None
+    assert topology.exchange_exists(amqp_exchange)
+    assert someone_else.connected
+
+
+def test_a_run_of_its_own_makes_and_deletes_a_private_exchange(
+    driver: str, reservoir_amqp_url: str, new_collector: NewCollector
+) -> None:
+    name = f"contract-own-{uuid.uuid4().hex}"
+    with own_exchange(driver_url_of(driver, reservoir_amqp_url), name=name) as url:
+        assert url.exchange == name
+        broker = DRIVERS[driver](url)
+        try:
+            broker.open_endpoint(new_collector())
+        finally:
+            broker.close()
+        topology = admin(url)
+        assert topology is not None
+        assert topology.exchange_exists(name)
+    assert not topology.exchange_exists(name)
+    assert not topology.exchange_exists(f"{name}.inbox")

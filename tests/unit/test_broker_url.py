@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from brokers import BrokerUrl, admin, connect
+from brokers import BrokerUrl, admin, connect, own_exchange
 from brokers.admin import TopologyAdmin
 from brokers.inprocess import InProcessBroker
 from reservoir.broker import UnsupportedBroker
@@ -118,3 +118,8 @@ def test_the_in_process_broker_has_no_topology_to_administer_and_rabbitmq_has() 
     assert admin("memory://") is None
     rabbit = admin("kombu+amqp://guest:guest@127.0.0.1:5672//?exchange=x")
     assert isinstance(rabbit, TopologyAdmin)
+
+
+def test_a_run_of_its_own_on_the_in_process_broker_is_the_url_itself() -> None:
+    with own_exchange("memory://", name="mine") as url:
+        assert url.adapter == "memory"

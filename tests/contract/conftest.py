@@ -47,6 +47,14 @@ def _inprocess(request: pytest.FixtureRequest) -> Broker:
     return InProcessBroker()
 
 
+def _loopback(request: pytest.FixtureRequest) -> Broker:
+    """The AMQP session and threaded front of both RabbitMQ drivers, with RabbitMQ played
+    in memory (see loopback.py): the contract without a broker, and without a client."""
+    from loopback import LoopbackBroker
+
+    return LoopbackBroker()
+
+
 def _on_rabbitmq(adapter: str) -> Callable[[pytest.FixtureRequest], Broker]:
     """A factory for the ``adapter`` (``pika`` or ``kombu``) on a real RabbitMQ, on exchanges
     of its own, deleted afterwards."""
@@ -68,6 +76,7 @@ def _on_rabbitmq(adapter: str) -> Callable[[pytest.FixtureRequest], Broker]:
 
 BROKERS = [
     pytest.param(_inprocess, id="inprocess"),
+    pytest.param(_loopback, id="amqp-session"),
     pytest.param(_on_rabbitmq("kombu"), id="kombu", marks=pytest.mark.rabbitmq),
     pytest.param(_on_rabbitmq("pika"), id="pika", marks=pytest.mark.rabbitmq),
 ]
@@ -294,14 +303,15 @@ def ctl(reservoir_amqp_url: str) -> Ctl:
     if shutil.which("rabbitmqctl") is None:
         unavailable("not on PATH")
     ctl = Ctl()
-    probe = connect(BrokerUrl.parse(reservoir_amqp_url).with_exchange("reservoir-ctl-probe"))
+    probe_url = BrokerUrl.parse(reservoir_amqp_url).with_exchange(f"ctl-probe-{uuid.uuid4().hex}")
+    probe = connect(probe_url)
     try:
         seen = ctl.pids_named(probe.connection_name)  # type: ignore[attr-defined]
     except (OSError, subprocess.SubprocessError, RuntimeError) as error:
         unavailable(str(error))
     finally:
         probe.close()
-        topology = admin(BrokerUrl.parse(reservoir_amqp_url).with_exchange("reservoir-ctl-probe"))
+        topology = admin(probe_url)
         assert topology is not None
         topology.delete_reservoir_exchanges()
     if len(seen) != 1:

@@ -114,11 +114,12 @@ class AmqpBroker(Broker, ABC):
     """A RabbitMQ connection that hands out endpoints; a driver supplies the IO thread.
 
     Options, the same for both drivers: ``exchange`` (overrides the URL's), ``timeout_s``
-    (for open, bind, unbind and each connection step), ``heartbeat_s`` (when the URL gives
-    none; 0 disables), ``connect_attempts`` (the first connection), ``reconnect_initial_s``
-    and ``reconnect_max_s`` (the backoff), ``max_pending`` (accepted but unconfirmed
-    messages), ``close_timeout_s`` and ``connection_name`` (what ``rabbitmqctl
-    list_connections`` shows, the same across reconnects; ``reservoir-<driver>:<pid>:<n>``).
+    (for open, bind, unbind and each connection step), ``heartbeat_s`` (read by the
+    driver, when the URL gives none; 0 disables), ``connect_attempts`` (the first
+    connection), ``reconnect_initial_s`` and ``reconnect_max_s`` (the backoff),
+    ``max_pending`` (accepted but unconfirmed messages), ``close_timeout_s`` and
+    ``connection_name`` (what ``rabbitmqctl list_connections`` shows, the same across
+    reconnects; ``reservoir-<driver>:<pid>:<n>`` unless given).
     """
 
     #: names the driver in connection and thread names
@@ -155,7 +156,6 @@ class AmqpBroker(Broker, ABC):
         number = next(_numbers)
         self.connection_name = connection_name or f"reservoir-{self.driver}:{os.getpid()}:{number}"
         self._timeout_s = timeout_s
-        self._heartbeat_s = heartbeat_s
         self._close_timeout_s = close_timeout_s
 
         self._lock = threading.Lock()

@@ -3,40 +3,48 @@
 One module per transport: :mod:`brokers.inprocess` (the embedded default, ``memory://``),
 :mod:`brokers.pika_broker` (RabbitMQ, ``amqp://`` and ``amqps://``) and
 :mod:`brokers.kombu_broker` (``kombu+<kombu URL>``). :func:`connect` picks one by URL.
-The rules they share, each in one place, live in :mod:`brokers._rules`.
+The two RabbitMQ drivers share one sans-I/O session (:mod:`brokers.amqp`). URLs are parsed
+once, into a :class:`~brokers.url.BrokerUrl`; exchange administration, which the Broker
+contract leaves out, is :func:`admin` (:mod:`brokers.admin`). The small rules every adapter
+shares live in :mod:`brokers._rules`.
 """
 
 from __future__ import annotations
 
 import os
 
-from reservoir.broker import Broker, UnsupportedBroker
+from brokers.admin import ExchangeInUse, TopologyAdmin, admin, own_exchange
+from brokers.url import DEFAULT_BROKER_URL, BrokerUrl
+from reservoir.broker import Broker
 
-__all__ = ["DEFAULT_BROKER_URL", "connect"]
+__all__ = [
+    "DEFAULT_BROKER_URL",
+    "BrokerUrl",
+    "ExchangeInUse",
+    "TopologyAdmin",
+    "admin",
+    "connect",
+    "own_exchange",
+]
 
-DEFAULT_BROKER_URL = "memory://"
 
-
-def connect(url: str | None = None) -> Broker:
-    """Open a broker for ``url``; without one, ``RESERVOIR_BROKER_URL`` or ``memory://``.
+def connect(url: str | BrokerUrl | None = None) -> Broker:
+    """Open a broker for ``url`` (a string or a :class:`BrokerUrl`); without one,
+    ``RESERVOIR_BROKER_URL`` or ``memory://``.
 
     Every ``memory://`` broker is a new, isolated in-process broker: to let participants in
     one process talk, give them the same broker object rather than the same URL.
     """
     url = url or os.environ.get("RESERVOIR_BROKER_URL") or DEFAULT_BROKER_URL
-    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
-    if scheme == "memory":
+    parsed = BrokerUrl.parse(url)
+    if parsed.adapter == "memory":
         from brokers.inprocess import InProcessBroker
 
-        return InProcessBroker(url=url)
-    if scheme in ("amqp", "amqps"):
+        return InProcessBroker(url=parsed.display)
+    if parsed.adapter == "pika":
         from brokers.pika_broker import PikaBroker
 
-        return PikaBroker(url)
-    if scheme.startswith("kombu+"):
-        from brokers.kombu_broker import KombuBroker
+        return PikaBroker(parsed)
+    from brokers.kombu_broker import KombuBroker
 
-        return KombuBroker(url)
-    raise UnsupportedBroker(
-        f"no broker adapter for {url!r}: use memory://, amqp://, amqps:// or kombu+<kombu URL>"
-    )
+    return KombuBroker(parsed)

@@ -5,16 +5,15 @@ Every adapter (:mod:`brokers.inprocess`, :mod:`brokers.pika_broker`,
 fit in an AMQP short string (RabbitMQ could not carry a longer one, so the in-process broker
 refuses it too), and an endpoint name may not be empty or start with ``amq.``.
 
-The two RabbitMQ adapters share reservoir's topology and RabbitMQ's ways, so that they
+The two RabbitMQ drivers share reservoir's topology and RabbitMQ's ways, so that they
 interoperate on one exchange: the exchange names (``<exchange>``, ``reservoir`` unless the
-URL says ``?exchange=``, and ``<exchange>.inbox`` for sends), the reservoir-only URL query
-parameters, which exchange a delivery or return came through (the inbox exchange or the
-default one means a send), how RabbitMQ names what it refused a publish for, the bound on
-unconfirmed messages, the reconnect backoff, and the dispatcher thread's loop, which runs
-handlers one at a time in arrival order.
+URL says ``?exchange=``, and ``<exchange>.inbox`` for sends), which exchange a delivery or
+return came through (the inbox exchange or the default one means a send), how RabbitMQ names
+what it refused a publish for, the bound on unconfirmed messages, how a password is masked,
+and the dispatcher thread's loop, which runs handlers one at a time in arrival order.
 
-What differs in substance between the transports (IO loops, channels, confirms, declares,
-reconnection) stays in each adapter's module.
+What the drivers do on a connection is decided in one place, :mod:`brokers.amqp.session`;
+URLs are parsed in one place, :mod:`brokers.url`.
 """
 
 from __future__ import annotations
@@ -24,10 +23,7 @@ import queue
 import re
 from collections.abc import Callable
 from typing import Final, Protocol, TypeVar
-from urllib.parse import parse_qsl, urlsplit, urlunsplit
-
-from tenacity import wait_exponential, wait_random
-from tenacity.wait import wait_base
+from urllib.parse import urlsplit, urlunsplit
 
 from reservoir.broker import BrokerError, Delivery, Handler
 
@@ -35,7 +31,6 @@ __all__ = [
     "DEFAULT_EXCHANGE",
     "INBOX_SUFFIX",
     "MAX_SHORTSTR_BYTES",
-    "RESERVOIR_PARAMS",
     "Receiver",
     "aimed_at",
     "call_handler",
@@ -50,10 +45,8 @@ __all__ = [
     "inbox_exchange",
     "mask_password",
     "missing_exchange",
-    "reconnect_wait",
     "refused_target",
     "run_handlers",
-    "split_reservoir_params",
     "topic_of",
 ]
 
@@ -61,8 +54,6 @@ __all__ = [
 DEFAULT_EXCHANGE: Final = "reservoir"
 #: sends go to the topic exchange named ``<exchange>`` + this, routed by address
 INBOX_SUFFIX: Final = ".inbox"
-#: URL query parameters that are reservoir's, not the transport library's
-RESERVOIR_PARAMS: Final = frozenset({"exchange"})
 #: AMQP 0-9-1 carries routing keys, binding keys and queue names as short strings
 MAX_SHORTSTR_BYTES: Final = 255
 
@@ -174,19 +165,6 @@ def missing_exchange(name: str, user: str | None) -> str:
 # -- URLs -------------------------------------------------------------------------------------
 
 
-def split_reservoir_params(query: str) -> tuple[dict[str, str], list[tuple[str, str]]]:
-    """A URL's query split into reservoir's own parameters and the transport's, in order
-    (blank values kept)."""
-    ours: dict[str, str] = {}
-    theirs: list[tuple[str, str]] = []
-    for key, value in parse_qsl(query, keep_blank_values=True):
-        if key in RESERVOIR_PARAMS:
-            ours[key] = value
-        else:
-            theirs.append((key, value))
-    return ours, theirs
-
-
 def mask_password(url: str, mask: str = "***") -> str:
     """``url`` with its password, if any, replaced by ``mask``."""
     parts = urlsplit(url)
@@ -222,16 +200,6 @@ def aimed_at(exchange: str, routing_key: str, target: tuple[str, str | None] | N
     if (exchange or "amq.default") != refused_exchange:
         return False
     return refused_key is None or refused_key == routing_key
-
-
-# -- reconnecting -----------------------------------------------------------------------------
-
-
-def reconnect_wait(initial_s: float, max_s: float) -> wait_base:
-    """tenacity's wait between connection attempts: doubling from ``initial_s`` up to
-    ``max_s``, plus jitter, so that every client a broker restart disconnected does not
-    come back in the same millisecond."""
-    return wait_exponential(multiplier=initial_s, max=max_s) + wait_random(0, initial_s)
 
 
 # -- running handlers -------------------------------------------------------------------------

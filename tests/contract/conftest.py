@@ -9,18 +9,34 @@ id, and a mark such as ``pytest.mark.rabbitmq`` if it needs one.
 Tests never sleep: a :class:`Collector` wakes the test on a condition when deliveries
 arrive, and a test that must show something did *not* arrive sends a marker after it on the
 same path and waits for the marker (per-sender FIFO makes that sound).
+
+What only the two RabbitMQ drivers share (reconnection, confirms and stats, returns and
+``user_id``, flow control, cancelled consumers, refusals) is tested by
+``test_amqp_contract.py`` over ``AMQP_DRIVERS``, with these fixtures: ``open_amqp`` (a
+driver on an exchange of the test's own, deleted afterwards), ``ctl`` (``rabbitmqctl``,
+which must manage the RabbitMQ under test: skipped where it cannot, failed under ``CI``)
+and ``restricted_user`` (a user of the test's own, deleted afterwards).
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
 import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote, urlsplit
 
 import pytest
 
-from brokers import connect
+from brokers import BrokerUrl, admin, connect
+from brokers.amqp.threaded import AmqpBroker
 from brokers.inprocess import InProcessBroker
+from brokers.kombu_broker import KombuBroker
+from brokers.pika_broker import PikaBroker
 from reservoir.broker import Broker, Delivery, Endpoint
 
 #: generous: a healthy broker answers in milliseconds; only a hang ever waits this long
@@ -29,6 +45,14 @@ WAIT_S = 10.0
 
 def _inprocess(request: pytest.FixtureRequest) -> Broker:
     return InProcessBroker()
+
+
+def _loopback(request: pytest.FixtureRequest) -> Broker:
+    """The AMQP session and threaded front of both RabbitMQ drivers, with RabbitMQ played
+    in memory (see loopback.py): the contract without a broker, and without a client."""
+    from loopback import LoopbackBroker
+
+    return LoopbackBroker()
 
 
 def _on_rabbitmq(adapter: str) -> Callable[[pytest.FixtureRequest], Broker]:
@@ -41,8 +65,10 @@ def _on_rabbitmq(adapter: str) -> Callable[[pytest.FixtureRequest], Broker]:
         url = f"{amqp_url}{separator}exchange=contract-{uuid.uuid4().hex}"
         broker = connect(f"kombu+{url}" if adapter == "kombu" else url)
         # Registered before the broker fixture's own teardown, so it runs after broker.close()
-        # (delete_exchanges uses a connection of its own).
-        request.addfinalizer(broker.delete_exchanges)  # type: ignore[attr-defined]
+        # (the admin uses a connection of its own).
+        topology = admin(url)
+        assert topology is not None
+        request.addfinalizer(topology.delete_reservoir_exchanges)
         return broker
 
     return open_broker
@@ -50,6 +76,7 @@ def _on_rabbitmq(adapter: str) -> Callable[[pytest.FixtureRequest], Broker]:
 
 BROKERS = [
     pytest.param(_inprocess, id="inprocess"),
+    pytest.param(_loopback, id="amqp-session"),
     pytest.param(_on_rabbitmq("kombu"), id="kombu", marks=pytest.mark.rabbitmq),
     pytest.param(_on_rabbitmq("pika"), id="pika", marks=pytest.mark.rabbitmq),
 ]
@@ -191,3 +218,136 @@ def inbox(broker: Broker) -> Iterator[Callable[..., Collector]]:
     yield open_inbox
     for endpoint in opened:
         endpoint.close()
+
+
+# -- the two RabbitMQ drivers ---------------------------------------------------------------
+
+AMQP_DRIVERS = [
+    pytest.param("pika", marks=pytest.mark.rabbitmq),
+    pytest.param("kombu", marks=pytest.mark.rabbitmq),
+]
+
+OpenAmqp = Callable[..., AmqpBroker]
+
+
+def driver_url(driver: str, amqp_url: str) -> str:
+    """``amqp_url`` as the URL ``driver`` (``pika`` or ``kombu``) is reached by."""
+    return f"kombu+{amqp_url}" if driver == "kombu" else amqp_url
+
+
+@pytest.fixture(params=AMQP_DRIVERS)
+def driver(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def amqp_exchange(reservoir_amqp_url: str) -> Iterator[str]:
+    """An exchange name of the test's own; it and its inbox exchange are deleted after."""
+    name = f"contract-{uuid.uuid4().hex}"
+    yield name
+    topology = admin(BrokerUrl.parse(reservoir_amqp_url).with_exchange(name))
+    assert topology is not None
+    topology.delete_reservoir_exchanges()
+
+
+@pytest.fixture
+def open_amqp(driver: str, reservoir_amqp_url: str, amqp_exchange: str) -> Iterator[OpenAmqp]:
+    """``open_amqp(url=None, **options)``: the driver on the test's exchange (``url``: the
+    RabbitMQ URL to use instead, e.g. with other credentials); closed after the test."""
+    opened: list[AmqpBroker] = []
+    driver_class = {"pika": PikaBroker, "kombu": KombuBroker}[driver]
+
+    def open_one(url: str | None = None, **options: Any) -> AmqpBroker:
+        base = BrokerUrl.parse(driver_url(driver, url or reservoir_amqp_url))
+        broker = driver_class(base.with_exchange(amqp_exchange), **options)
+        opened.append(broker)
+        return broker
+
+    yield open_one
+    for broker in opened:
+        broker.close()
+
+
+class Ctl:
+    """``rabbitmqctl`` on the RabbitMQ under test."""
+
+    def __call__(self, *args: str) -> str:
+        done = subprocess.run(
+            ["rabbitmqctl", "-q", *args], capture_output=True, text=True, timeout=60, check=False
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"rabbitmqctl {' '.join(args)}: {done.stderr or done.stdout}")
+        return done.stdout
+
+    def pids_named(self, connection_name: str) -> list[str]:
+        """The connections announcing exactly ``connection_name``: only ever ours."""
+        rows = self("list_connections", "--no-table-headers", "pid", "client_properties")
+        return [r.split("\t", 1)[0] for r in rows.splitlines() if f'"{connection_name}"' in r]
+
+    def close_connection(self, connection_name: str) -> None:
+        """Close our one connection from the server side, as an operator would."""
+        (pid,) = self.pids_named(connection_name)
+        self("close_connection", pid, "reservoir contract test")
+
+
+@pytest.fixture(scope="session")
+def ctl(reservoir_amqp_url: str) -> Ctl:
+    """:class:`Ctl`, once a connection of ours is seen through it (so it manages the
+    RabbitMQ the URL reaches, not another one)."""
+
+    def unavailable(reason: str) -> None:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must be able to manage its RabbitMQ: {reason}", pytrace=False)
+        pytest.skip(f"rabbitmqctl cannot manage the RabbitMQ under test: {reason}")
+
+    if shutil.which("rabbitmqctl") is None:
+        unavailable("not on PATH")
+    ctl = Ctl()
+    probe_url = BrokerUrl.parse(reservoir_amqp_url).with_exchange(f"ctl-probe-{uuid.uuid4().hex}")
+    probe = connect(probe_url)
+    try:
+        seen = ctl.pids_named(probe.connection_name)  # type: ignore[attr-defined]
+    except (OSError, subprocess.SubprocessError, RuntimeError) as error:
+        unavailable(str(error))
+    finally:
+        probe.close()
+        topology = admin(probe_url)
+        assert topology is not None
+        topology.delete_reservoir_exchanges()
+    if len(seen) != 1:
+        unavailable("it manages another RabbitMQ than the one the URL reaches")
+    return ctl
+
+
+@dataclass(frozen=True)
+class RestrictedUser:
+    name: str
+    #: the RabbitMQ URL with this user's credentials
+    url: str
+
+
+@pytest.fixture
+def restricted_user(
+    ctl: Ctl, reservoir_amqp_url: str, amqp_exchange: str
+) -> Iterator[Callable[[str], RestrictedUser]]:
+    """``restricted_user(may_send_to)``: a user of the test's own who may do everything on
+    the vhost but send (on the test's inbox exchange) only to addresses matching the regex
+    ``may_send_to``; deleted after the test, whatever happened."""
+    made: list[str] = []
+    parts = urlsplit(reservoir_amqp_url)
+    vhost = BrokerUrl.parse(reservoir_amqp_url).vhost
+
+    def make(may_send_to: str) -> RestrictedUser:
+        name = f"reservoir-contract-{uuid.uuid4().hex[:12]}"
+        password = uuid.uuid4().hex
+        ctl("add_user", name, password)
+        made.append(name)
+        ctl("set_permissions", "-p", vhost, name, ".*", ".*", ".*")
+        ctl("set_topic_permissions", "-p", vhost, name, f"{amqp_exchange}.inbox", may_send_to, ".*")
+        host = f"{parts.hostname}:{parts.port or 5672}"
+        url = urlsplit(reservoir_amqp_url)._replace(netloc=f"{quote(name)}:{password}@{host}")
+        return RestrictedUser(name, url.geturl())
+
+    yield make
+    for name in made:
+        ctl("delete_user", name)

@@ -1,0 +1,145 @@
+"""Broker URLs, parsed once: the one place that reads a broker URL's parts.
+
+This module owns what a broker URL means to reservoir: which adapter serves its scheme
+(``memory://`` the in-process broker, ``amqp://``/``amqps://`` pika, ``kombu+<kombu URL>``
+kombu), the exchange (``?exchange=``, a reservoir-only parameter, parsed here and nowhere
+else, stripped before a client library sees the URL), the vhost, the credentials (kept, and
+masked in :attr:`BrokerUrl.display`, the only form fit for logs and error messages) and the
+TLS options. Everything else reads a :class:`BrokerUrl`; :func:`brokers.connect` takes one
+or a string.
+
+``BrokerUrl.parse`` checks the scheme and the exchange name and nothing a transport decides
+(the kombu adapter refuses its transports that cannot honour the contract itself).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Final, Literal
+from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
+
+from brokers._rules import DEFAULT_EXCHANGE, check_exchange, inbox_exchange, mask_password
+from reservoir.broker import UnsupportedBroker
+
+__all__ = ["DEFAULT_BROKER_URL", "Adapter", "BrokerUrl"]
+
+#: the broker used when nothing names one
+DEFAULT_BROKER_URL: Final = "memory://"
+#: what the display form shows instead of a password
+MASK: Final = "***"
+
+Adapter = Literal["memory", "pika", "kombu"]
+
+
+@dataclass(frozen=True, slots=True)
+class BrokerUrl:
+    """A broker URL, parsed. Build it with :meth:`parse`; ``str()`` is :attr:`display`."""
+
+    #: the URL's scheme as given, lower-cased: ``memory``, ``amqp``, ``amqps``, ``kombu+amqp``...
+    scheme: str
+    #: the adapter that serves it
+    adapter: Adapter
+    #: the topic exchange reservoir publishes on (``?exchange=``, else ``reservoir``)
+    exchange: str
+    #: whether ``?exchange=`` named it (a tool that did not name one may make its own)
+    exchange_given: bool
+    host: str | None
+    port: int | None
+    #: the AMQP virtual host (``/`` when the path names none)
+    vhost: str
+    username: str | None
+    password: str | None = field(repr=False)
+    #: the transport's TLS query options (``ssl_options``, ``ssl_*``), as given
+    tls_options: tuple[tuple[str, str], ...]
+    #: the URL the client library gets: reservoir's parameters stripped, and for kombu
+    #: without the ``kombu+`` prefix; it carries the password, so never log it
+    transport_url: str = field(repr=False)
+    #: the URL with its password masked, for logs, errors and ``Broker.url``
+    display: str
+
+    @classmethod
+    def parse(cls, url: str | BrokerUrl) -> BrokerUrl:
+        """Parse ``url``; a :class:`BrokerUrl` is returned as it is. Raises
+        :class:`UnsupportedBroker` for a scheme no adapter serves and ``ValueError`` for
+        an exchange name reservoir cannot use."""
+        if isinstance(url, BrokerUrl):
+            return url
+        if not isinstance(url, str):
+            raise TypeError(f"a broker URL must be str, not {type(url).__name__}")
+        scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+        adapter: Adapter
+        if scheme == "memory":
+            adapter, inner = "memory", url
+        elif scheme in ("amqp", "amqps"):
+            adapter, inner = "pika", url
+        elif scheme.startswith("kombu+"):
+            adapter, inner = "kombu", url.split("+", 1)[1]
+        else:
+            raise UnsupportedBroker(
+                f"no broker adapter for {_mask(url)!r}: use memory://, amqp://, amqps:// or "
+                "kombu+<kombu URL>"
+            )
+        parts = urlsplit(inner)
+        ours: dict[str, str] = {}
+        theirs: list[tuple[str, str]] = []
+        for key, value in parse_qsl(parts.query, keep_blank_values=True):
+            if key == "exchange":
+                ours[key] = value
+            else:
+                theirs.append((key, value))
+        exchange = check_exchange(ours.get("exchange", DEFAULT_EXCHANGE))
+        # Untouched when there is nothing to strip: nothing re-encoded behind the user's back.
+        query = parts.query if "exchange" not in ours else urlencode(theirs, quote_via=quote)
+        transport = urlunsplit(parts._replace(query=query))
+        try:
+            port = parts.port
+        except ValueError as error:
+            raise ValueError(f"bad port in broker URL {_mask(url)!r}") from error
+        display = _mask(url.split("#", 1)[0])  # shown without its fragment
+        return cls(
+            scheme=scheme,
+            adapter=adapter,
+            exchange=exchange,
+            exchange_given="exchange" in ours,
+            host=parts.hostname,
+            port=port,
+            vhost=unquote(parts.path[1:]) if len(parts.path) > 1 else "/",
+            username=unquote(parts.username) if parts.username is not None else None,
+            password=unquote(parts.password) if parts.password is not None else None,
+            tls_options=tuple((k, v) for k, v in theirs if k.startswith("ssl")),
+            transport_url=transport,
+            display=display,
+        )
+
+    @property
+    def inbox_exchange(self) -> str:
+        """The topic exchange sends go to, routed by the destination address."""
+        return inbox_exchange(self.exchange)
+
+    @property
+    def tls(self) -> bool:
+        """Whether the connection is encrypted (``amqps``, or kombu's ``ssl`` options)."""
+        return self.scheme.endswith("amqps") or bool(self.tls_options)
+
+    def with_exchange(self, exchange: str) -> BrokerUrl:
+        """The same broker, on ``exchange`` (the URL's own ``?exchange=`` replaced)."""
+        if self.adapter == "memory":
+            return self
+        parts = urlsplit(self.display)
+        query = [(k, v) for k, v in parse_qsl(parts.query, keep_blank_values=True)]
+        query = [(k, v) for k, v in query if k != "exchange"] + [("exchange", exchange)]
+        return replace(
+            self,
+            exchange=check_exchange(exchange),
+            exchange_given=True,
+            display=urlunsplit(parts._replace(query=urlencode(query, quote_via=quote))),
+        )
+
+    def __str__(self) -> str:
+        return self.display
+
+
+def _mask(url: str) -> str:
+    """``url`` with its password, if any, replaced by :data:`MASK` (``kombu+`` kept)."""
+    prefix, plus, rest = url.partition("+") if url.lower().startswith("kombu+") else ("", "", url)
+    return f"{prefix}{plus}{mask_password(rest, MASK)}"

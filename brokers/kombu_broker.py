@@ -47,6 +47,7 @@ import select
 import selectors
 import socket
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -166,7 +167,11 @@ class KombuBroker(AmqpBroker):
         parsed = BrokerUrl.parse(url)
         if parsed.adapter != "kombu":
             raise UnsupportedBroker(f"not a kombu+<kombu URL>: {parsed.display!r}")
-        self._kombu_url = kombu_transport_url(parsed)
+        #: one per broker the URL names: a lost connection is made again to the next
+        self._kombu_urls = [
+            kombu_transport_url(replace(parsed, transport_url=u)) for u in parsed.transport_urls
+        ]
+        self._kombu_url = self._kombu_urls[0]
         self._connect_timeout_s = connect_timeout_s
         self._heartbeat = float(options.get("heartbeat_s", 30.0))
         # Building (not connecting) a kombu Connection rejects a malformed URL or an
@@ -357,6 +362,8 @@ class KombuBroker(AmqpBroker):
 
     def _connect(self, gen: int) -> None:
         self._gen = gen
+        # Round the cluster's brokers: each new attempt (gen counts them) tries the next.
+        self._kombu_url = self._kombu_urls[(gen - 1) % len(self._kombu_urls)]
         connection = self._new_connection(self.connection_name)
         try:
             # One try: the session owns the retries (kombu's own connect() would retry

@@ -109,9 +109,12 @@ class PikaBroker(AmqpBroker):
 
     def __init__(self, url: str | BrokerUrl, **options: Any) -> None:
         parsed = BrokerUrl.parse(url)
-        self._params = pika.URLParameters(parsed.transport_url)
-        if "heartbeat" not in dict(parse_qsl(urlsplit(parsed.transport_url).query)):
-            self._params.heartbeat = int(options.get("heartbeat_s", 30))
+        #: one per broker the URL names: a lost connection is made again to the next
+        self._params_each = [pika.URLParameters(u) for u in parsed.transport_urls]
+        for params, transport_url in zip(self._params_each, parsed.transport_urls, strict=True):
+            if "heartbeat" not in dict(parse_qsl(urlsplit(transport_url).query)):
+                params.heartbeat = int(options.get("heartbeat_s", 30))
+        self._params = self._params_each[0]
         # RabbitMQ checks user_id against the authenticated user; EXTERNAL (certificate)
         # auth has no user name we could know, so it stays unset there.
         self._user_id: str | None = getattr(self._params.credentials, "username", None)
@@ -218,6 +221,8 @@ class PikaBroker(AmqpBroker):
 
     def _connect(self, gen: int) -> None:
         self._gen = gen
+        # Round the cluster's brokers: each new attempt (gen counts them) tries the next.
+        self._params = self._params_each[(gen - 1) % len(self._params_each)]
         self._params.client_properties = {
             **(self._params.client_properties or {}),
             "connection_name": self.connection_name,

@@ -10,6 +10,12 @@ or a string.
 
 ``BrokerUrl.parse`` checks the scheme and the exchange name and nothing a transport decides
 (the kombu adapter refuses its transports that cannot honour the contract itself).
+
+Several brokers of one cluster: URLs joined with ``;`` (kombu's failover syntax, e.g.
+``amqp://u:p@10.0.0.1:5672/;amqp://u:p@10.0.0.2:5672/``). They must agree on the scheme,
+the vhost and the exchange; :attr:`BrokerUrl.transport_urls` lists them in order, and the
+adapters connect to the first and, each time a connection is lost or cannot be made, to
+the next one round the list.
 """
 
 from __future__ import annotations
@@ -56,6 +62,9 @@ class BrokerUrl:
     transport_url: str = field(repr=False)
     #: the URL with its password masked, for logs, errors and ``Broker.url``
     display: str
+    #: every broker of the cluster the URL names, as :attr:`transport_url` is for the
+    #: first; one entry for a URL naming one broker
+    transport_urls: tuple[str, ...] = field(default=(), repr=False)
 
     @classmethod
     def parse(cls, url: str | BrokerUrl) -> BrokerUrl:
@@ -66,6 +75,8 @@ class BrokerUrl:
             return url
         if not isinstance(url, str):
             raise TypeError(f"a broker URL must be str, not {type(url).__name__}")
+        if ";" in url:
+            return cls._parse_several([part.strip() for part in url.split(";") if part.strip()])
         scheme = url.split("://", 1)[0].lower() if "://" in url else ""
         adapter: Adapter
         if scheme == "memory":
@@ -109,6 +120,27 @@ class BrokerUrl:
             tls_options=tuple((k, v) for k, v in theirs if k.startswith("ssl")),
             transport_url=transport,
             display=display,
+            transport_urls=(transport,),
+        )
+
+    @classmethod
+    def _parse_several(cls, urls: list[str]) -> BrokerUrl:
+        """Brokers of one cluster, ``;``-joined: the first's settings, every address."""
+        parsed = [cls.parse(url) for url in urls]
+        first = parsed[0]
+        for other in parsed[1:]:
+            for what in ("adapter", "scheme", "vhost", "exchange"):
+                if getattr(other, what) != getattr(first, what):
+                    raise ValueError(
+                        f"the brokers of {'; '.join(p.display for p in parsed)!r} disagree "
+                        f"on the {what}: {getattr(first, what)!r} and {getattr(other, what)!r}"
+                    )
+        if first.adapter == "memory":
+            raise ValueError("memory:// names one in-process broker: it cannot be a cluster")
+        return replace(
+            first,
+            display=";".join(p.display for p in parsed),
+            transport_urls=tuple(p.transport_url for p in parsed),
         )
 
     @property
@@ -125,15 +157,24 @@ class BrokerUrl:
         """The same broker, on ``exchange`` (the URL's own ``?exchange=`` replaced)."""
         if self.adapter == "memory":
             return self
-        parts = urlsplit(self.display)
-        query = [(k, v) for k, v in parse_qsl(parts.query, keep_blank_values=True)]
-        query = [(k, v) for k, v in query if k != "exchange"] + [("exchange", exchange)]
+
+        def moved(url: str) -> str:
+            parts = urlsplit(url)
+            query = [(k, v) for k, v in parse_qsl(parts.query, keep_blank_values=True)]
+            query = [(k, v) for k, v in query if k != "exchange"] + [("exchange", exchange)]
+            return urlunsplit(parts._replace(query=urlencode(query, quote_via=quote)))
+
         return replace(
             self,
             exchange=check_exchange(exchange),
             exchange_given=True,
-            display=urlunsplit(parts._replace(query=urlencode(query, quote_via=quote))),
+            display=";".join(moved(part) for part in self.display.split(";")),
         )
+
+    @property
+    def addresses(self) -> int:
+        """How many brokers the URL names."""
+        return max(1, len(self.transport_urls))
 
     def __str__(self) -> str:
         return self.display

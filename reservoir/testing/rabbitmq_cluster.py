@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from reservoir.testing.tls import TlsFiles
+
 __all__ = ["ClusterUnavailable", "RabbitMqCluster"]
 
 _SERVER = Path("/usr/lib/rabbitmq/bin/rabbitmq-server")
@@ -49,6 +51,7 @@ class ClusterNode:
     amqp_port: int
     dist_port: int
     directory: Path
+    tls_port: int = 0
     process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -59,7 +62,11 @@ class ClusterNode:
 class RabbitMqCluster:
     """``size`` clustered RabbitMQ nodes on loopback; a context manager."""
 
-    def __init__(self, base_dir: Path, *, size: int = 3, user: str = "guest") -> None:
+    def __init__(
+        self, base_dir: Path, *, size: int = 3, user: str = "guest", tls: TlsFiles | None = None
+    ) -> None:
+        """``tls``: give every node a TLS listener too (``tls_port``) that requires a
+        client certificate signed by ``tls.ca_cert``."""
         for tool in (_SERVER, _CTL):
             if not tool.exists():
                 raise ClusterUnavailable(f"{tool} is missing: install rabbitmq-server")
@@ -67,6 +74,7 @@ class RabbitMqCluster:
             raise ClusterUnavailable("starting RabbitMQ nodes of its own needs root")
         self.base_dir = base_dir
         self.user = user
+        self.tls = tls
         self.home = base_dir / "home"
         self.home.mkdir(parents=True, exist_ok=True)
         cookie = self.home / ".erlang.cookie"
@@ -75,7 +83,13 @@ class RabbitMqCluster:
             cookie.chmod(0o400)
         tag = secrets.token_hex(3)
         self.nodes = [
-            ClusterNode(f"reservoir-{tag}-{i}", _free_port(), _free_port(), base_dir / f"n{i}")
+            ClusterNode(
+                f"reservoir-{tag}-{i}",
+                _free_port(),
+                _free_port(),
+                base_dir / f"n{i}",
+                tls_port=_free_port() if tls is not None else 0,
+            )
             for i in range(size)
         ]
 
@@ -125,10 +139,25 @@ class RabbitMqCluster:
         self._wait_up(node)
         self.ctl(node, "await_startup")
 
+    def _port_closed(self, node: ClusterNode, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", node.amqp_port), timeout=1).close()
+            except OSError:
+                return
+            time.sleep(0.1)
+        raise RuntimeError(f"RabbitMQ node {node.name} still listens after it was killed")
+
     # -- addresses ---------------------------------------------------------------------
 
     def url(self, index: int, *, vhost: str = "") -> str:
         return f"amqp://{self.user}:{self.user}@127.0.0.1:{self.nodes[index].amqp_port}/{vhost}"
+
+    def tls_url(self, index: int, *, scheme: str = "amqps", vhost: str = "") -> str:
+        """The node's TLS listener, by name (``localhost``, which its certificate names)."""
+        port = self.nodes[index].tls_port
+        return f"{scheme}://{self.user}:{self.user}@localhost:{port}/{vhost}"
 
     def urls(self, *, vhost: str = "") -> list[str]:
         return [self.url(i, vhost=vhost) for i in range(len(self.nodes))]
@@ -164,12 +193,22 @@ class RabbitMqCluster:
         node.directory.mkdir(parents=True, exist_ok=True)
         config = node.directory / "rabbitmq.conf"
         if not config.exists():
-            config.write_text(
-                f"listeners.tcp.local = 127.0.0.1:{node.amqp_port}\n"
-                "loopback_users = none\n"
+            lines = [
+                f"listeners.tcp.local = 127.0.0.1:{node.amqp_port}",
+                "loopback_users = none",
                 # keep the test cluster small: a stopped node must not block the others
-                "cluster_partition_handling = ignore\n"
-            )
+                "cluster_partition_handling = ignore",
+            ]
+            if self.tls is not None:
+                lines += [
+                    f"listeners.ssl.local = 127.0.0.1:{node.tls_port}",
+                    f"ssl_options.cacertfile = {self.tls.ca_cert}",
+                    f"ssl_options.certfile = {self.tls.server_cert}",
+                    f"ssl_options.keyfile = {self.tls.server_key}",
+                    "ssl_options.verify = verify_peer",
+                    "ssl_options.fail_if_no_peer_cert = true",
+                ]
+            config.write_text("\n".join(lines) + "\n")
             (node.directory / "enabled_plugins").write_text("[].\n")
             (node.directory / "env.conf").write_text("")
         return {
@@ -223,3 +262,4 @@ class RabbitMqCluster:
                 os.killpg(node.process.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 node.process.wait(timeout=30)
+        self._port_closed(node)

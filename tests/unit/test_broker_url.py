@@ -123,3 +123,21 @@ def test_the_in_process_broker_has_no_topology_to_administer_and_rabbitmq_has() 
 def test_a_run_of_its_own_on_the_in_process_broker_is_the_url_itself() -> None:
     with own_exchange("memory://", name="mine") as url:
         assert url.adapter == "memory"
+
+
+def test_the_brokers_of_a_cluster_are_joined_with_semicolons_and_tried_in_order() -> None:
+    url = BrokerUrl.parse(
+        "amqp://u:secret@127.0.0.1:5681/?exchange=x;amqp://u:secret@127.0.0.1:5682/?exchange=x"
+    )
+    assert url.addresses == 2
+    assert [u.split("@")[1] for u in url.transport_urls] == ["127.0.0.1:5681/", "127.0.0.1:5682/"]
+    assert url.exchange == "x"
+    assert "secret" not in url.display and url.display.count("***") == 2
+    assert url.with_exchange("y").display.count("exchange=y") == 2
+
+
+def test_the_brokers_of_a_cluster_must_agree_on_vhost_and_exchange() -> None:
+    with pytest.raises(ValueError, match="disagree on the vhost"):
+        BrokerUrl.parse("amqp://h1:5672/a;amqp://h2:5672/b")
+    with pytest.raises(ValueError, match="disagree on the exchange"):
+        BrokerUrl.parse("amqp://h1/?exchange=x;amqp://h2/")

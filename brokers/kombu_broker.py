@@ -46,6 +46,7 @@ import logging
 import select
 import selectors
 import socket
+import ssl
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
@@ -172,6 +173,16 @@ class KombuBroker(AmqpBroker):
             kombu_transport_url(replace(parsed, transport_url=u)) for u in parsed.transport_urls
         ]
         self._kombu_url = self._kombu_urls[0]
+        #: py-amqp's TLS options when reservoir sets up TLS (``tls_*`` on the URL)
+        self._ssl: dict[str, Any] | None = None
+        if parsed.verifies_tls:
+            self._ssl = {
+                "ca_certs": parsed.tls_ca,
+                "certfile": parsed.tls_cert,
+                "keyfile": parsed.tls_key,
+                "cert_reqs": ssl.CERT_REQUIRED,
+                "server_hostname": parsed.host,
+            }
         self._connect_timeout_s = connect_timeout_s
         self._heartbeat = float(options.get("heartbeat_s", 30.0))
         # Building (not connecting) a kombu Connection rejects a malformed URL or an
@@ -349,8 +360,10 @@ class KombuBroker(AmqpBroker):
         return queue(self._channels[role])
 
     def _new_connection(self, name: str) -> Any:
+        tls = {"ssl": self._ssl} if self._ssl is not None else {}
         return Connection(
             self._kombu_url,
+            **tls,
             heartbeat=self._heartbeat,
             connect_timeout=self._connect_timeout_s,
             transport_options={

@@ -114,6 +114,9 @@ class PikaBroker(AmqpBroker):
         for params, transport_url in zip(self._params_each, parsed.transport_urls, strict=True):
             if "heartbeat" not in dict(parse_qsl(urlsplit(transport_url).query)):
                 params.heartbeat = int(options.get("heartbeat_s", 30))
+        if parsed.verifies_tls:
+            for params in self._params_each:
+                params.ssl_options = pika.SSLOptions(parsed.ssl_context(), params.host)
         self._params = self._params_each[0]
         # RabbitMQ checks user_id against the authenticated user; EXTERNAL (certificate)
         # auth has no user name we could know, so it stays unset there.

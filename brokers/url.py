@@ -20,6 +20,8 @@ the next one round the list.
 
 from __future__ import annotations
 
+import os
+import ssl
 from dataclasses import dataclass, field, replace
 from typing import Final, Literal
 from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
@@ -65,6 +67,12 @@ class BrokerUrl:
     #: every broker of the cluster the URL names, as :attr:`transport_url` is for the
     #: first; one entry for a URL naming one broker
     transport_urls: tuple[str, ...] = field(default=(), repr=False)
+    #: TLS files (``?tls_ca=``, ``?tls_cert=``, ``?tls_key=``, reservoir's parameters for
+    #: ``amqps``): the CA that signed the broker's certificate (else the system's CAs), and
+    #: a client certificate and its key, for brokers that require one
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
 
     @classmethod
     def parse(cls, url: str | BrokerUrl) -> BrokerUrl:
@@ -94,13 +102,13 @@ class BrokerUrl:
         ours: dict[str, str] = {}
         theirs: list[tuple[str, str]] = []
         for key, value in parse_qsl(parts.query, keep_blank_values=True):
-            if key == "exchange":
+            if key in _OURS:
                 ours[key] = value
             else:
                 theirs.append((key, value))
         exchange = check_exchange(ours.get("exchange", DEFAULT_EXCHANGE))
         # Untouched when there is nothing to strip: nothing re-encoded behind the user's back.
-        query = parts.query if "exchange" not in ours else urlencode(theirs, quote_via=quote)
+        query = parts.query if not ours else urlencode(theirs, quote_via=quote)
         transport = urlunsplit(parts._replace(query=query))
         try:
             port = parts.port
@@ -121,6 +129,7 @@ class BrokerUrl:
             transport_url=transport,
             display=display,
             transport_urls=(transport,),
+            **_tls_files(ours, scheme, url),
         )
 
     @classmethod
@@ -172,12 +181,41 @@ class BrokerUrl:
         )
 
     @property
+    def verifies_tls(self) -> bool:
+        """Whether reservoir sets up the TLS context (``tls_*`` parameters given)."""
+        return any((self.tls_ca, self.tls_cert, self.tls_key))
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """A client context that checks the broker's certificate and host name against
+        ``tls_ca`` (else the system's CAs) and presents ``tls_cert`` when given."""
+        context = ssl.create_default_context(cafile=self.tls_ca)
+        if self.tls_cert is not None:
+            context.load_cert_chain(self.tls_cert, self.tls_key)
+        return context
+
+    @property
     def addresses(self) -> int:
         """How many brokers the URL names."""
         return max(1, len(self.transport_urls))
 
     def __str__(self) -> str:
         return self.display
+
+
+#: query parameters that are reservoir's, stripped before a client library sees the URL
+_OURS: Final = frozenset({"exchange", "tls_ca", "tls_cert", "tls_key"})
+
+
+def _tls_files(ours: dict[str, str], scheme: str, url: str) -> dict[str, str | None]:
+    files = {key: ours.get(key) or None for key in ("tls_ca", "tls_cert", "tls_key")}
+    if any(files.values()) and not scheme.endswith("amqps"):
+        raise ValueError(f"tls_ca, tls_cert and tls_key need an amqps:// URL: {_mask(url)!r}")
+    if files["tls_key"] and not files["tls_cert"]:
+        raise ValueError(f"tls_key without tls_cert in {_mask(url)!r}")
+    for key, path in files.items():
+        if path is not None and not os.path.isfile(path):
+            raise ValueError(f"{key}: no such file {path!r}")
+    return files
 
 
 def _mask(url: str) -> str:

@@ -21,6 +21,7 @@ from typing import Any
 import click
 from pydantic import ValidationError
 
+from brokers.admin import ExchangeInUse
 from reservoir.broker import BrokerError
 from reservoir.protocol.ledger import Inventory
 from reservoir.protocol.messages import GroupSpec, NumaSpec
@@ -162,8 +163,12 @@ def demo(
                 settings=settings,
                 progress=lambda n: bar.advance(task, n),
             )
+    except ExchangeInUse as error:
+        click.echo(f"reservoir demo: {error}", err=True)
+        sys.exit(EXIT_USAGE)
     except BrokerError as error:
-        click.echo(f"reservoir demo: cannot use the broker at {broker_url}: {error}", err=True)
+        shown = _shown_url(broker_url)
+        click.echo(f"reservoir demo: cannot use the broker at {shown}: {error}", err=True)
         sys.exit(EXIT_BROKER)
     if as_json:
         click.echo(json.dumps(result.as_json(), sort_keys=True))
@@ -178,6 +183,16 @@ def demo(
             ][:20]:
                 click.echo(f"  {problem}", err=True)
         sys.exit(EXIT_USAGE)
+
+
+def _shown_url(url: str | None) -> str:
+    """A broker URL fit to print: its password masked (the one owner of that: BrokerUrl)."""
+    from brokers import BrokerUrl
+
+    try:
+        return BrokerUrl.parse(url or "memory://").display
+    except (ValueError, BrokerError):
+        return "(an unparseable broker URL)"
 
 
 def _print_demo(result: Any) -> None:

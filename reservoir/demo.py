@@ -16,7 +16,6 @@ import secrets
 import statistics
 import threading
 import time
-import urllib.parse
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -99,30 +98,16 @@ def _percentile(samples: list[float], fraction: float) -> float:
     return ordered[index]
 
 
-def demo_broker_url(url: str, run_id: str) -> str:
-    """Give a RabbitMQ demo its own exchange so it never talks to real nodes."""
-    if url.startswith("memory://"):
-        return url
-    parts = urllib.parse.urlsplit(url)
-    query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
-    if not any(key == "exchange" for key, _ in query):
-        query.append(("exchange", f"reservoir-demo-{run_id}"))
-    return urllib.parse.urlunsplit(parts._replace(query=urllib.parse.urlencode(query)))
-
-
 @contextlib.contextmanager
-def _opened(url: str) -> Iterator[Broker]:
-    from brokers import connect
+def _opened(url: str, run_id: str) -> Iterator[Broker]:
+    """A broker on exchanges of the demo's own: a fresh ``reservoir-demo-<run>`` unless
+    the URL names one, which must not exist yet (an existing exchange belongs to a live
+    deployment: the demo refuses it rather than talk to its nodes, or delete it after).
+    Deleted when the demo ends."""
+    from brokers import connect, own_exchange
 
-    broker = connect(url)
-    try:
+    with own_exchange(url, name=f"reservoir-demo-{run_id}") as run_url, connect(run_url) as broker:
         yield broker
-    finally:
-        cleanup = getattr(broker, "delete_exchanges", None)
-        if callable(cleanup):
-            with contextlib.suppress(Exception):
-                cleanup()
-        broker.close()
 
 
 def run_demo(
@@ -140,7 +125,6 @@ def run_demo(
     settings = settings or Settings()
     rng = random.Random(seed)
     run_id = secrets.token_hex(3)
-    url = demo_broker_url(broker_url, run_id)
     flavours = rng.choices(FLAVOURS, weights=[f.weight for f in FLAVOURS], k=requests)
     work: queue.SimpleQueue[Flavour | None] = queue.SimpleQueue()
     for flavour in flavours:
@@ -150,7 +134,8 @@ def run_demo(
     failures: list[str] = []
     lock = threading.Lock()
 
-    with _opened(url) as broker:
+    with _opened(broker_url, run_id) as broker:
+        shown_url = broker.url  # the run's own exchange, password masked
         node_timers = ThreadScheduler(SystemClock(), name="demo-node-timers")
         requestor_timers = ThreadScheduler(SystemClock(), name="demo-requestor-timers")
         agents: list[NodeAgent] = []
@@ -251,7 +236,7 @@ def run_demo(
         nodes=nodes,
         requests=requests,
         concurrency=concurrency,
-        broker=url.split("@")[-1] if "@" in url else url,
+        broker=shown_url,
         tiers_used=dict(sorted(tiers_used.items(), key=lambda kv: int(kv[0][:-1]))),
         node_tiers=dict(
             sorted(Counter(f"{s.tier}%" for s in snapshots).items(), key=lambda kv: int(kv[0][:-1]))

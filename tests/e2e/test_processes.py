@@ -260,3 +260,24 @@ def test_reservoir_audit_reads_every_node_over_the_broker_and_lists_orphans_to_f
     for name in list(cluster.nodes):
         cluster.stop(name)
     audit_nodes(cluster, placed[:2], {p["request_id"]: 1 for p in placed})
+
+
+def test_a_demo_pointed_at_a_live_exchange_refuses_it_and_the_node_on_it_keeps_placing(
+    cluster: Cluster,
+) -> None:
+    cluster.start_node("live", vcpus=8, memory_mb=16384)
+    demo = reservoir("demo", "--broker", cluster.url, "--nodes", "2", "--requests", "5",
+                     "--json", env=cluster.env)  # fmt: skip
+    assert demo.returncode == 2, demo.stdout + demo.stderr
+    assert "already exists" in demo.stderr
+    assert "Traceback" not in demo.stderr
+    # a demo with no exchange named runs on one of its own, and removes it after
+    plain = cluster.url.split("?", 1)[0]
+    done = reservoir("demo", "--broker", plain, "--nodes", "2", "--requests", "5", "--json",
+                     env=cluster.env)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    status, placed = cluster.request("--vcpus", "1", "--memory-mb", "512")
+    assert status == 0, placed
+    assert [a["node"] for a in placed["allocations"]] == ["live"]
+    cluster.stop("live")
+    audit_nodes(cluster, [placed], {placed["request_id"]: 1})

@@ -20,6 +20,7 @@ the next one round the list.
 
 from __future__ import annotations
 
+import difflib
 import os
 import ssl
 from dataclasses import dataclass, field, replace
@@ -105,6 +106,8 @@ class BrokerUrl:
             if key in _OURS:
                 ours[key] = value
             else:
+                if adapter == "pika":
+                    _check_pika_parameter(key, url)
                 theirs.append((key, value))
         exchange = check_exchange(ours.get("exchange", DEFAULT_EXCHANGE))
         # Untouched when there is nothing to strip: nothing re-encoded behind the user's back.
@@ -204,6 +207,29 @@ class BrokerUrl:
 
 #: query parameters that are reservoir's, stripped before a client library sees the URL
 _OURS: Final = frozenset({"exchange", "tls_ca", "tls_cert", "tls_key"})
+
+
+#: the query parameters pika's URLParameters takes (anything else it refuses)
+_PIKA_PARAMETERS: Final = frozenset(
+    {
+        "blocked_connection_timeout", "channel_max", "client_properties",
+        "connection_attempts", "frame_max", "heartbeat", "locale", "retry_delay",
+        "socket_timeout", "ssl_options", "stack_timeout", "tcp_options",
+    }
+)  # fmt: skip
+
+
+def _check_pika_parameter(key: str, url: str) -> None:
+    """A typo (``?exchnge=``) is named here, in one line, rather than deep in pika."""
+    if key in _PIKA_PARAMETERS:
+        return
+    known = sorted(_OURS | _PIKA_PARAMETERS)
+    guess = difflib.get_close_matches(key, known, n=1)
+    hint = f" (did you mean {guess[0]!r}?)" if guess else ""
+    raise ValueError(
+        f"unknown parameter {key!r} in broker URL {_mask(url)!r}{hint}; "
+        f"reservoir's are {', '.join(sorted(_OURS))}, pika's {', '.join(sorted(_PIKA_PARAMETERS))}"
+    )
 
 
 def _tls_files(ours: dict[str, str], scheme: str, url: str) -> dict[str, str | None]:

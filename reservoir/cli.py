@@ -1,5 +1,5 @@
-"""The ``reservoir`` command: ``demo``, ``node``, ``request``, ``free``, ``inspect`` and
-``audit`` (and ``simulate``, ``bench``).
+"""The ``reservoir`` command: ``demo``, ``node``, ``request``, ``free``, ``inspect``,
+``nodes`` and ``audit`` (and ``simulate``, ``bench``, ``chaos``).
 
 Every command reads ``RESERVOIR_BROKER_URL`` (and the other ``RESERVOIR_*`` settings) when
 the matching option is absent. Exit status: 0 on success, 1 when a request could not be
@@ -41,9 +41,22 @@ BROKER_HELP = (
 
 def _settings(**overrides: Any) -> Settings:
     try:
-        return Settings(**{k: v for k, v in overrides.items() if v is not None})
+        settings = Settings(**{k: v for k, v in overrides.items() if v is not None})
     except ValidationError as error:
         raise click.UsageError(f"bad setting: {error}") from None
+    from brokers import BrokerUrl
+    from reservoir.broker import UnsupportedBroker
+
+    try:
+        BrokerUrl.parse(settings.broker_url)
+    except UnsupportedBroker:
+        pass  # the command says so when it opens the broker (exit 3), as it always did
+    except ValueError as error:
+        # One line, naming what is wrong: a mistyped URL is not worth a usage screen.
+        command = click.get_current_context().command_path
+        click.echo(f"{command}: --broker / RESERVOIR_BROKER_URL: {error}", err=True)
+        sys.exit(EXIT_USAGE)
+    return settings
 
 
 def _configure_logging(verbose: int) -> None:
@@ -769,6 +782,90 @@ def inspect(state_dir: Path, name: str, as_json: bool) -> None:
     for a in allocations:
         shown = ", ".join(f"{rc}={n}" for rc, n in sorted(a.resources.items()))
         click.echo(f"  {a.allocation_id}  request {a.request_id}  {shown}")
+
+
+# -- nodes ---------------------------------------------------------------------------------
+
+
+@main.command("nodes")
+@click.option(
+    "--broker", "broker_url", envvar="RESERVOIR_BROKER_URL", default=None, help=BROKER_HELP
+)
+@click.option(
+    "--wait",
+    "wait_s",
+    type=click.FloatRange(0.1),
+    default=1.0,
+    show_default=True,
+    help="How long to wait for the nodes to answer (seconds).",
+)
+@click.option(
+    "--expect-nodes",
+    type=click.IntRange(1),
+    help="Stop waiting once this many nodes answered.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def nodes_command(
+    broker_url: str | None, wait_s: float, expect_nodes: int | None, as_json: bool
+) -> None:
+    """List every live node: its tier, and per resource class its capacity, what is
+    allocated and what live reservations hold.
+
+    Gathered over the broker (every serving node answers one query with its ledger), so
+    it shows what the nodes themselves hold, within --wait seconds."""
+    from reservoir.auditor import LedgerCollector
+
+    settings = _settings(broker_url=broker_url)
+    try:
+        collector = LedgerCollector(settings.broker_url, settings=settings)
+    except BrokerError as error:
+        click.echo(f"reservoir nodes: cannot reach the broker: {error}", err=True)
+        sys.exit(EXIT_BROKER)
+    try:
+        collector.ask()
+        snapshots = collector.collect(wait_s=wait_s, expect_nodes=expect_nodes)
+    finally:
+        collector.close()
+    listed = [
+        {
+            "node": s.name,
+            "tier": s.tier,
+            "utilisation": round(s.utilisation, 4),
+            "usage": {
+                rc: {"capacity": u.capacity, "allocated": u.allocated, "reserved": u.reserved}
+                for rc, u in s.usages.items()
+            },
+            "allocations": len(s.allocations),
+            "reservations": len(s.reservations),
+        }
+        for s in snapshots
+    ]
+    if as_json:
+        click.echo(json.dumps({"nodes": listed}, sort_keys=True))
+        return
+    if not listed:
+        click.echo("no node answered")
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    classes = sorted({rc for node in listed for rc in node["usage"]})  # type: ignore[attr-defined]
+    table = Table(box=None)
+    for heading in ("node", "tier", "allocations", "reservations", *classes):
+        table.add_column(heading, justify="left" if heading == "node" else "right")
+    for node in listed:
+        usage: dict[str, dict[str, int]] = node["usage"]  # type: ignore[assignment]
+        cells = [
+            f"{usage[rc]['allocated'] + usage[rc]['reserved']}/{usage[rc]['capacity']}"
+            if rc in usage
+            else "-"
+            for rc in classes
+        ]
+        table.add_row(
+            str(node["node"]), f"{node['tier']}%", str(node["allocations"]),
+            str(node["reservations"]), *cells,
+        )  # fmt: skip
+    Console().print(table)
 
 
 # -- audit ---------------------------------------------------------------------------------

@@ -281,3 +281,42 @@ def test_a_demo_pointed_at_a_live_exchange_refuses_it_and_the_node_on_it_keeps_p
     assert [a["node"] for a in placed["allocations"]] == ["live"]
     cluster.stop("live")
     audit_nodes(cluster, [placed], {placed["request_id"]: 1})
+
+
+def test_reservoir_nodes_lists_every_live_node_with_its_usage_and_tier(cluster: Cluster) -> None:
+    cluster.start_node("a", vcpus=8, memory_mb=16384)
+    cluster.start_node("b", vcpus=4, memory_mb=8192)
+    status, placed = cluster.request("--vcpus", "2", "--memory-mb", "1024")
+    assert status == 0, placed
+    done = reservoir("nodes", "--json", "--expect-nodes", "2", env=cluster.env)
+    assert done.returncode == 0, done.stderr
+    listed = {n["node"]: n for n in json.loads(done.stdout)["nodes"]}
+    assert set(listed) == {"a", "b"}
+    assert listed["a"]["usage"]["VCPU"]["capacity"] == 8
+    assert listed["b"]["usage"]["MEMORY_MB"]["capacity"] == 8192
+    (holder,) = [a["node"] for a in placed["allocations"]]
+    assert listed[holder]["usage"]["VCPU"]["allocated"] == 2
+    assert listed[holder]["allocations"] == 1
+    assert {n["tier"] for n in listed.values()} <= {10, 25, 50}
+    table = reservoir("nodes", "--expect-nodes", "2", env=cluster.env)
+    assert table.returncode == 0 and "VCPU" in table.stdout
+    assert ("2/8" if holder == "a" else "2/4") in table.stdout
+    for name in list(cluster.nodes):
+        cluster.stop(name)
+    audit_nodes(cluster, [placed], {placed["request_id"]: 1})
+
+
+def test_a_mistyped_broker_url_is_one_line_and_status_2(cluster: Cluster) -> None:
+    done = reservoir("request", "--broker", "amqp://guest:guest@127.0.0.1:5672/?exchnge=x",
+                     "--vcpus", "1", "--memory-mb", "1", env=cluster.env)  # fmt: skip
+    assert done.returncode == 2
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "did you mean 'exchange'" in done.stderr
+    assert "guest:guest" not in done.stderr and "Traceback" not in done.stderr
+
+
+def test_python_dash_m_reservoir_is_the_reservoir_command(cluster: Cluster) -> None:
+    done = subprocess.run([sys.executable, "-m", "reservoir", "--version"],
+                          capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    assert done.returncode == 0
+    assert done.stdout.startswith("reservoir, version ")

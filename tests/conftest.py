@@ -1,12 +1,34 @@
 """Suite-wide settings. Hypothesis explores freshly on a developer's machine and replays a
-fixed set of examples under CI, so a CI run is reproducible; ``--run-slow`` explores much
-further (see tests/property/test_soak.py)."""
+fixed set of examples under CI, so a CI run is reproducible; ``--run-slow`` runs the tests
+marked ``slow`` (the soak runs of tests/property/test_soak.py and the full chaos run),
+skipped otherwise. These options are this suite's own: the pytest plugin reservoir
+installs for its users adds none."""
 
 from __future__ import annotations
 
 import os
 
+import pytest
 from hypothesis import settings
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--run-slow",
+        action="store_true",
+        default=False,
+        help="run tests marked slow (soak runs, the full chaos run)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--run-slow"):
+        return
+    skip = pytest.mark.skip(reason="slow: run with --run-slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
 
 settings.register_profile("ci", derandomize=True, print_blob=True)
 settings.register_profile("dev", print_blob=True)

@@ -8,7 +8,10 @@ Fixtures:
   else a testcontainers ``RabbitMqContainer``; without either the test is skipped, except
   when ``CI`` is set, where a missing broker fails the test.
 
-Option ``--run-slow`` runs tests marked ``slow`` (soak and fuzz runs), skipped by default.
+It adds fixtures and nothing else: no command-line option, no marker and no collection
+hook, so it never clashes with a project's own ``--run-slow`` or ``slow`` marker and never
+skips a project's own tests. (reservoir's own suite keeps its options in its own
+``tests/conftest.py``.)
 """
 
 from __future__ import annotations
@@ -19,29 +22,6 @@ import pytest
 
 from reservoir.testing.rabbitmq import amqp_url_for_tests
 from reservoir.testing.simulation import Simulation
-
-
-def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption(
-        "--run-slow",
-        action="store_true",
-        default=False,
-        help="run tests marked slow (soak and fuzz runs)",
-    )
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "slow: long soak or fuzz run; opt in with --run-slow")
-    config.addinivalue_line("markers", "rabbitmq: needs a real RabbitMQ")
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if config.getoption("--run-slow"):
-        return
-    skip = pytest.mark.skip(reason="slow: run with --run-slow")
-    for item in items:
-        if "slow" in item.keywords:
-            item.add_marker(skip)
 
 
 @pytest.fixture

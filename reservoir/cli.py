@@ -419,7 +419,7 @@ def node(
         click.echo(f"reservoir node: {error}", err=True)
         sys.exit(EXIT_USAGE)
     except BrokerError as error:
-        click.echo(f"reservoir node: cannot reach the broker: {error}", err=True)
+        click.echo(f"reservoir node: {_node_broker_problem(name, error)}", err=True)
         sys.exit(EXIT_BROKER)
     except ValueError as error:
         raise click.UsageError(str(error)) from None
@@ -449,10 +449,22 @@ def node(
         click.echo(f"node {name}: stopped", err=True)
 
 
+def _node_broker_problem(name: str, error: BaseException) -> str:
+    """What keeps a node off the broker, in words an operator can act on."""
+    if "RESOURCE_LOCKED" in str(error):
+        # Its inbox is an exclusive queue named after it: another connection holds it.
+        return (
+            f"a node named {name} is already connected to this broker (its inbox "
+            f"reservoir.node.{name} is taken); give this one another --name, or stop the "
+            "other (one that just died is let go within the heartbeat, 30 s)"
+        )
+    return f"cannot reach the broker: {error}"
+
+
 def _say_waiting(name: str) -> Callable[[int, BaseException, float], None]:
     def say(attempt: int, error: BaseException, wait_s: float) -> None:
         click.echo(
-            f"node {name}: cannot reach the broker (attempt {attempt}): {error}; "
+            f"node {name}: {_node_broker_problem(name, error)} (attempt {attempt}); "
             f"retrying in {wait_s:.1f} s",
             err=True,
         )

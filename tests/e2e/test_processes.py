@@ -320,3 +320,13 @@ def test_python_dash_m_reservoir_is_the_reservoir_command(cluster: Cluster) -> N
                           capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
     assert done.returncode == 0
     assert done.stdout.startswith("reservoir, version ")
+
+
+def test_a_second_node_of_the_same_name_is_told_one_is_connected(cluster: Cluster) -> None:
+    cluster.start_node("twin", vcpus=2, memory_mb=1024)
+    done = reservoir("node", "--name", "twin", "--vcpus", "2", "--memory-mb", "1024",
+                     "--connect-attempts", "1", env=cluster.env)  # fmt: skip
+    assert done.returncode == 3
+    assert "a node named twin is already connected to this broker" in done.stderr
+    assert "Traceback" not in done.stderr
+    cluster.stop("twin")

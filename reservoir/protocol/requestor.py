@@ -248,7 +248,13 @@ class RequestorMachine:
         self._frees.stop_tidying(request_id, effects)
         previous = self._finished.get(request_id)
         if previous is not None:
-            effects.append(Placed(request_id, previous))
+            mismatch = _shape_mismatch(request_id, spec, previous.allocations)
+            if mismatch:
+                effects.append(
+                    Failed(request_id, PlacementError(_refusal(request_id, spec, mismatch)))
+                )
+            else:
+                effects.append(Placed(request_id, previous))
             return effects
         conversation = Conversation(
             request_id=request_id,
@@ -985,6 +991,16 @@ class RequestorMachine:
     def _maybe_complete(self, c: Conversation, now: float, effects: list[Effect]) -> None:
         if c.awards or len(c.placed) < c.target:
             return
+        adopted = [a for a in c.placed.values() if a.allocation_id in c.contention.adopted]
+        mismatch = _shape_mismatch(c.request_id, c.spec, adopted)
+        if mismatch:
+            # The id was placed before with another shape: that placement is the caller's
+            # earlier one, not ours to free, and not the answer to this request.
+            for allocation in adopted:
+                del c.placed[allocation.allocation_id]
+            c.note = mismatch
+            self._fail(c, now, effects, timed_out=False)
+            return
         self._release_surplus(c, effects, keep_spares=False)
         placement = Placement(
             request_id=c.request_id,
@@ -1038,3 +1054,36 @@ class RequestorMachine:
         self._finished.move_to_end(c.request_id)
         while len(self._finished) > self.config.remember_finished:
             self._finished.popitem(last=False)
+
+
+def _shape_mismatch(
+    request_id: str, spec: PlacementRequest, held: Iterable[PlacedAllocation]
+) -> str:
+    """Why allocations already placed under ``request_id`` cannot be the answer to
+    ``spec`` (empty when they can): the id is the idempotency key of one request, and the
+    same key with another shape is a caller's mistake to report, not to paper over."""
+    held = list(held)
+    if not held:
+        return ""
+    wanted = {rc: amount for rc, amount in spec.resources.items() if amount}
+    shapes = {tuple(sorted((rc, n) for rc, n in a.resources.items() if n)) for a in held}
+    if shapes != {tuple(sorted(wanted.items()))} or len(held) > spec.count:
+        holds = "; ".join(", ".join(f"{rc}={n}" for rc, n in shape) for shape in sorted(shapes))
+        asks = ", ".join(f"{rc}={n}" for rc, n in sorted(wanted.items()))
+        return (
+            f"request id {request_id} is already placed with another shape ({len(held)} "
+            f"instance(s) of {holds}; this request asks {spec.count} of {asks}): "
+            "use another request id"
+        )
+    return ""
+
+
+def _refusal(request_id: str, spec: PlacementRequest, note: str) -> Explanation:
+    return Explanation(
+        request_id=request_id,
+        wanted=spec.wanted_slots,
+        found=0,
+        tiers_tried=(),
+        offers_received=0,
+        note=note,
+    )

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import pytest
 
+from reservoir.protocol.placement import PlacementError
 from reservoir.requestor import Requestor
 from reservoir.testing.simulation import Simulation
 
@@ -50,3 +51,21 @@ def test_a_request_asked_again_after_its_requestor_died_is_placed_exactly_once(
     assert placement.request_id == "job-7"
     assert len(placement.allocations) == 1
     sim.finish([placement], allow_orphans=False)
+
+
+def test_the_same_request_id_with_another_shape_is_refused_and_the_first_placement_kept() -> None:
+    sim = Simulation()
+    sim.add_nodes(3, vcpus=16, memory_mb=32768)
+    first = sim.add_requestor("api-1")
+    placed = sim.place(first, request_id="order-1", vcpus=1, memory_mb=512, timeout_s=30)
+    # the same key and shape again: the same placement, from memory and through another
+    # requestor (the nodes answer for it)
+    again = sim.place(first, request_id="order-1", vcpus=1, memory_mb=512, timeout_s=30)
+    assert again == placed
+    other = sim.add_requestor("api-2")
+    elsewhere = sim.place(other, request_id="order-1", vcpus=1, memory_mb=512, timeout_s=30)
+    assert elsewhere.allocations == placed.allocations
+    for requestor in (first, other):
+        with pytest.raises(PlacementError, match="already placed with another shape"):
+            sim.place(requestor, request_id="order-1", vcpus=8, memory_mb=512, timeout_s=30)
+    sim.finish([placed], allow_orphans=False)

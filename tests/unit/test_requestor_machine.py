@@ -47,8 +47,12 @@ def a_requestor(**config: Any) -> RequestorMachine:
     return RequestorMachine(RequestorConfig(requestor_id="req", reply_to="req-inbox", **config))
 
 
+#: what each instance of the default request holds (and a node's allocations of it)
+SHAPE = {"VCPU": 2, "MEMORY_MB": 1024}
+
+
 def spec(**fields: Any) -> PlacementRequest:
-    fields.setdefault("resources", {"VCPU": 2, "MEMORY_MB": 1024})
+    fields.setdefault("resources", dict(SHAPE))
     return PlacementRequest(**fields)
 
 
@@ -90,7 +94,7 @@ def accepted(node: str, request_id: str = "r1", slots: int = 1) -> Accepted:
         reply_to=f"addr-{node}",
         reservation_id=f"{node}.res.{request_id}",
         allocations=tuple(
-            AllocationInfo(allocation_id=f"{node}.res.{request_id}/{i}", resources={"VCPU": 2})
+            AllocationInfo(allocation_id=f"{node}.res.{request_id}/{i}", resources=dict(SHAPE))
             for i in range(slots)
         ),
     )
@@ -382,7 +386,7 @@ def test_a_node_that_already_holds_the_request_completes_it_without_a_new_award(
         request_id="r1",
         sender="n1",
         reply_to="addr-n1",
-        allocations=(AllocationInfo(allocation_id="old/0", resources={"VCPU": 2}),),
+        allocations=(AllocationInfo(allocation_id="old/0", resources=dict(SHAPE)),),
     )
     first = machine.handle(held, T0 + 0.01)
     assert sent(first, Award) == []
@@ -490,7 +494,7 @@ def test_a_requestor_stands_back_when_one_with_precedence_places_the_same_id() -
         request_id="r1",
         sender="n2",
         reply_to="addr-n2",
-        allocations=(AllocationInfo(allocation_id="n2.x/0", resources={"VCPU": 2}),),
+        allocations=(AllocationInfo(allocation_id="n2.x/0", resources=dict(SHAPE)),),
     )
     placed = outcome(machine.handle(held, at + 0.01))
     assert isinstance(placed, Placed) and placed.placement.nodes == ("n2",)

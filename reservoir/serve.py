@@ -26,10 +26,12 @@ import asyncio
 import hashlib
 import json
 import logging
+import signal
 import time
 from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import TYPE_CHECKING, Annotated, Any, Protocol, TypeVar
 
 import click
@@ -700,6 +702,12 @@ def create_app(
 # -- the command -----------------------------------------------------------------------
 
 
+def _stopped(signum: int, frame: FrameType | None) -> None:
+    """Stop here with status 0: raised again by uvicorn once its graceful stop is done,
+    or a stop before uvicorn took over the signals (the ``finally`` closes the broker)."""
+    raise SystemExit(0)
+
+
 @click.command()
 @click.option(
     "--broker",
@@ -782,6 +790,11 @@ def serve(
             f"cannot reach the broker at {mask_password(settings.broker_url)}: {error}", err=True
         )
         raise SystemExit(EXIT_BROKER) from None
+    # uvicorn handles SIGTERM and SIGINT itself (stop accepting, finish what is open, run
+    # the lifespan's shutdown), then raises the signal again under the handlers it found:
+    # with this one, a stop it completed ends in exit status 0, not death by the signal.
+    for stop in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(stop, _stopped)
     try:
         app = create_app(
             broker, settings=settings, explain=explain, drain_timeout_s=drain_timeout_s

@@ -341,7 +341,12 @@ class ReservoirService:
     async def place(self, spec: PlacementRequest, *, timeout_s: float | None = None) -> Placement:
         """Place ``spec`` and record it, even should the caller go away (the retry with
         the same key then finds it)."""
-        self.check_ready()
+        try:
+            self.check_ready()
+        except Problem:
+            if self.metrics is not None:
+                self.metrics.failures.labels("unavailable").inc()
+            raise
         return await self._to_the_end(self._place(spec, timeout_s))
 
     async def release(self, request_id: str) -> None:
@@ -639,10 +644,14 @@ def create_app(
                 return PlacementOut.of(recorded)
         try:
             placement = await service.place(spec, timeout_s=body.timeout_s)
-        except (PlacementError, RequestorClosed, BrokerError, Problem):
+        except (PlacementError, RequestorClosed, BrokerError, Problem) as error:
             if key is not None and key not in service.placements:
                 # nothing is held under the key: let it be used again, for any body
                 service.fingerprints.pop(key, None)
+            if isinstance(error, PlacementError) and service.closing:
+                # abandoned by the shutdown, not refused by the nodes: retry elsewhere
+                problem = Problem.of_placement_error(error)
+                raise Problem(503, "shutting down", problem.detail, **problem.extensions) from None
             raise
         return PlacementOut.of(placement)
 
@@ -781,14 +790,12 @@ def serve(
         raise SystemExit(EXIT_USAGE) from None
     settings = _settings(broker_url=broker_url)
     from brokers import connect
-    from brokers._rules import mask_password
 
     try:
         broker = connect(settings.broker_url)
     except BrokerError as error:
-        click.echo(
-            f"cannot reach the broker at {mask_password(settings.broker_url)}: {error}", err=True
-        )
+        # the adapters' errors name the URL with its password masked
+        click.echo(f"reservoir serve: cannot reach the broker: {error}", err=True)
         raise SystemExit(EXIT_BROKER) from None
     # uvicorn handles SIGTERM and SIGINT itself (stop accepting, finish what is open, run
     # the lifespan's shutdown), then raises the signal again under the handlers it found:

@@ -302,6 +302,117 @@ def test_probes_and_metrics(broker: InProcessBroker, nodes: list[NodeAgent]) -> 
     assert 'route="/readyz",status="503"' in text
 
 
+class FlakyBroker(InProcessBroker):
+    """An in-process broker whose connection the test can take down, as an AMQP
+    broker's ``connected`` property reports it."""
+
+    connected = True
+
+
+def test_while_the_broker_connection_is_down_the_service_is_not_ready_and_refuses_with_503() -> (
+    None
+):
+    broker = FlakyBroker()
+    node = NodeAgent(broker, name="flaky-node", vcpus=4, memory_mb=4096)
+    app = create_app(broker)
+
+    async def scenario(client: httpx.AsyncClient, service: ReservoirService) -> None:
+        assert (await client.get("/readyz")).status_code == 200
+        broker.connected = False
+        not_ready = await client.get("/readyz")
+        assert not_ready.status_code == 503
+        assert not_ready.headers["content-type"] == PROBLEM_JSON
+        assert "broker connection is down" in not_ready.json()["detail"]
+        refused = await client.post("/v1/reservations", json={"vcpus": 1, "memory_mb": 1})
+        assert refused.status_code == 503
+        assert refused.json()["type"] == "urn:reservoir:problem:unavailable"
+        assert (await client.get("/healthz")).status_code == 200  # the process lives on
+        broker.connected = True
+        placed = await client.post("/v1/reservations", json={"vcpus": 1, "memory_mb": 1})
+        assert placed.status_code == 201, placed.text
+
+    try:
+        run_against(app, scenario)
+    finally:
+        node.close()
+        broker.close()
+
+
+async def shut_down_with_a_placement_in_flight(
+    app: FastAPI, monkeypatch: pytest.MonkeyPatch, *, open_gate_before_draining: bool
+) -> tuple[httpx.Response, ReservoirService, bool]:
+    """POST a placement held at a gate inside the service, shut the app down, and open
+    the gate as the drain begins (or only once it has ended). Returns the POST's answer,
+    the service, and whether the POST was still running when the shutdown began."""
+    entered, gate = asyncio.Event(), asyncio.Event()
+    still_running_at_shutdown = False
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://api.test") as client:
+        async with running(app):
+            service = app.state.reservoir
+            assert isinstance(service, ReservoirService)
+            reserve, drain = service.requestor.reserve_async, service.drain
+
+            async def gated_reserve(*args: Any, **kwargs: Any) -> Placement:
+                entered.set()
+                await gate.wait()
+                return await reserve(*args, **kwargs)
+
+            async def observed_drain(timeout_s: float) -> int:
+                nonlocal still_running_at_shutdown
+                still_running_at_shutdown = not post.done()
+                if open_gate_before_draining:
+                    gate.set()
+                left = await drain(timeout_s)
+                gate.set()
+                return left
+
+            monkeypatch.setattr(service.requestor, "reserve_async", gated_reserve)
+            monkeypatch.setattr(service, "drain", observed_drain)
+            post = asyncio.create_task(
+                client.post("/v1/reservations", json={"vcpus": 1, "memory_mb": 1})
+            )
+            await entered.wait()
+        # the lifespan has shut down: the requestor is closed
+        return await post, service, still_running_at_shutdown
+
+
+def test_a_placement_in_flight_at_shutdown_finishes_before_the_requestor_closes(
+    broker: InProcessBroker, nodes: list[NodeAgent], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app = create_app(broker, drain_timeout_s=30)
+    answer, service, in_flight = asyncio.run(
+        shut_down_with_a_placement_in_flight(app, monkeypatch, open_gate_before_draining=True)
+    )
+    assert in_flight
+    assert answer.status_code == 201, answer.text
+    assert sum(len(n.allocations()) for n in nodes) == 1
+    assert all(not n.snapshot().reservations for n in nodes)
+    with pytest.raises(RequestorClosed):
+        service.requestor.reserve(vcpus=1, memory_mb=1)
+    audited(nodes, list(service.placements.values()))
+
+
+def test_a_placement_still_in_flight_when_the_drain_ends_fails_clearly_and_holds_nothing(
+    broker: InProcessBroker, nodes: list[NodeAgent], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app = create_app(broker, drain_timeout_s=0)
+    answer, service, in_flight = asyncio.run(
+        shut_down_with_a_placement_in_flight(app, monkeypatch, open_gate_before_draining=False)
+    )
+    assert in_flight
+    # the requestor closed under it: the client is told to try again elsewhere
+    assert answer.status_code == 503, answer.text
+    assert answer.headers["content-type"] == PROBLEM_JSON
+    assert answer.json()["title"] == "shutting down"
+    assert service.placements == {}
+    assert sum(len(n.allocations()) for n in nodes) == 0
+    # Offers that reach the closed requestor's endpoint are never answered: the nodes'
+    # reservations for them lapse at their TTL, as the protocol has it. The audit checks
+    # that none outlives it.
+    audited(nodes, [])
+
+
 def test_two_apps_in_one_process_keep_their_own_metrics(broker: InProcessBroker) -> None:
     first, second = create_app(broker), create_app(broker)
     assert first.state.metrics.registry is not second.state.metrics.registry

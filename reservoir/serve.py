@@ -27,6 +27,7 @@ import hashlib
 import json
 import logging
 import signal
+import socket
 import time
 from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
@@ -633,7 +634,13 @@ def create_app(
         try:
             spec = body.to_placement_request(key, service.explain)
         except ValidationError as error:
-            raise Problem.of_validation_error(list(error.errors()), ("body",)) from None
+            errors = []
+            for item in error.errors():
+                loc: tuple[int | str, ...] = ("body", *item["loc"])
+                if idempotency_key is not None and loc == ("body", "request_id"):
+                    loc = ("header", "Idempotency-Key")  # name the key where it came from
+                errors.append({**item, "loc": loc})
+            raise Problem.of_validation_error(errors) from None
         if key is not None:
             service.claim_key(key, body.fingerprint())
             if key in service.freeing:
@@ -789,11 +796,17 @@ def serve(
         click.echo("reservoir serve needs the api extra: pip install 'reservoir[api]'", err=True)
         raise SystemExit(EXIT_USAGE) from None
     settings = _settings(broker_url=broker_url)
+    try:
+        listening = _listen(host, port)
+    except OSError as error:
+        click.echo(f"reservoir serve: cannot listen on {host}:{port}: {error}", err=True)
+        raise SystemExit(EXIT_USAGE) from None
     from brokers import connect
 
     try:
         broker = connect(settings.broker_url)
     except BrokerError as error:
+        listening.close()
         # the adapters' errors name the URL with its password masked
         click.echo(f"reservoir serve: cannot reach the broker: {error}", err=True)
         raise SystemExit(EXIT_BROKER) from None
@@ -806,15 +819,32 @@ def serve(
         app = create_app(
             broker, settings=settings, explain=explain, drain_timeout_s=drain_timeout_s
         )
-        uvicorn.run(
+        config = uvicorn.Config(
             app,
-            host=host,
-            port=port,
             access_log=access_log,
             log_level="info",
             # uvicorn waits this long for open connections after SIGTERM; the lifespan
             # then drains the requestor's own work with the same allowance
             timeout_graceful_shutdown=int(drain_timeout_s) or None,
         )
+        uvicorn.Server(config).run(sockets=[listening])
     finally:
+        listening.close()
         broker.close()
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host``:``port``, bound here rather than by uvicorn so that a
+    port in use is one line and exit status 2, not uvicorn's log and status 1."""
+    family, kind, protocol, _name, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM
+    )[0]
+    listening = socket.socket(family, kind, protocol)
+    try:
+        listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listening.bind(address)
+    except BaseException:
+        listening.close()
+        raise
+    listening.set_inheritable(True)
+    return listening

@@ -31,7 +31,10 @@ pytestmark = [pytest.mark.rabbitmq, pytest.mark.e2e]
 READY_TIMEOUT_S = 30.0
 NODE_VCPUS = 8
 NODE_MEMORY_MB = 16384
-NODES = ("serve-a", "serve-b", "serve-c")
+#: node names are queue names on the whole vhost: unique per run, so that nothing else
+#: on the same RabbitMQ holds them
+RUN = uuid.uuid4().hex[:6]
+NODES = tuple(f"serve-{RUN}-{letter}" for letter in "abc")
 PROBLEM_JSON = "application/problem+json"
 
 

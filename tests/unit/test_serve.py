@@ -240,6 +240,13 @@ def test_a_bad_body_is_a_422_problem_naming_the_field(
         )
         assert too_few.status_code == 422
         assert "min_count" in too_few.json()["detail"]
+        bad_key = await client.post(
+            "/v1/reservations",
+            json={"vcpus": 1, "memory_mb": 1},
+            headers={"Idempotency-Key": "no spaces allowed"},
+        )
+        assert bad_key.status_code == 422
+        assert bad_key.json()["errors"][0]["field"] == "header.Idempotency-Key"
         unknown = await client.post("/v1/reservations", json={"vcpus": 1, "cpus": 2})
         assert unknown.status_code == 422
         assert unknown.json()["errors"][0]["field"] == "body.cpus"

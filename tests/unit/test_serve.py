@@ -6,16 +6,19 @@ the invariant audit over the nodes' ledgers at the end."""
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, MutableMapping
 from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
 import pytest
+from click.testing import CliRunner
 from fastapi import FastAPI, Request
 
-from brokers.inprocess import InProcessBroker
+from brokers.inprocess import Faults, InProcessBroker
 from reservoir import NodeAgent, Placement, PlacementRequest, RequestorClosed, audit
+from reservoir.cli import main
 from reservoir.serve import ReservoirService, create_app, reservoir_lifespan
 
 NODE_VCPUS = 16
@@ -216,6 +219,30 @@ def test_an_impossible_request_is_a_409_problem_naming_the_short_resource(
         assert problem["tiers_tried"]
         assert problem["request_id"]
         assert service.placements == {}
+
+    run_against(app, scenario)
+    audited(nodes, [])
+
+
+def test_a_request_not_placed_in_its_timeout_is_a_504_problem(
+    broker: InProcessBroker, nodes: list[NodeAgent]
+) -> None:
+    app = create_app(broker)
+
+    async def scenario(client: httpx.AsyncClient, service: ReservoirService) -> None:
+        broker.faults = Faults(loss=1.0)  # the request never reaches a node
+        try:
+            late = await client.post(
+                "/v1/reservations", json={"vcpus": 1, "memory_mb": 1, "timeout_s": 0.2}
+            )
+        finally:
+            broker.faults = None
+        assert late.status_code == 504
+        assert late.headers["content-type"] == PROBLEM_JSON
+        assert late.json()["type"] == "urn:reservoir:problem:timeout"
+        assert "timed out" in late.json()["detail"]
+        exposition = (await client.get("/metrics")).text
+        assert 'reservoir_service_placement_failures_total{reason="timeout"} 1.0' in exposition
 
     run_against(app, scenario)
     audited(nodes, [])
@@ -471,3 +498,22 @@ def test_the_lifespan_helper_serves_a_users_own_app(
             return node
 
     assert asyncio.run(main()) in {n.name for n in nodes}
+
+
+def test_the_serve_command_is_registered_and_explains_itself() -> None:
+    shown = CliRunner().invoke(main, ["serve", "--help"])
+    assert shown.exit_code == 0, shown.output
+    for words in ("--broker", "--host", "--port", "RESERVOIR_SERVE_PORT", "/v1/reservations"):
+        assert words in shown.output
+
+
+def test_the_serve_command_on_a_port_in_use_says_so_in_one_line_and_exits_2() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = CliRunner().invoke(main, ["serve", "--broker", "memory://", "--port", str(port)])
+    assert result.exit_code == 2, result.output
+    [line] = result.output.strip().splitlines()
+    assert line.startswith(f"reservoir serve: cannot listen on 127.0.0.1:{port}: ")
+    assert "in use" in line

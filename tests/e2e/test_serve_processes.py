@@ -228,3 +228,51 @@ def test_the_service_places_reads_lists_releases_and_explains_over_http(
     assert report.ok, report.as_json()
     assert report.allocations == 8
     assert report.orphans == ()
+
+
+def test_sigterm_with_requests_in_flight_lets_them_finish_or_fail_clearly(
+    deployment: Deployment,
+) -> None:
+    """Every client hears a placement (201) or a problem (503 while shutting down), or
+    cannot connect once the service stopped listening; the service exits 0, and the nodes
+    hold exactly the placements clients heard of."""
+
+    async def scenario() -> list[httpx.Response | BaseException]:
+        async with httpx.AsyncClient(base_url=deployment.base_url, timeout=60.0) as client:
+
+            async def place(i: int) -> httpx.Response:
+                return await client.post(
+                    "/v1/reservations",
+                    json={"vcpus": 1, "memory_mb": 256},
+                    headers={"Idempotency-Key": f"t{i}"},
+                )
+
+            first = await place(0)
+            assert first.status_code == 201, first.text
+            posts = [asyncio.create_task(place(i)) for i in range(1, 21)]
+            await asyncio.sleep(0)  # let them start: then stop the service under them
+            deployment.serve.process.send_signal(signal.SIGTERM)
+            answers = await asyncio.gather(*posts, return_exceptions=True)
+            return [first, *answers]
+
+    answers = asyncio.run(scenario())
+    assert deployment.serve.process.wait(timeout=30) == 0, "".join(deployment.serve.seen)
+    placed: list[dict[str, Any]] = []
+    for answer in answers:
+        if isinstance(answer, httpx.Response):
+            if answer.status_code == 201:
+                placed.append(answer.json())
+            else:
+                assert answer.status_code == 503, answer.text
+                assert answer.headers["content-type"] == PROBLEM_JSON
+        else:
+            assert isinstance(answer, httpx.TransportError), repr(answer)
+    report = audit_cluster(
+        deployment.url,
+        placements=read_placements(json.dumps(p) for p in placed),
+        expect_nodes=3,
+        wait_s=10,
+    )
+    assert report.ok, report.as_json()
+    assert report.allocations == len(placed)
+    assert report.orphans == ()

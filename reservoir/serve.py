@@ -315,7 +315,7 @@ class ReservoirService:
 
     @property
     def ready(self) -> bool:
-        """Whether requests can be placed: the requestor open and the broker connected.
+        """Whether requests can be placed: not shutting down, and the broker connected.
         The in-process broker has no connection to lose and is always ready."""
         if self.closing:
             return False
@@ -355,6 +355,9 @@ class ReservoirService:
         placement = self.placements.pop(request_id, None)
         if placement is None:
             raise Problem(404, "no such reservation", f"this service holds no {request_id!r}")
+        # marked before the first await: a POST with this key in between must not find it
+        # neither listed nor being freed, and place it again under the release
+        self.freeing.add(request_id)
         self._count_held()
         await self._to_the_end(self._release(placement))
 
@@ -393,10 +396,14 @@ class ReservoirService:
             outcome = "timeout"
             raise
         except PlacementError:
-            outcome = "not_placed"
+            # abandoned by the shutdown, not refused by the nodes
+            outcome = "unavailable" if self.closing else "not_placed"
             raise
         except (RequestorClosed, BrokerError):
             outcome = "unavailable"
+            raise
+        except BaseException:
+            outcome = "error"
             raise
         finally:
             if metrics is not None:
@@ -411,7 +418,6 @@ class ReservoirService:
         return placement
 
     async def _release(self, placement: Placement) -> None:
-        self.freeing.add(placement.request_id)
         try:
             await self.requestor.release_async(placement)
         except FreeIncomplete:

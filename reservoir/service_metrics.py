@@ -37,7 +37,8 @@ class ServiceMetrics:
         )
         self.placements = Counter(
             "reservoir_service_placements",
-            "Requests placed (whole or partial).",
+            "POST /v1/reservations answered with a placement (whole or partial) by the "
+            "requestor (replays from this process's record are not counted).",
             labelnames=("partial",),
             registry=self.registry,
         )

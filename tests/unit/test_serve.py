@@ -202,6 +202,37 @@ def test_a_key_reused_with_another_body_is_a_422_problem(
     run_against(app, scenario)
 
 
+def test_a_key_being_released_is_not_placed_again_under_the_release(
+    broker: InProcessBroker, nodes: list[NodeAgent], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app = create_app(broker)
+    shape = {"vcpus": 1, "memory_mb": 1}
+
+    async def scenario(client: httpx.AsyncClient, service: ReservoirService) -> None:
+        key = {"Idempotency-Key": "order-3"}
+        assert (await client.post("/v1/reservations", json=shape, headers=key)).status_code == 201
+        entered, gate = asyncio.Event(), asyncio.Event()
+        release = service.requestor.release_async
+
+        async def gated_release(placement: Placement) -> None:
+            entered.set()
+            await gate.wait()
+            await release(placement)
+
+        monkeypatch.setattr(service.requestor, "release_async", gated_release)
+        deleting = asyncio.create_task(client.delete("/v1/reservations/order-3"))
+        await entered.wait()
+        meanwhile = await client.post("/v1/reservations", json=shape, headers=key)
+        assert meanwhile.status_code == 409
+        assert meanwhile.json()["title"] == "being released"
+        gate.set()
+        assert (await deleting).status_code == 204
+        assert sum(len(n.allocations()) for n in nodes) == 0
+
+    run_against(app, scenario)
+    audited(nodes, [])
+
+
 def test_an_impossible_request_is_a_409_problem_naming_the_short_resource(
     broker: InProcessBroker, nodes: list[NodeAgent]
 ) -> None:

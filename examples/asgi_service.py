@@ -1,5 +1,11 @@
 """reservoir embedded in an API server: a small FastAPI service that places servers.
 
+For the whole service (problem+json errors, ``/readyz`` that follows the broker
+connection, ``/metrics``, ``/v1/nodes``, the key-reused-with-another-body check), run
+``reservoir serve`` or build on :func:`reservoir.serve.create_app`; its lifespan helper
+:func:`reservoir.serve.reservoir_lifespan` puts the same shared requestor in any FastAPI
+or Starlette app. This example stays small to show the design underneath.
+
 What it shows:
 
 - **One Requestor per process.** A :class:`~reservoir.Requestor` is thread-safe and runs

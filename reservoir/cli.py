@@ -1209,5 +1209,10 @@ from reservoir.chaos.harness import chaos  # noqa: E402
 
 main.add_command(chaos)
 
+# So is the serve command, with the service, in reservoir/serve.py.
+from reservoir.serve import serve  # noqa: E402
+
+main.add_command(serve)
+
 if __name__ == "__main__":  # pragma: no cover
     main()

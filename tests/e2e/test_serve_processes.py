@@ -1,0 +1,278 @@
+"""End to end: ``reservoir serve`` in a process of its own in front of three real
+``reservoir node`` processes on a real RabbitMQ, driven over HTTP by concurrent clients,
+stopped with SIGTERM, and the cluster audited over the broker at the end."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from brokers import admin
+from reservoir.auditor import audit_cluster, read_placements
+
+pytestmark = [pytest.mark.rabbitmq, pytest.mark.e2e]
+
+READY_TIMEOUT_S = 30.0
+NODE_VCPUS = 8
+NODE_MEMORY_MB = 16384
+#: node names are queue names on the whole vhost: unique per run, so that nothing else
+#: on the same RabbitMQ holds them
+RUN = uuid.uuid4().hex[:6]
+NODES = tuple(f"serve-{RUN}-{letter}" for letter in "abc")
+PROBLEM_JSON = "application/problem+json"
+
+
+@dataclass
+class Process:
+    """A child process and its stderr, line by line."""
+
+    name: str
+    process: subprocess.Popen[str]
+    lines: queue.Queue[str] = field(default_factory=queue.Queue)
+    seen: list[str] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, name: str, args: list[str], env: dict[str, str]) -> Process:
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "reservoir.cli", *args],
+            env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+        )  # fmt: skip
+        started = cls(name, popen)
+
+        def pump() -> None:
+            assert popen.stderr is not None
+            for line in popen.stderr:
+                started.seen.append(line)
+                started.lines.put(line)
+
+        threading.Thread(target=pump, daemon=True).start()
+        return started
+
+    def wait_for(self, text: str, timeout_s: float = READY_TIMEOUT_S) -> str:
+        deadline = time.monotonic() + timeout_s
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                line = self.lines.get(timeout=remaining)
+            except queue.Empty:
+                break
+            if text in line:
+                return line
+        raise AssertionError(f"{self.name} never said {text!r}: {''.join(self.seen)}")
+
+    def terminate(self, timeout_s: float = 30.0) -> int:
+        self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout=timeout_s)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+@dataclass
+class Deployment:
+    url: str
+    base_url: str
+    serve: Process
+    nodes: list[Process]
+
+
+def node_args(name: str, state_dir: Path) -> list[str]:
+    return ["node", "--name", name, "--vcpus", str(NODE_VCPUS),
+            "--memory-mb", str(NODE_MEMORY_MB), "--state-dir", str(state_dir)]  # fmt: skip
+
+
+@pytest.fixture
+def deployment(reservoir_amqp_url: str, tmp_path: Path) -> Iterator[Deployment]:
+    exchange = f"e2e-serve-{uuid.uuid4().hex[:10]}"
+    separator = "&" if "?" in reservoir_amqp_url else "?"
+    url = f"{reservoir_amqp_url}{separator}exchange={exchange}"
+    # PYTHONPATH passes through, so the children run this tree's reservoir
+    env = {**os.environ, "RESERVOIR_BROKER_URL": url}
+    nodes = [Process.start(name, node_args(name, tmp_path), env) for name in NODES]
+    port = free_port()
+    serve = Process.start("serve", ["serve", "--port", str(port)], env)
+    try:
+        for node in nodes:
+            node.wait_for("ready")
+        base_url = f"http://127.0.0.1:{port}"
+        wait_until_ready(base_url, serve)
+        yield Deployment(url, base_url, serve, nodes)
+    finally:
+        for child in (serve, *nodes):
+            if child.process.poll() is None:
+                child.process.kill()
+                child.process.wait(timeout=10)
+        topology = admin(url)
+        assert topology is not None
+        topology.delete_reservoir_exchanges()
+
+
+def wait_until_ready(base_url: str, serve: Process) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    with httpx.Client(base_url=base_url, timeout=2.0) as client:
+        while time.monotonic() < deadline:
+            assert serve.process.poll() is None, "".join(serve.seen)
+            try:
+                if client.get("/readyz").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)  # a real process starting: nothing to wait on but its port
+    raise AssertionError(f"reservoir serve never became ready: {''.join(serve.seen)}")
+
+
+def test_the_service_places_reads_lists_releases_and_explains_over_http(
+    deployment: Deployment,
+) -> None:
+    shape = {"vcpus": 1, "memory_mb": 512}
+
+    async def scenario() -> tuple[list[dict[str, Any]], str]:
+        async with httpx.AsyncClient(base_url=deployment.base_url, timeout=60.0) as client:
+            # concurrent clients, each with a key of its own
+            created = await asyncio.gather(
+                *(
+                    client.post(
+                        "/v1/reservations", json=shape, headers={"Idempotency-Key": f"k{i}"}
+                    )
+                    for i in range(12)
+                )
+            )
+            assert [c.status_code for c in created] == [201] * 12, [c.text for c in created]
+            placed = [c.json() for c in created]
+            assert sorted(p["request_id"] for p in placed) == sorted(f"k{i}" for i in range(12))
+
+            reads = await asyncio.gather(
+                *(client.get(f"/v1/reservations/{p['request_id']}") for p in placed)
+            )
+            assert [r.json() for r in reads] == placed
+
+            # an idempotent retry, and the same key with another body
+            retried = await client.post(
+                "/v1/reservations", json=shape, headers={"Idempotency-Key": "k0"}
+            )
+            assert retried.status_code == 200
+            assert retried.json()["allocations"] == placed[0]["allocations"]
+            reused = await client.post(
+                "/v1/reservations",
+                json={"vcpus": 2, "memory_mb": 512},
+                headers={"Idempotency-Key": "k0"},
+            )
+            assert reused.status_code == 422
+            assert reused.headers["content-type"] == PROBLEM_JSON
+            assert "different body" in reused.json()["detail"]
+
+            # a failure with its explanation: no node has 64 VCPUs
+            failed = await client.post("/v1/reservations", json={"vcpus": 64, "memory_mb": 1})
+            assert failed.status_code == 409
+            assert failed.headers["content-type"] == PROBLEM_JSON
+            problem = failed.json()
+            assert "VCPU" in problem["detail"]
+            assert problem["reasons"] == {"VCPU larger than one instance may take": 3}
+
+            listed = await client.get("/v1/nodes", params={"expect_nodes": 3, "wait_s": 10})
+            assert listed.status_code == 200
+            nodes = listed.json()
+            assert sorted(n["name"] for n in nodes) == sorted(NODES)
+            assert sum(n["allocations"] for n in nodes) == 12
+            assert sum(n["usage"]["VCPU"]["allocated"] for n in nodes) == 12
+            assert all(n["usage"]["VCPU"]["capacity"] == NODE_VCPUS for n in nodes)
+
+            # release a third, concurrently
+            released = await asyncio.gather(
+                *(client.delete(f"/v1/reservations/{p['request_id']}") for p in placed[:4])
+            )
+            assert [r.status_code for r in released] == [204] * 4
+            assert (await client.get("/v1/reservations/k0")).status_code == 404
+            after = (await client.get("/v1/nodes", params={"expect_nodes": 3})).json()
+            assert sum(n["allocations"] for n in after) == 8
+
+            exposition = await client.get("/metrics")
+            assert exposition.status_code == 200
+            return placed[4:], exposition.text
+
+    held, metrics = asyncio.run(scenario())
+    assert 'reservoir_service_placements_total{partial="false"} 12.0' in metrics
+    assert 'reservoir_service_placement_failures_total{reason="not_placed"} 1.0' in metrics
+    assert 'reservoir_service_placement_seconds_count{outcome="placed"} 12.0' in metrics
+    assert "reservoir_service_placements_held 8.0" in metrics
+    assert (
+        'reservoir_service_http_requests_total{method="POST",route="/v1/reservations",'
+        'status="201"} 12.0'
+    ) in metrics
+
+    # SIGTERM: the service closes its requestor and exits cleanly
+    assert deployment.serve.terminate() == 0, "".join(deployment.serve.seen)
+    assert any("Application shutdown complete" in line for line in deployment.serve.seen)
+
+    placements = read_placements(json.dumps(p) for p in held)
+    report = audit_cluster(deployment.url, placements=placements, expect_nodes=3, wait_s=10)
+    assert report.ok, report.as_json()
+    assert report.allocations == 8
+    assert report.orphans == ()
+
+
+def test_sigterm_with_requests_in_flight_lets_them_finish_or_fail_clearly(
+    deployment: Deployment,
+) -> None:
+    """Every client hears a placement (201) or a problem (503 while shutting down), or
+    cannot connect once the service stopped listening; the service exits 0, and the nodes
+    hold exactly the placements clients heard of."""
+
+    async def scenario() -> list[httpx.Response | BaseException]:
+        async with httpx.AsyncClient(base_url=deployment.base_url, timeout=60.0) as client:
+
+            async def place(i: int) -> httpx.Response:
+                return await client.post(
+                    "/v1/reservations",
+                    json={"vcpus": 1, "memory_mb": 256},
+                    headers={"Idempotency-Key": f"t{i}"},
+                )
+
+            first = await place(0)
+            assert first.status_code == 201, first.text
+            posts = [asyncio.create_task(place(i)) for i in range(1, 21)]
+            await asyncio.sleep(0)  # let them start: then stop the service under them
+            deployment.serve.process.send_signal(signal.SIGTERM)
+            answers = await asyncio.gather(*posts, return_exceptions=True)
+            return [first, *answers]
+
+    answers = asyncio.run(scenario())
+    assert deployment.serve.process.wait(timeout=30) == 0, "".join(deployment.serve.seen)
+    placed: list[dict[str, Any]] = []
+    for answer in answers:
+        if isinstance(answer, httpx.Response):
+            if answer.status_code == 201:
+                placed.append(answer.json())
+            else:
+                assert answer.status_code == 503, answer.text
+                assert answer.headers["content-type"] == PROBLEM_JSON
+        else:
+            assert isinstance(answer, httpx.TransportError), repr(answer)
+    report = audit_cluster(
+        deployment.url,
+        placements=read_placements(json.dumps(p) for p in placed),
+        expect_nodes=3,
+        wait_s=10,
+    )
+    assert report.ok, report.as_json()
+    assert report.allocations == len(placed)
+    assert report.orphans == ()

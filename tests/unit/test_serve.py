@@ -1,0 +1,550 @@
+"""The ``reservoir serve`` app (reservoir/serve.py) over HTTP, against a live in-process
+cluster: node agents on their own threads and the app's one shared Requestor on one
+:class:`~brokers.inprocess.InProcessBroker`, driven through httpx's ASGI transport, with
+the invariant audit over the nodes' ledgers at the end."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, MutableMapping
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import pytest
+from click.testing import CliRunner
+from fastapi import FastAPI, Request
+
+from brokers.inprocess import Faults, InProcessBroker
+from reservoir import NodeAgent, Placement, PlacementRequest, RequestorClosed, audit
+from reservoir.cli import main
+from reservoir.serve import ReservoirService, create_app, reservoir_lifespan
+
+NODE_VCPUS = 16
+NODE_MEMORY_MB = 32768
+PROBLEM_JSON = "application/problem+json"
+
+
+@pytest.fixture
+def broker() -> Iterator[InProcessBroker]:
+    broker = InProcessBroker()
+    yield broker
+    broker.close()
+
+
+@pytest.fixture
+def nodes(broker: InProcessBroker) -> Iterator[list[NodeAgent]]:
+    nodes = [
+        NodeAgent(broker, name=f"serve-{i}", vcpus=NODE_VCPUS, memory_mb=NODE_MEMORY_MB)
+        for i in range(3)
+    ]
+    yield nodes
+    for node in nodes:
+        node.close()
+
+
+@asynccontextmanager
+async def running(app: FastAPI) -> AsyncIterator[None]:
+    """Start and stop the app through the ASGI lifespan protocol, as uvicorn does."""
+    to_app: asyncio.Queue[MutableMapping[str, Any]] = asyncio.Queue()
+    from_app: asyncio.Queue[MutableMapping[str, Any]] = asyncio.Queue()
+    scope = {"type": "lifespan", "asgi": {"version": "3.0", "spec_version": "2.0"}}
+    lifespan = asyncio.create_task(app(scope, to_app.get, from_app.put))
+    await to_app.put({"type": "lifespan.startup"})
+    started = await from_app.get()
+    assert started["type"] == "lifespan.startup.complete", started
+    try:
+        yield
+    finally:
+        await to_app.put({"type": "lifespan.shutdown"})
+        stopped = await from_app.get()
+        await lifespan
+        assert stopped["type"] == "lifespan.shutdown.complete", stopped
+
+
+@asynccontextmanager
+async def serving(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
+    async with running(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://api.test") as client:
+            yield client
+
+
+def run_against(
+    app: FastAPI, scenario: Callable[[httpx.AsyncClient, ReservoirService], Awaitable[Any]]
+) -> Any:
+    async def main() -> Any:
+        async with serving(app) as client:
+            service = app.state.reservoir
+            assert isinstance(service, ReservoirService)
+            return await scenario(client, service)
+
+    return asyncio.run(main())
+
+
+def audited(nodes: list[NodeAgent], placements: list[Placement]) -> None:
+    audit([n.snapshot() for n in nodes], placements).raise_if_failed()
+
+
+def test_a_request_is_placed_with_201_and_read_back_and_released(
+    broker: InProcessBroker, nodes: list[NodeAgent]
+) -> None:
+    app = create_app(broker)
+
+    async def scenario(client: httpx.AsyncClient, service: ReservoirService) -> None:
+        created = await client.post("/v1/reservations", json={"vcpus": 2, "memory_mb": 4096})
+        assert created.status_code == 201, created.text
+        body = created.json()
+        assert body["placed"] is True
+        assert body["partial"] is False
+        [allocation] = body["allocations"]
+        assert allocation["resources"] == {"VCPU": 2, "MEMORY_MB": 4096}
+        assert allocation["node"] in {n.name for n in nodes}
+        audited(nodes, list(service.placements.values()))
+
+        read = await client.get(f"/v1/reservations/{body['request_id']}")
+        assert read.status_code == 200
+        assert read.json() == body
+
+        released = await client.delete(f"/v1/reservations/{body['request_id']}")
+        assert released.status_code == 204
+        assert released.content == b""
+        assert sum(len(n.allocations()) for n in nodes) == 0
+        gone = await client.get(f"/v1/reservations/{body['request_id']}")
+        assert gone.status_code == 404
+        assert gone.headers["content-type"] == PROBLEM_JSON
+        again = await client.delete(f"/v1/reservations/{body['request_id']}")
+        assert again.status_code == 404
+
+    run_against(app, scenario)
+    audited(nodes, [])
+
+
+def test_the_same_key_again_gets_the_same_placement_with_200(
+    broker: InProcessBroker, nodes: list[NodeAgent]
+) -> None:
+    app = create_app(broker)
+    shape = {"vcpus": 1, "memory_mb": 1024, "count": 2}
+
+    async def scenario(client: httpx.AsyncClient, service: ReservoirService) -> None:
+        key = {"Idempotency-Key": "order-1"}
+        first = await client.post("/v1/reservations", json=shape, headers=key)
+        assert first.status_code == 201, first.text
+        assert first.json()["request_id"] == "order-1"
+        retried = await client.post("/v1/reservations", json=shape, headers=key)
+        assert retried.status_code == 200, retried.text
+        assert retried.json() == first.json()
+        # the key in the body is the same key
+        in_body = await client.post("/v1/reservations", json={**shape, "request_id": "order-1"})
+        assert in_body.status_code == 200
+        assert in_body.json()["allocations"] == first.json()["allocations"]
+        assert sum(len(n.allocations()) for n in nodes) == 2
+        audited(nodes, list(service.placements.values()))
+
+    run_against(app, scenario)
+
+
+def test_concurrent_requests_with_one_key_share_one_placement(
+    broker: InProcessBroker, nodes: list[NodeAgent]
+) -> None:
+    app = create_app(broker)
+
+    async def scenario(client: httpx.AsyncClient, service: ReservoirService) -> None:
+        answers = await asyncio.gather(
+            *(
+                client.post(
+                    "/v1/reservations",
+                    json={"vcpus": 1, "memory_mb": 512},
+                    headers={"Idempotency-Key": "shared"},
+                )
+                for _ in range(5)
+            )
+        )
+        assert {a.status_code for a in answers} <= {200, 201}
+        assert len({str(a.json()["allocations"]) for a in answers}) == 1
+        assert sum(len(n.allocations()) for n in nodes) == 1
+        audited(nodes, list(service.placements.values()))
+
+    run_against(app, scenario)
+
+
+def test_a_key_reused_with_another_body_is_a_422_problem(
+    broker: InProcessBroker, nodes: list[NodeAgent]
+) -> None:
+    app = create_app(broker)
+
+    async def scenario(client: httpx.AsyncClient, service: ReservoirService) -> None:
+        key = {"Idempotency-Key": "order-2"}
+        first = await client.post(
+            "/v1/reservations", json={"vcpus": 1, "memory_mb": 1}, headers=key
+        )
+        assert first.status_code == 201, first.text
+        other = await client.post(
+            "/v1/reservations", json={"vcpus": 8, "memory_mb": 1}, headers=key
+        )
+        assert other.status_code == 422
+        assert other.headers["content-type"] == PROBLEM_JSON
+        problem = other.json()
+        assert problem["status"] == 422
+        assert problem["request_id"] == "order-2"
+        assert "different body" in problem["detail"]
+        # nothing new was placed, and the first placement stands
+        assert sum(len(n.allocations()) for n in nodes) == 1
+        # once released, the key is free for a new body
+        assert (await client.delete("/v1/reservations/order-2")).status_code == 204
+        renewed = await client.post(
+            "/v1/reservations", json={"vcpus": 8, "memory_mb": 1}, headers=key
+        )
+        assert renewed.status_code == 201, renewed.text
+        audited(nodes, list(service.placements.values()))
+
+    run_against(app, scenario)
+
+
+def test_a_key_being_released_is_not_placed_again_under_the_release(
+    broker: InProcessBroker, nodes: list[NodeAgent], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app = create_app(broker)
+    shape = {"vcpus": 1, "memory_mb": 1}
+
+    async def scenario(client: httpx.AsyncClient, service: ReservoirService) -> None:
+        key = {"Idempotency-Key": "order-3"}
+        assert (await client.post("/v1/reservations", json=shape, headers=key)).status_code == 201
+        entered, gate = asyncio.Event(), asyncio.Event()
+        release = service.requestor.release_async
+
+        async def gated_release(placement: Placement) -> None:
+            entered.set()
+            await gate.wait()
+            await release(placement)
+
+        monkeypatch.setattr(service.requestor, "release_async", gated_release)
+        deleting = asyncio.create_task(client.delete("/v1/reservations/order-3"))
+        await entered.wait()
+        meanwhile = await client.post("/v1/reservations", json=shape, headers=key)
+        assert meanwhile.status_code == 409
+        assert meanwhile.json()["title"] == "being released"
+        gate.set()
+        assert (await deleting).status_code == 204
+        assert sum(len(n.allocations()) for n in nodes) == 0
+
+    run_against(app, scenario)
+    audited(nodes, [])
+
+
+def test_an_impossible_request_is_a_409_problem_naming_the_short_resource(
+    broker: InProcessBroker, nodes: list[NodeAgent]
+) -> None:
+    app = create_app(broker)
+
+    async def scenario(client: httpx.AsyncClient, service: ReservoirService) -> None:
+        failed = await client.post("/v1/reservations", json={"vcpus": 64, "memory_mb": 1024})
+        assert failed.status_code == 409
+        assert failed.headers["content-type"] == PROBLEM_JSON
+        problem = failed.json()
+        assert problem["type"] == "urn:reservoir:problem:not-placed"
+        assert problem["status"] == 409
+        assert "VCPU" in problem["detail"]
+        assert problem["reasons"] == {"VCPU larger than one instance may take": len(nodes)}
+        assert problem["tiers_tried"]
+        assert problem["request_id"]
+        assert service.placements == {}
+
+    run_against(app, scenario)
+    audited(nodes, [])
+
+
+def test_a_request_not_placed_in_its_timeout_is_a_504_problem(
+    broker: InProcessBroker, nodes: list[NodeAgent]
+) -> None:
+    app = create_app(broker)
+
+    async def scenario(client: httpx.AsyncClient, service: ReservoirService) -> None:
+        broker.faults = Faults(loss=1.0)  # the request never reaches a node
+        try:
+            late = await client.post(
+                "/v1/reservations", json={"vcpus": 1, "memory_mb": 1, "timeout_s": 0.2}
+            )
+        finally:
+            broker.faults = None
+        assert late.status_code == 504
+        assert late.headers["content-type"] == PROBLEM_JSON
+        assert late.json()["type"] == "urn:reservoir:problem:timeout"
+        assert "timed out" in late.json()["detail"]
+        exposition = (await client.get("/metrics")).text
+        assert 'reservoir_service_placement_failures_total{reason="timeout"} 1.0' in exposition
+
+    run_against(app, scenario)
+    audited(nodes, [])
+
+
+def test_a_bad_body_is_a_422_problem_naming_the_field(
+    broker: InProcessBroker, nodes: list[NodeAgent]
+) -> None:
+    app = create_app(broker)
+
+    async def scenario(client: httpx.AsyncClient, service: ReservoirService) -> None:
+        negative = await client.post("/v1/reservations", json={"vcpus": -1, "memory_mb": 1})
+        assert negative.status_code == 422
+        assert negative.headers["content-type"] == PROBLEM_JSON
+        assert negative.json()["errors"][0]["field"] == "body.vcpus"
+        assert "body.vcpus" in negative.json()["detail"]
+        nothing = await client.post("/v1/reservations", json={"vcpus": 0, "memory_mb": 0})
+        assert nothing.status_code == 422
+        assert "positive amount" in nothing.json()["detail"]
+        too_few = await client.post(
+            "/v1/reservations", json={"vcpus": 1, "memory_mb": 1, "count": 1, "min_count": 2}
+        )
+        assert too_few.status_code == 422
+        assert "min_count" in too_few.json()["detail"]
+        bad_key = await client.post(
+            "/v1/reservations",
+            json={"vcpus": 1, "memory_mb": 1},
+            headers={"Idempotency-Key": "no spaces allowed"},
+        )
+        assert bad_key.status_code == 422
+        assert bad_key.json()["errors"][0]["field"] == "header.Idempotency-Key"
+        unknown = await client.post("/v1/reservations", json={"vcpus": 1, "cpus": 2})
+        assert unknown.status_code == 422
+        assert unknown.json()["errors"][0]["field"] == "body.cpus"
+
+    run_against(app, scenario)
+    audited(nodes, [])
+
+
+def test_the_nodes_list_shows_every_node_with_its_usage_and_tier(
+    broker: InProcessBroker, nodes: list[NodeAgent]
+) -> None:
+    app = create_app(broker)
+
+    async def scenario(client: httpx.AsyncClient, service: ReservoirService) -> None:
+        placed = await client.post("/v1/reservations", json={"vcpus": 4, "memory_mb": 1024})
+        assert placed.status_code == 201
+        [allocation] = placed.json()["allocations"]
+        listed = await client.get("/v1/nodes", params={"expect_nodes": len(nodes), "wait_s": 10})
+        assert listed.status_code == 200, listed.text
+        by_name = {node["name"]: node for node in listed.json()}
+        assert sorted(by_name) == sorted(n.name for n in nodes)
+        holder = by_name[allocation["node"]]
+        assert holder["allocations"] == 1
+        assert holder["reservations"] == 0
+        assert holder["usage"]["VCPU"] == {"capacity": NODE_VCPUS, "allocated": 4, "reserved": 0}
+        assert all(isinstance(node["tier"], int) for node in by_name.values())
+
+    run_against(app, scenario)
+
+
+def test_probes_and_metrics(broker: InProcessBroker, nodes: list[NodeAgent]) -> None:
+    app = create_app(broker)
+
+    async def scenario(client: httpx.AsyncClient, service: ReservoirService) -> str:
+        assert (await client.get("/healthz")).json()["status"] == "ok"
+        assert (await client.get("/readyz")).status_code == 200
+        await client.post("/v1/reservations", json={"vcpus": 1, "memory_mb": 1})
+        await client.post("/v1/reservations", json={"vcpus": 99, "memory_mb": 1})
+        service.closing = True  # as during shutdown: not ready, nothing new accepted
+        not_ready = await client.get("/readyz")
+        assert not_ready.status_code == 503
+        assert not_ready.headers["content-type"] == PROBLEM_JSON
+        refused = await client.post("/v1/reservations", json={"vcpus": 1, "memory_mb": 1})
+        assert refused.status_code == 503
+        service.closing = False
+        exposition = await client.get("/metrics")
+        assert exposition.status_code == 200
+        return exposition.text
+
+    text = run_against(app, scenario)
+    assert 'reservoir_service_placement_seconds_bucket{le="0.005",outcome="placed"}' in text
+    assert 'reservoir_service_placement_seconds_count{outcome="placed"} 1.0' in text
+    assert 'reservoir_service_placements_total{partial="false"} 1.0' in text
+    assert 'reservoir_service_placement_failures_total{reason="not_placed"} 1.0' in text
+    assert "reservoir_service_placements_in_flight 0.0" in text
+    assert (
+        'reservoir_service_http_requests_total{method="POST",route="/v1/reservations",'
+        'status="201"} 1.0'
+    ) in text
+    assert 'route="/readyz",status="503"' in text
+
+
+class FlakyBroker(InProcessBroker):
+    """An in-process broker whose connection the test can take down, as an AMQP
+    broker's ``connected`` property reports it."""
+
+    connected = True
+
+
+def test_while_the_broker_connection_is_down_the_service_is_not_ready_and_refuses_with_503() -> (
+    None
+):
+    broker = FlakyBroker()
+    node = NodeAgent(broker, name="flaky-node", vcpus=4, memory_mb=4096)
+    app = create_app(broker)
+
+    async def scenario(client: httpx.AsyncClient, service: ReservoirService) -> None:
+        assert (await client.get("/readyz")).status_code == 200
+        broker.connected = False
+        not_ready = await client.get("/readyz")
+        assert not_ready.status_code == 503
+        assert not_ready.headers["content-type"] == PROBLEM_JSON
+        assert "broker connection is down" in not_ready.json()["detail"]
+        refused = await client.post("/v1/reservations", json={"vcpus": 1, "memory_mb": 1})
+        assert refused.status_code == 503
+        assert refused.json()["type"] == "urn:reservoir:problem:unavailable"
+        assert (await client.get("/healthz")).status_code == 200  # the process lives on
+        broker.connected = True
+        placed = await client.post("/v1/reservations", json={"vcpus": 1, "memory_mb": 1})
+        assert placed.status_code == 201, placed.text
+
+    try:
+        run_against(app, scenario)
+    finally:
+        node.close()
+        broker.close()
+
+
+async def shut_down_with_a_placement_in_flight(
+    app: FastAPI, monkeypatch: pytest.MonkeyPatch, *, open_gate_before_draining: bool
+) -> tuple[httpx.Response, ReservoirService, bool]:
+    """POST a placement held at a gate inside the service, shut the app down, and open
+    the gate as the drain begins (or only once it has ended). Returns the POST's answer,
+    the service, and whether the POST was still running when the shutdown began."""
+    entered, gate = asyncio.Event(), asyncio.Event()
+    still_running_at_shutdown = False
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://api.test") as client:
+        async with running(app):
+            service = app.state.reservoir
+            assert isinstance(service, ReservoirService)
+            reserve, drain = service.requestor.reserve_async, service.drain
+
+            async def gated_reserve(*args: Any, **kwargs: Any) -> Placement:
+                entered.set()
+                await gate.wait()
+                return await reserve(*args, **kwargs)
+
+            async def observed_drain(timeout_s: float) -> int:
+                nonlocal still_running_at_shutdown
+                still_running_at_shutdown = not post.done()
+                if open_gate_before_draining:
+                    gate.set()
+                left = await drain(timeout_s)
+                gate.set()
+                return left
+
+            monkeypatch.setattr(service.requestor, "reserve_async", gated_reserve)
+            monkeypatch.setattr(service, "drain", observed_drain)
+            post = asyncio.create_task(
+                client.post("/v1/reservations", json={"vcpus": 1, "memory_mb": 1})
+            )
+            await entered.wait()
+        # the lifespan has shut down: the requestor is closed
+        return await post, service, still_running_at_shutdown
+
+
+def test_a_placement_in_flight_at_shutdown_finishes_before_the_requestor_closes(
+    broker: InProcessBroker, nodes: list[NodeAgent], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app = create_app(broker, drain_timeout_s=30)
+    answer, service, in_flight = asyncio.run(
+        shut_down_with_a_placement_in_flight(app, monkeypatch, open_gate_before_draining=True)
+    )
+    assert in_flight
+    assert answer.status_code == 201, answer.text
+    assert sum(len(n.allocations()) for n in nodes) == 1
+    assert all(not n.snapshot().reservations for n in nodes)
+    with pytest.raises(RequestorClosed):
+        service.requestor.reserve(vcpus=1, memory_mb=1)
+    audited(nodes, list(service.placements.values()))
+
+
+def test_a_placement_still_in_flight_when_the_drain_ends_fails_clearly_and_holds_nothing(
+    broker: InProcessBroker, nodes: list[NodeAgent], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app = create_app(broker, drain_timeout_s=0)
+    answer, service, in_flight = asyncio.run(
+        shut_down_with_a_placement_in_flight(app, monkeypatch, open_gate_before_draining=False)
+    )
+    assert in_flight
+    # the requestor closed under it: the client is told to try again elsewhere
+    assert answer.status_code == 503, answer.text
+    assert answer.headers["content-type"] == PROBLEM_JSON
+    assert answer.json()["title"] == "shutting down"
+    assert service.placements == {}
+    assert sum(len(n.allocations()) for n in nodes) == 0
+    # Offers that reach the closed requestor's endpoint are never answered: the nodes'
+    # reservations for them lapse at their TTL, as the protocol has it. The audit checks
+    # that none outlives it.
+    audited(nodes, [])
+
+
+def test_two_apps_in_one_process_keep_their_own_metrics(broker: InProcessBroker) -> None:
+    first, second = create_app(broker), create_app(broker)
+    assert first.state.metrics.registry is not second.state.metrics.registry
+
+
+def test_the_openapi_document_lists_the_endpoints(broker: InProcessBroker) -> None:
+    paths = create_app(broker).openapi()["paths"]
+    assert {"/v1/reservations", "/v1/reservations/{request_id}", "/v1/nodes"} <= set(paths)
+    assert {"/healthz", "/readyz", "/metrics"} <= set(paths)
+
+
+def test_shutdown_closes_the_requestor(broker: InProcessBroker, nodes: list[NodeAgent]) -> None:
+    app = create_app(broker)
+
+    async def scenario(client: httpx.AsyncClient, service: ReservoirService) -> ReservoirService:
+        assert (await client.post("/v1/reservations", json={"vcpus": 1, "memory_mb": 1})).is_success
+        return service
+
+    service = run_against(app, scenario)
+    assert app.state.reservoir is None
+    with pytest.raises(RequestorClosed):
+        service.requestor.reserve(vcpus=1, memory_mb=1)
+    # what was placed stays placed (it is the clients'); nothing is left merely reserved
+    assert all(not n.snapshot().reservations for n in nodes)
+    audited(nodes, list(service.placements.values()))
+
+
+def test_the_lifespan_helper_serves_a_users_own_app(
+    broker: InProcessBroker, nodes: list[NodeAgent]
+) -> None:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with reservoir_lifespan(app, broker):
+            yield
+
+    app = FastAPI(lifespan=lifespan)
+
+    @app.post("/servers")
+    async def create(request: Request) -> dict[str, str]:
+        service: ReservoirService = request.app.state.reservoir
+        placement = await service.place(PlacementRequest(resources={"VCPU": 2}))
+        return {"node": placement.allocations[0].node}
+
+    async def main() -> str:
+        async with serving(app) as client:
+            answer = await client.post("/servers")
+            assert answer.status_code == 200, answer.text
+            node: str = answer.json()["node"]
+            return node
+
+    assert asyncio.run(main()) in {n.name for n in nodes}
+
+
+def test_the_serve_command_is_registered_and_explains_itself() -> None:
+    shown = CliRunner().invoke(main, ["serve", "--help"])
+    assert shown.exit_code == 0, shown.output
+    for words in ("--broker", "--host", "--port", "RESERVOIR_SERVE_PORT", "/v1/reservations"):
+        assert words in shown.output
+
+
+def test_the_serve_command_on_a_port_in_use_says_so_in_one_line_and_exits_2() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = CliRunner().invoke(main, ["serve", "--broker", "memory://", "--port", str(port)])
+    assert result.exit_code == 2, result.output
+    [line] = result.output.strip().splitlines()
+    assert line.startswith(f"reservoir serve: cannot listen on 127.0.0.1:{port}: ")
+    assert "in use" in line

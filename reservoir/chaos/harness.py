@@ -226,7 +226,13 @@ def _isolate(url: str, run_id: str) -> _Isolation:
         vhost = f"reservoir-chaos-{run_id}"
         user = urllib.parse.unquote(parts.username or "guest")
         _rabbitmqctl("add_vhost", vhost)
-        _rabbitmqctl("set_permissions", "-p", vhost, user, ".*", ".*", ".*")
+        try:
+            _rabbitmqctl("set_permissions", "-p", vhost, user, ".*", ".*", ".*")
+        except BaseException:
+            # a vhost half set up is still ours: never leave it behind
+            with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired):
+                _rabbitmqctl("delete_vhost", vhost)
+            raise
         own = parts._replace(path="/" + urllib.parse.quote(vhost, safe=""))
         return _Isolation(urllib.parse.urlunsplit(own), vhost, True, None)
     exchange = f"reservoir.chaos.{run_id}"

@@ -430,7 +430,7 @@ def node(
         _serve_metrics(agent, metrics_port)
     snapshot = agent.snapshot()
     click.echo(
-        f"node {name}: ready on {settings.broker_url.split('@')[-1]}; "
+        f"node {name}: ready on {_shown_url(settings.broker_url)}; "
         f"{len(snapshot.allocations)} allocation(s) held, utilisation "
         f"{snapshot.utilisation:.0%}, tier {snapshot.tier}%",
         err=True,

@@ -669,11 +669,13 @@ def _machine() -> dict[str, Any]:
     }
 
 
-def _delete_exchanges(broker: Broker) -> None:
-    """Delete the run's own exchanges (the adapters for RabbitMQ offer it)."""
-    delete = getattr(broker, "delete_exchanges", None)
-    if callable(delete):
-        delete()
+def _delete_exchanges(url: str) -> None:
+    """Delete the run's own exchanges (nothing to do on memory://)."""
+    from brokers import admin
+
+    topology = admin(url)
+    if topology is not None:
+        topology.delete_reservoir_exchanges()
 
 
 #: the loggers of the transports and their adapters, which narrate each connection attempt
@@ -709,7 +711,7 @@ def _broker(url: str, *, own_exchanges: bool) -> Iterator[Broker]:
     finally:
         broker.close()
         if own_exchanges:
-            _delete_exchanges(broker)
+            _delete_exchanges(url)
 
 
 def run_bench(

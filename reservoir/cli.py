@@ -681,8 +681,10 @@ def request(
     if as_json:
         click.echo(json.dumps(_placement_json(placement), sort_keys=True))
         return
+    placed = len(placement.allocations)
+    partly = f" (partial: {placed} of {placement.requested} asked for)" if placement.partial else ""
     click.echo(
-        f"placed {placement.request_id}: {len(placement.allocations)} instance(s) "
+        f"placed {placement.request_id}: {placed} instance(s){partly} "
         f"after tiers {', '.join(f'{t}%' for t in placement.tiers_tried)}"
     )
     for allocation in placement.allocations:
@@ -698,7 +700,11 @@ def request(
     "--broker", "broker_url", envvar="RESERVOIR_BROKER_URL", default=None, help=BROKER_HELP
 )
 @click.option("--request-id", required=True, help="The request whose allocations to free.")
-@click.option("--node", "node_name", required=True, help="The node holding them.")
+@click.option(
+    "--node",
+    "node_name",
+    help="The node holding them [default: every node that holds any, found over the broker].",
+)
 @click.option(
     "--allocation",
     "allocation_ids",
@@ -717,21 +723,60 @@ def request(
 def free(
     broker_url: str | None,
     request_id: str,
-    node_name: str,
+    node_name: str | None,
     allocation_ids: tuple[str, ...],
     timeout_s: float,
 ) -> None:
-    """Free a request's allocations on a node (its instances were deleted)."""
+    """Free a request's allocations (its instances were deleted): on --node, or wherever
+    the nodes say they hold allocations of the request."""
     from reservoir.requestor import FreeIncomplete
 
-    requestor = _open_requestor("free", broker_url)
-    with requestor:
-        try:
-            requestor.free_future(request_id, node_name, allocation_ids).result(timeout_s)
-        except (FreeIncomplete, TimeoutError) as error:
-            click.echo(f"reservoir free: {node_name} did not confirm: {error}", err=True)
+    settings = _settings(broker_url=broker_url)
+    if node_name is not None:
+        holders = [node_name]
+    else:
+        holders = _nodes_holding(settings, request_id)
+        if not holders:
+            click.echo(
+                f"reservoir free: no node answering holds anything of {request_id}", err=True
+            )
             sys.exit(EXIT_NOT_PLACED)
-    click.echo(f"freed {request_id} on {node_name}")
+    requestor = _open_requestor("free", settings.broker_url)
+    with requestor:
+        for holder in holders:
+            try:
+                requestor.free_future(request_id, holder, allocation_ids).result(timeout_s)
+            except FreeIncomplete as error:
+                click.echo(f"reservoir free: {holder} did not confirm: {error}", err=True)
+                sys.exit(EXIT_NOT_PLACED)
+            except TimeoutError:
+                click.echo(
+                    f"reservoir free: {holder} did not confirm within {timeout_s:g} s "
+                    "(is it running? its allocations stay until it is freed)",
+                    err=True,
+                )
+                sys.exit(EXIT_NOT_PLACED)
+            click.echo(f"freed {request_id} on {holder}")
+
+
+def _nodes_holding(settings: Settings, request_id: str, wait_s: float = 1.0) -> list[str]:
+    """The live nodes that hold allocations of ``request_id``, asked over the broker (every
+    node answers with its ledger: an operator's command, O(N) once, not per placement)."""
+    from reservoir.auditor import LedgerCollector
+
+    try:
+        collector = LedgerCollector(settings.broker_url, settings=settings)
+    except BrokerError as error:
+        click.echo(f"reservoir free: cannot reach the broker: {error}", err=True)
+        sys.exit(EXIT_BROKER)
+    try:
+        collector.ask()
+        snapshots = collector.collect(wait_s=wait_s)
+    finally:
+        collector.close()
+    return sorted(
+        s.name for s in snapshots if any(a.request_id == request_id for a in s.allocations)
+    )
 
 
 # -- inspect -------------------------------------------------------------------------------

@@ -330,3 +330,22 @@ def test_a_second_node_of_the_same_name_is_told_one_is_connected(cluster: Cluste
     assert "a node named twin is already connected to this broker" in done.stderr
     assert "Traceback" not in done.stderr
     cluster.stop("twin")
+
+
+def test_free_without_a_node_frees_wherever_the_request_holds_allocations(
+    cluster: Cluster,
+) -> None:
+    cluster.start_node("a", vcpus=4, memory_mb=8192)
+    cluster.start_node("b", vcpus=4, memory_mb=8192)
+    status, pair = cluster.request("--vcpus", "1", "--memory-mb", "512", "--count", "2",
+                                   "--group", "g", "--policy", "anti-affinity")  # fmt: skip
+    assert status == 0, pair
+    freed = reservoir("free", "--request-id", pair["request_id"], env=cluster.env)
+    assert freed.returncode == 0, freed.stderr
+    assert sorted(line.split()[-1] for line in freed.stdout.splitlines()) == ["a", "b"]
+    again = reservoir("free", "--request-id", pair["request_id"], env=cluster.env)
+    assert again.returncode == 1
+    assert "no node answering holds anything" in again.stderr
+    for name in list(cluster.nodes):
+        cluster.stop(name)
+        assert cluster.allocations(name) == []

@@ -591,7 +591,13 @@ def _placement_json(placement: Placement) -> dict[str, Any]:
     help="Free-form hint for node-side filters. Repeatable.",
 )
 @click.option("--request-id", help="Idempotency key: asking again returns the same placement.")
-@click.option("--explain", is_flag=True, help="Ask nodes that cannot take it to say why.")
+@click.option(
+    "--explain/--no-explain",
+    default=True,
+    show_default=True,
+    help="Ask nodes that cannot take it to say why (each such node answers with its "
+    "reasons; --no-explain keeps them silent on broadcasts).",
+)
 @click.option(
     "--timeout",
     "timeout_s",

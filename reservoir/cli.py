@@ -43,7 +43,15 @@ def _settings(**overrides: Any) -> Settings:
     try:
         settings = Settings(**{k: v for k, v in overrides.items() if v is not None})
     except ValidationError as error:
-        raise click.UsageError(f"bad setting: {error}") from None
+        # One line naming each setting (and its environment variable) and what is wrong,
+        # not pydantic's report with its links.
+        command = click.get_current_context().command_path
+        problems = "; ".join(
+            f"{_setting_name(e['loc'])}{e['msg'].removeprefix('Value error, ')}"
+            for e in error.errors(include_url=False)
+        )
+        click.echo(f"{command}: bad setting: {problems}", err=True)
+        sys.exit(EXIT_USAGE)
     from brokers import BrokerUrl
     from reservoir.broker import UnsupportedBroker
 
@@ -57,6 +65,15 @@ def _settings(**overrides: Any) -> Settings:
         click.echo(f"{command}: --broker / RESERVOIR_BROKER_URL: {error}", err=True)
         sys.exit(EXIT_USAGE)
     return settings
+
+
+def _setting_name(loc: tuple[int | str, ...]) -> str:
+    """``ttl_s (RESERVOIR_TTL_S): `` for a field's error; nothing for one about several
+    settings together (its message names them)."""
+    if not loc:
+        return ""
+    field = str(loc[0])
+    return f"{field} (RESERVOIR_{field.upper()}): "
 
 
 def _configure_logging(verbose: int) -> None:

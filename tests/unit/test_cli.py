@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
+import pytest
 from click.testing import CliRunner
 
 from reservoir.cli import main
@@ -100,3 +104,23 @@ def test_inspect_without_a_state_file_says_so(tmp_path: object) -> None:
     status, _, err = run("inspect", "--state-dir", str(tmp_path), "--name", "ghost")
     assert status == 2
     assert "no state file" in err
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "named"),
+    [
+        ("RESERVOIR_TTL_S", "abc", "ttl_s (RESERVOIR_TTL_S)"),
+        ("RESERVOIR_SECRET", "short", "RESERVOIR_SECRET"),
+    ],
+)
+def test_a_bad_setting_is_one_line_naming_it_and_status_2(
+    variable: str, value: str, named: str
+) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "reservoir", "request", "--vcpus", "1", "--memory-mb", "1"],
+        env={**os.environ, variable: value}, capture_output=True, text=True, timeout=60,
+        check=False,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert named in done.stderr and "Traceback" not in done.stderr

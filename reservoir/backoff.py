@@ -1,13 +1,16 @@
 """Waiting for a broker that is not there yet: capped exponential backoff with jitter,
 interruptible by a stop event. Used by every long-running process (``reservoir node``,
 the chaos harness's requestors) so that one started before its broker, or during a
-broker restart, waits instead of exiting."""
+broker restart, waits instead of exiting. And :func:`quietly_connecting`, which keeps the
+client libraries' narration of each failed attempt off a command's stderr."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import threading
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterator
+from typing import Any, Final, TypeVar
 
 from tenacity import (
     Retrying,
@@ -19,7 +22,7 @@ from tenacity import (
 
 from reservoir.broker import BrokerError
 
-__all__ = ["MAX_WAIT_S", "until_connected"]
+__all__ = ["MAX_WAIT_S", "quietly_connecting", "until_connected"]
 
 T = TypeVar("T")
 
@@ -67,3 +70,26 @@ def until_connected(
         return retrying(start)
     except _Stopped:
         return None
+
+
+#: the loggers of the transports and their adapters, which narrate each connection attempt
+_CONNECTING_LOGGERS: Final = ("pika", "kombu", "amqp", "brokers")
+
+
+@contextlib.contextmanager
+def quietly_connecting() -> Iterator[None]:
+    """Keep the adapters' line per failed connection attempt off stderr while a command's
+    first connection is tried, so that an unreachable broker is the command's one line
+    (unless logging was asked for at INFO or below, e.g. ``reservoir -v request``)."""
+    if logging.getLogger().getEffectiveLevel() < logging.WARNING:
+        yield
+        return
+    loggers = [logging.getLogger(name) for name in _CONNECTING_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import math
 import os
 import platform
@@ -53,6 +52,7 @@ from typing import IO, Any, Final, Protocol
 import click
 
 from brokers._rules import check_exchange, mask_password
+from reservoir.backoff import quietly_connecting
 from reservoir.bench_nodes import counters_of, ledger_summary, node_inventories
 from reservoir.broker import Broker, BrokerError, Delivery, Endpoint, UnsupportedBroker
 from reservoir.clock import SystemClock, ThreadScheduler
@@ -678,29 +678,6 @@ def _delete_exchanges(url: str) -> None:
         topology.delete_reservoir_exchanges()
 
 
-#: the loggers of the transports and their adapters, which narrate each connection attempt
-_CONNECTING_LOGGERS: Final = ("pika", "kombu", "amqp", "brokers")
-
-
-@contextlib.contextmanager
-def _quietly_connecting() -> Iterator[None]:
-    """Keep the adapters' line per failed connection attempt off stderr while the first
-    connection is tried, so that an unreachable broker is one line (unless logging was
-    asked for at INFO or below, e.g. ``reservoir -v bench``)."""
-    if logging.getLogger().getEffectiveLevel() < logging.WARNING:
-        yield
-        return
-    loggers = [logging.getLogger(name) for name in _CONNECTING_LOGGERS]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.CRITICAL + 1)
-    try:
-        yield
-    finally:
-        for logger, level in zip(loggers, levels, strict=True):
-            logger.setLevel(level)
-
-
 @contextlib.contextmanager
 def _broker(url: str, *, own_exchanges: bool) -> Iterator[Broker]:
     from brokers import connect
@@ -757,7 +734,7 @@ def run_bench(
         "sharing its broker connection"
     )
     with contextlib.ExitStack() as stack:
-        with _quietly_connecting():
+        with quietly_connecting():
             broker = stack.enter_context(_broker(main_url, own_exchanges=not in_process))
         full_broker = stack.enter_context(_broker(full_url, own_exchanges=not in_process))
         where = "this process" if in_process else f"{node_processes} processes"

@@ -405,7 +405,7 @@ def node(
     attempt. On a signal it stops taking requests, withdraws its live reservations and
     closes cleanly; allocations stay in --state-dir for the next start.
     """
-    from reservoir.backoff import until_connected
+    from reservoir.backoff import quietly_connecting, until_connected
     from reservoir.node_agent import NodeAgent
     from reservoir.store import StateError
 
@@ -421,14 +421,16 @@ def node(
     signal.signal(signal.SIGINT, on_signal)
 
     def start_agent() -> NodeAgent:
-        return NodeAgent(
-            settings.broker_url,
-            name=name,
-            inventories=inventories,
-            traits=[t.upper() for t in traits],
-            numa=topology,
-            settings=settings,
-        )
+        # the adapters' own line per attempt would repeat ours (one per attempt, below)
+        with quietly_connecting():
+            return NodeAgent(
+                settings.broker_url,
+                name=name,
+                inventories=inventories,
+                traits=[t.upper() for t in traits],
+                numa=topology,
+                settings=settings,
+            )
 
     try:
         agent = until_connected(start_agent, connect_attempts, stop, on_wait=_say_waiting(name))
@@ -522,11 +524,13 @@ def _numa_topology(
 
 
 def _open_requestor(command: str, broker_url: str | None) -> Any:
+    from reservoir.backoff import quietly_connecting
     from reservoir.requestor import Requestor
 
     settings = _settings(broker_url=broker_url)
     try:
-        return Requestor(settings.broker_url, settings=settings)
+        with quietly_connecting():
+            return Requestor(settings.broker_url, settings=settings)
     except BrokerError as error:
         click.echo(f"reservoir {command}: cannot reach the broker: {error}", err=True)
         sys.exit(EXIT_BROKER)
@@ -786,9 +790,11 @@ def _nodes_holding(settings: Settings, request_id: str, wait_s: float = 1.0) -> 
     """The live nodes that hold allocations of ``request_id``, asked over the broker (every
     node answers with its ledger: an operator's command, O(N) once, not per placement)."""
     from reservoir.auditor import LedgerCollector
+    from reservoir.backoff import quietly_connecting
 
     try:
-        collector = LedgerCollector(settings.broker_url, settings=settings)
+        with quietly_connecting():
+            collector = LedgerCollector(settings.broker_url, settings=settings)
     except BrokerError as error:
         click.echo(f"reservoir free: cannot reach the broker: {error}", err=True)
         sys.exit(EXIT_BROKER)
@@ -896,8 +902,11 @@ def nodes_command(
     from reservoir.auditor import LedgerCollector
 
     settings = _settings(broker_url=broker_url)
+    from reservoir.backoff import quietly_connecting
+
     try:
-        collector = LedgerCollector(settings.broker_url, settings=settings)
+        with quietly_connecting():
+            collector = LedgerCollector(settings.broker_url, settings=settings)
     except BrokerError as error:
         click.echo(f"reservoir nodes: cannot reach the broker: {error}", err=True)
         sys.exit(EXIT_BROKER)

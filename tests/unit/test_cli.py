@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -124,3 +125,17 @@ def test_a_bad_setting_is_one_line_naming_it_and_status_2(
     assert done.returncode == 2
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert named in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_broker_on_a_closed_port_is_one_line_and_status_3() -> None:
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    done = subprocess.run(
+        [sys.executable, "-m", "reservoir", "request", "--vcpus", "1", "--memory-mb", "1",
+         "--broker", f"amqp://guest:guest@127.0.0.1:{port}/"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 3
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "cannot reach the broker" in done.stderr and "guest:guest" not in done.stderr

@@ -25,6 +25,7 @@ import time
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from reservoir.audit import AuditReport, NodeSnapshot, audit
 from reservoir.broker import Broker
@@ -44,6 +45,7 @@ __all__ = [
     "audit_cluster",
     "check",
     "free_command",
+    "placement_record",
     "read_placements",
     "read_placements_file",
     "snapshot_of",
@@ -304,6 +306,27 @@ def audit_cluster(
     finally:
         collector.close()
     return check(snapshots, placements, incomplete_nodes=incomplete)
+
+
+def placement_record(placement: Placement) -> dict[str, Any]:
+    """A placement as ``reservoir request --json`` prints it and a callers' record keeps
+    it: what :func:`read_placements` reads back."""
+    return {
+        "placed": True,
+        "request_id": placement.request_id,
+        "partial": placement.partial,
+        "allocations": [
+            {
+                "node": a.node,
+                "allocation_id": a.allocation_id,
+                "resources": dict(a.resources),
+                **({"numa": a.numa.model_dump()} if a.numa else {}),
+            }
+            for a in placement.allocations
+        ],
+        "tiers_tried": list(placement.tiers_tried),
+        "elapsed_s": round(placement.elapsed_s, 4),
+    }
 
 
 def read_placements(lines: Iterable[str], where: str = "record") -> list[Placement]:

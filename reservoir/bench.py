@@ -939,7 +939,7 @@ def _print_table(result: BenchResult) -> None:
 
 
 @contextlib.contextmanager
-def _stopped_by_sigterm() -> Iterator[None]:
+def stopped_by_sigterm() -> Iterator[None]:
     """SIGTERM stops a run as Ctrl-C does, so its node processes and exchanges go too."""
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -1032,7 +1032,7 @@ def bench(
         click.echo(f"bench: {message}", err=True)
 
     try:
-        with _stopped_by_sigterm():
+        with stopped_by_sigterm():
             result = run_bench(
                 broker_url=broker_url,
                 nodes=nodes,

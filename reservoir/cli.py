@@ -26,7 +26,7 @@ from reservoir.broker import BrokerError
 from reservoir.protocol.ledger import Inventory
 from reservoir.protocol.messages import GroupSpec, NumaSpec
 from reservoir.protocol.numa import NumaTopology
-from reservoir.protocol.placement import Placement, PlacementError, PlacementRequest
+from reservoir.protocol.placement import PlacementError, PlacementRequest
 from reservoir.settings import Settings
 
 EXIT_NOT_PLACED = 1
@@ -536,25 +536,6 @@ def _open_requestor(command: str, broker_url: str | None) -> Any:
         sys.exit(EXIT_BROKER)
 
 
-def _placement_json(placement: Placement) -> dict[str, Any]:
-    return {
-        "placed": True,
-        "request_id": placement.request_id,
-        "partial": placement.partial,
-        "allocations": [
-            {
-                "node": a.node,
-                "allocation_id": a.allocation_id,
-                "resources": dict(a.resources),
-                **({"numa": a.numa.model_dump()} if a.numa else {}),
-            }
-            for a in placement.allocations
-        ],
-        "tiers_tried": list(placement.tiers_tried),
-        "elapsed_s": round(placement.elapsed_s, 4),
-    }
-
-
 @main.command()
 @click.option(
     "--broker", "broker_url", envvar="RESERVOIR_BROKER_URL", default=None, help=BROKER_HELP
@@ -706,7 +687,9 @@ def request(
                 click.echo(f"not placed: {explanation}", err=True)
             sys.exit(EXIT_NOT_PLACED)
     if as_json:
-        click.echo(json.dumps(_placement_json(placement), sort_keys=True))
+        from reservoir.auditor import placement_record
+
+        click.echo(json.dumps(placement_record(placement), sort_keys=True))
         return
     placed = len(placement.allocations)
     partly = f" (partial: {placed} of {placement.requested} asked for)" if placement.partial else ""

@@ -45,14 +45,14 @@ import threading
 import time
 import urllib.parse
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
 import click
 
-from reservoir.audit import NodeSnapshot, audit
+from reservoir.audit import NodeSnapshot
 from reservoir.auditor import audit_cluster, check
 from reservoir.chaos.record import judge, read_events
 from reservoir.chaos.worker import SHAPES
@@ -603,30 +603,15 @@ def _durable_audit(state_dir: Path, names: Sequence[str], held: Sequence[Any]) -
         finally:
             store.close()
         snapshots.append(NodeSnapshot.of(name, ledger, taken_at=0.0, tier=0))
-    report = audit(snapshots, held)
     found = check(snapshots, held)
     return _DurableFindings(
-        tuple(f"durable {v}" for v in report.overcommitted),
-        tuple(f"durable {d}" for d in report.duplicate_placements),
+        tuple(f"durable {v}" for v in found.report.overcommitted),
+        tuple(f"durable {d}" for d in found.report.duplicate_placements),
         tuple(f"durable {o}" for o in found.orphans),
     )
 
 
 # -- the command ---------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM stops a run as Ctrl-C does, so its processes and vhost go too."""
-
-    def interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 @click.command()
@@ -689,8 +674,10 @@ def chaos(
     def progress(line: str) -> None:
         click.echo(line, err=True)
 
+    from reservoir.bench import stopped_by_sigterm
+
     try:
-        with _sigterm_as_interrupt():
+        with stopped_by_sigterm():
             result = run_chaos(
                 broker_url=broker_url,
                 seconds=seconds,

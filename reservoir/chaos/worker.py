@@ -26,7 +26,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from reservoir.auditor import read_placements
+from reservoir.auditor import placement_record, read_placements
 from reservoir.backoff import until_connected
 from reservoir.chaos.record import CallerRecord, RecordWriter, read_events
 from reservoir.protocol.placement import Placement, PlacementError
@@ -46,18 +46,6 @@ SHAPES: tuple[Mapping[str, int], ...] = (
 
 #: how long a stopping worker keeps trying to get its frees confirmed
 SETTLE_FREES_S = 120.0
-
-
-def placement_json(placement: Placement) -> dict[str, Any]:
-    return {
-        "placed": True,
-        "request_id": placement.request_id,
-        "requested": placement.requested,
-        "allocations": [
-            {"node": a.node, "allocation_id": a.allocation_id, "resources": dict(a.resources)}
-            for a in placement.allocations
-        ],
-    }
 
 
 class Worker:
@@ -134,7 +122,7 @@ class Worker:
                 busy=why.busy_nodes,
             )
             return
-        self.writer.write("placed", id=request_id, placement=placement_json(placement))
+        self.writer.write("placed", id=request_id, placement=placement_record(placement))
         self.held[request_id] = placement
         self.placed += 1
 

@@ -47,14 +47,18 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import itertools
 import json
 import queue
+import selectors
 import signal
+import socket
 import statistics
 import sys
 import threading
 import time
+import urllib.parse
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
@@ -62,6 +66,7 @@ from dataclasses import asdict, dataclass
 from types import FrameType
 from typing import Any, Protocol
 
+import amqp
 import pika
 import pika.spec
 
@@ -80,6 +85,7 @@ TARGET_RATE = 0.8
 
 RAW = "raw pika"
 RAW_THREAD = "raw pika + handler thread"
+RAW_AMQP = "raw py-amqp"
 PIKA = "pika adapter"
 KOMBU = "kombu adapter"
 
@@ -361,6 +367,146 @@ class RawPikaClient:
             self._io.join(10)
 
 
+class RawPyAmqpClient:
+    """Raw py-amqp (the library under kombu's ``amqp`` transport) on the same topology, so
+    that the kombu adapter can be held against what its own client library can do here.
+
+    Like raw pika: one connection with a publish channel in confirm mode (acks taken from
+    ``channel.events``, pipelined, never waited for per message) and a consume channel, an
+    IO thread of its own running a selector over the socket and a wake-up socket, handlers
+    called right where py-amqp delivers, B's echo published there. py-amqp's read of the
+    socket before every publish (to notice ``connection.blocked``) is turned off as the
+    kombu adapter turns it off: this loop reads whenever the socket is readable anyway.
+    """
+
+    def __init__(self, url: BrokerUrl, roles: Roles) -> None:
+        self._roles = roles
+        parts = urllib.parse.urlsplit(url.transport_url)
+        host = f"{parts.hostname or '127.0.0.1'}:{parts.port or 5672}"
+        vhost = urllib.parse.unquote(parts.path[1:]) if len(parts.path) > 1 else "/"
+        user = urllib.parse.unquote(parts.username or "guest")
+        self._connection = amqp.Connection(
+            host=host,
+            userid=user,
+            password=urllib.parse.unquote(parts.password or "guest"),
+            virtual_host=vhost,
+            client_properties={"connection_name": "reservoir-adapterbench:raw-py-amqp"},
+        )
+        self._connection.connect()
+        self._connection.client_properties.get("capabilities", {})["connection.blocked"] = False
+        self._user = user
+        self._inbox = url.inbox_exchange
+        self._lock = threading.Lock()
+        self._outbox: list[tuple[str, bytes]] = []
+        self._tags = itertools.count(1)
+        self._unconfirmed: OrderedDict[int, None] = OrderedDict()
+        self._published = 0
+        self._settled = 0
+        self._stopping = False
+        publish = self._connection.channel()
+        publish.confirm_select()
+        publish.events["basic_ack"].add(self._on_ack)
+        publish.events["basic_nack"].add(self._on_nack)
+        publish.events["basic_return"].add(self._on_return)
+        self._publish_channel = publish
+        consume = self._connection.channel()
+        for name in (url.exchange, self._inbox):
+            consume.exchange_declare(name, "topic", durable=True, auto_delete=False)
+        run = uuid.uuid4().hex
+        self._a, self._b = f"adapterbench.{run}.raw-amqp-a", f"adapterbench.{run}.raw-amqp-b"
+        for address, handler in ((self._a, self._on_a), (self._b, self._on_b)):
+            consume.queue_declare(address, exclusive=True, auto_delete=False)
+            consume.queue_bind(address, self._inbox, routing_key=address)
+            consume.basic_consume(
+                address, callback=self._consumer(handler), no_ack=True, exclusive=True
+            )
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._io = threading.Thread(target=self._io_main, name="raw-py-amqp:io", daemon=True)
+        self._io.start()
+
+    def _consumer(self, handler: Callable[[bytes], None]) -> Callable[[Any], None]:
+        def on_message(message: Any) -> None:
+            handler(bytes(message.body))
+
+        return on_message
+
+    def _io_main(self) -> None:
+        sock = self._connection.sock
+        selector = selectors.DefaultSelector()
+        selector.register(sock, selectors.EVENT_READ)
+        selector.register(self._wake_r, selectors.EVENT_READ)
+        try:
+            while not self._stopping:
+                self._flush()
+                for key, _ in selector.select():
+                    if key.fileobj is self._wake_r:
+                        with contextlib.suppress(BlockingIOError):
+                            while self._wake_r.recv(4096):
+                                pass
+                    else:
+                        self._connection.drain_events(timeout=0)
+        finally:
+            selector.close()
+
+    # the handlers
+    def _on_a(self, body: bytes) -> None:
+        self._roles.on_a(body)
+
+    def _on_b(self, body: bytes) -> None:
+        if self._roles.on_b(body):
+            self._publish(self._a, body)  # on the IO thread already
+
+    # publishing: callers' threads hand over, the IO thread publishes
+    def send(self, body: bytes) -> None:
+        with self._lock:
+            self._outbox.append((self._b, body))
+            wake = len(self._outbox) == 1
+        if wake:
+            self._wake_w.send(b"\0")
+
+    def _flush(self) -> None:
+        with self._lock:
+            batch, self._outbox = self._outbox, []
+        for address, body in batch:
+            self._publish(address, body)
+
+    def _publish(self, address: str, body: bytes) -> None:
+        message = amqp.Message(body, user_id=self._user, app_id="1")
+        self._publish_channel.basic_publish(message, self._inbox, address, mandatory=True)
+        self._unconfirmed[next(self._tags)] = None
+        self._published += 1
+
+    def _on_ack(self, tag: int, multiple: bool) -> None:
+        if multiple:
+            while self._unconfirmed and next(iter(self._unconfirmed)) <= tag:
+                self._unconfirmed.popitem(last=False)
+                self._settled += 1
+        elif tag in self._unconfirmed:
+            del self._unconfirmed[tag]
+            self._settled += 1
+
+    def _on_nack(self, tag: int, multiple: bool) -> None:
+        self._roles.unexpected += 1
+        self._on_ack(tag, multiple)
+
+    def _on_return(self, *_args: Any) -> None:
+        self._roles.unexpected += 1
+
+    def wait_confirmed(self) -> None:
+        _wait_until(lambda: self._settled >= self._published, "confirms")
+
+    def close(self) -> None:
+        self._stopping = True
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"\0")
+        self._io.join(10)
+        with contextlib.suppress(Exception):
+            self._connection.close()
+        self._wake_r.close()
+        self._wake_w.close()
+
+
 # -- measuring -------------------------------------------------------------------------------
 
 
@@ -432,6 +578,7 @@ def main() -> int:
         PIKA: lambda roles: AdapterClient(pika_url, roles),
         RAW_THREAD: lambda roles: RawPikaClient(pika_url, roles, handler_thread=True),
         KOMBU: lambda roles: AdapterClient(kombu_url, roles),
+        RAW_AMQP: lambda roles: RawPyAmqpClient(kombu_url, roles),
     }
     names = list(clients)
     body = b"x" * args.body_bytes
@@ -470,7 +617,13 @@ def main() -> int:
             "rate_ratio": medians[name].rate_per_s / raw.rate_per_s,
             "rate_met": medians[name].rate_per_s / raw.rate_per_s >= TARGET_RATE,
         }
-        for name in (PIKA, KOMBU, RAW_THREAD)
+        for name in (PIKA, KOMBU, RAW_THREAD, RAW_AMQP)
+    }
+    # The kombu adapter against its own client library: what py-amqp allows on this machine.
+    raw_amqp = medians[RAW_AMQP]
+    kombu_to_own_library = {
+        "p50_ratio": medians[KOMBU].p50_us / raw_amqp.p50_us,
+        "rate_ratio": medians[KOMBU].rate_per_s / raw_amqp.rate_per_s,
     }
     if args.json:
         report = {
@@ -484,6 +637,7 @@ def main() -> int:
             "medians": {name: asdict(r) for name, r in medians.items()},
             "runs": {name: [asdict(r) for r in results] for name, results in runs.items()},
             "ratios_to_raw_pika": ratios,
+            "kombu_adapter_to_raw_py_amqp": kombu_to_own_library,
         }
         print(json.dumps(report, indent=2))
         return 0
@@ -505,6 +659,11 @@ def main() -> int:
             f"{name:<26} p50 x{ratio['p50_ratio']:.2f} ({verdict(ratio['p50_met'])}), "
             f"rate x{ratio['rate_ratio']:.2f} ({verdict(ratio['rate_met'])})"
         )
+    print(
+        f"\nkombu adapter to raw py-amqp (its own client library): "
+        f"p50 x{kombu_to_own_library['p50_ratio']:.2f}, "
+        f"rate x{kombu_to_own_library['rate_ratio']:.2f}"
+    )
     return 0
 
 

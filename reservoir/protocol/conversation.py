@@ -145,6 +145,8 @@ class Conversation:
     note: str = ""
     #: still sampling from the roster (False: the exhaustive tier broadcast)
     sampling: bool = False
+    #: sampling ran and found too little: tier broadcasts ask every node to answer
+    exhaustive: bool = False
     probe_round: int = 0
     #: every node probed so far, not to be probed again by a later round
     probed: set[str] = field(default_factory=set)

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from reservoir.protocol.messages import AllocationInfo, NumaPlacement, Reason
+from reservoir.protocol.room import room_class
 
 __all__ = [
     "Allocation",
@@ -160,6 +161,7 @@ class Ledger:
     _group_members: Counter[str] = field(default_factory=Counter)
     _utilisation: float | None = None
     _allocated_share: float | None = None
+    _room: dict[str, int] | None = None
     #: request ids whose reservation or allocations came or went since the last drain
     _touched: set[str] = field(default_factory=set)
 
@@ -200,6 +202,16 @@ class Ledger:
         if self._allocated_share is None:
             self._allocated_share = self._dominant_share(with_reservations=False)
         return self._allocated_share
+
+    def room(self) -> dict[str, int]:
+        """The room requestors are told of (:mod:`reservoir.protocol.room`): per resource
+        class, the class of what the allocations leave free."""
+        if self._room is None:
+            self._room = {
+                rc: room_class(inventory.capacity - self._allocated[rc])
+                for rc, inventory in sorted(self.inventories.items())
+            }
+        return self._room
 
     def _dominant_share(self, *, with_reservations: bool) -> float:
         share = 0.0
@@ -341,7 +353,7 @@ class Ledger:
             raise ValueError(f"allocation {allocation.allocation_id} exists")
         self.allocations[allocation.allocation_id] = allocation
         self._allocated.update(allocation.resources)
-        self._utilisation = self._allocated_share = None
+        self._utilisation = self._allocated_share = self._room = None
         self._allocations_by_request[allocation.request_id].add(allocation.allocation_id)
         self._allocations_by_reservation[allocation.reservation_id].add(allocation.allocation_id)
         self._touched.add(allocation.request_id)
@@ -353,7 +365,7 @@ class Ledger:
         if allocation is None:
             return None
         self._allocated.subtract(allocation.resources)
-        self._utilisation = self._allocated_share = None
+        self._utilisation = self._allocated_share = self._room = None
         _discard(self._allocations_by_request, allocation.request_id, allocation_id)
         _discard(self._allocations_by_reservation, allocation.reservation_id, allocation_id)
         self._touched.add(allocation.request_id)

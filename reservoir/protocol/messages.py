@@ -35,6 +35,7 @@ import re
 from typing import Annotated, Final, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -132,6 +133,19 @@ def _check_resource_classes(resources: dict[str, int]) -> dict[str, int]:
             f"{', '.join(sorted(STANDARD_RESOURCE_CLASSES))} or CUSTOM_<NAME>"
         )
     return resources
+
+
+def _check_room(room: dict[str, int]) -> dict[str, int]:
+    return _check_resource_classes(room)
+
+
+#: A node's room (:mod:`reservoir.protocol.room`): per resource class, floor(log2) of what
+#: its allocations leave free, -1 when nothing is; empty when the sender does not say.
+Room = Annotated[
+    dict[str, Annotated[int, Field(ge=-1, le=53)]],
+    AfterValidator(_check_room),
+    Field(max_length=64),
+]
 
 
 class _Frozen(BaseModel):
@@ -256,6 +270,11 @@ class ReservationRequest(_Message, InstanceShape):
     #: places it too): the node binds the id's lookup bucket while it holds anything of
     #: it. Generated ids are never looked up, and spare the node (and RabbitMQ) the bind.
     findable: bool = False
+    #: every node that hears it and cannot take it says so (a compact Decline), as a
+    #: probed node does: set by the exhaustive step, after sampling the roster found too
+    #: little, so that a full cluster is told apart from one where nobody listens and the
+    #: request fails at once rather than waiting for nodes that might still be starting
+    declines_wanted: bool = False
 
 
 class Lookup(_Message):
@@ -287,6 +306,8 @@ class Offer(_Message):
     ttl_s: float = Field(gt=0)
     #: members of the request's server group the node already hosts or holds
     group_members: int = Field(default=0, ge=0)
+    #: the node's room, for the requestor's roster
+    room: Room = Field(default_factory=dict)
 
 
 class Decline(_Message):
@@ -300,6 +321,7 @@ class Decline(_Message):
     busy: bool = False
     reasons: tuple[Reason, ...] = ()
     group_members: int = Field(default=0, ge=0)
+    room: Room = Field(default_factory=dict)
 
 
 class AlreadyPlaced(_Message):
@@ -335,6 +357,7 @@ class Accepted(_Message):
     reply_to: Identifier
     reservation_id: Identifier
     allocations: tuple[AllocationInfo, ...]
+    room: Room = Field(default_factory=dict)
 
 
 class Refused(_Message):
@@ -366,12 +389,14 @@ class Freed(_Message):
     allocation_ids: tuple[Identifier, ...] = ()
     reservation_id: Identifier | None = None
     freed: tuple[Identifier, ...] = ()
+    room: Room = Field(default_factory=dict)
 
 
 class NodeStatus(_Message):
-    """A node's place on the tier ladder, for requestors' rosters. Published on
-    :data:`ROSTER_TOPIC` when the node starts, whenever it moves to another tier, and
-    (``leaving``) when it stops; sent to a requestor that asks with a :class:`RollCall`."""
+    """A node's place on the tier ladder and its room, for requestors' rosters. Published
+    on :data:`ROSTER_TOPIC` when the node starts, whenever it moves to another tier, and
+    (``leaving``) when it stops; sent to a requestor that asks with a :class:`RollCall`.
+    (Its room also rides on every answer the node sends a requestor.)"""
 
     kind: Literal["status"] = "status"
     request_id: Identifier = ROSTER_ID
@@ -382,6 +407,7 @@ class NodeStatus(_Message):
     leaving: bool = False
     #: an answer to a RollCall (the requestor times it: its first latency samples)
     answering: bool = False
+    room: Room = Field(default_factory=dict)
 
 
 class RollCall(_Message):

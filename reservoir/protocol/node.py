@@ -84,6 +84,7 @@ from reservoir.protocol.messages import (
     lookup_topic,
 )
 from reservoir.protocol.numa import NumaTopology
+from reservoir.protocol.room import NOTHING_FREE
 from reservoir.protocol.tiers import TierLadder
 
 __all__ = ["EXPIRY_TIMER", "IN_FLIGHT_ELSEWHERE", "NodeConfig", "NodeMachine"]
@@ -131,6 +132,8 @@ class NodeMachine:
             name=config.name, traits=config.traits, ledger=self.ledger, numa=config.numa
         )
         self.bound_topics: frozenset[str] = frozenset()
+        #: the room when the allocations last changed (to tell when it grows)
+        self._room_before: dict[str, int] | None = None
         #: lookup bucket topic -> the request ids held here that hash into it
         self._bucket_holds: dict[str, set[str]] = {}
         self._bucket_of: dict[str, str] = {}
@@ -288,6 +291,7 @@ class NodeMachine:
             tier=self.tier(),
             leaving=leaving,
             answering=answering,
+            room=self.ledger.room(),
         )
 
     # -- messages ----------------------------------------------------------------------
@@ -380,6 +384,7 @@ class NodeMachine:
             group_reasons = tuple(r for r in evaluation.reasons if r.code in GROUP_REASONS)
             if (
                 request.probed_node
+                or request.declines_wanted
                 or request.explain
                 or evaluation.busy
                 or members
@@ -396,6 +401,7 @@ class NodeMachine:
                             busy=evaluation.busy,
                             reasons=evaluation.reasons if request.explain else group_reasons,
                             group_members=members,
+                            room=self.ledger.room(),
                         ),
                     )
                 )
@@ -433,6 +439,7 @@ class NodeMachine:
             sender=self.name,
             reply_to=self.config.address,
             attempt=request.attempt,
+            room=self.ledger.room(),
         )
 
     def _offer(
@@ -457,6 +464,7 @@ class NodeMachine:
             score=score,
             ttl_s=reservation.deadline - now,
             group_members=group_members,
+            room=self.ledger.room(),
         )
 
     def _group_members(self, request: ReservationRequest) -> int:
@@ -543,6 +551,7 @@ class NodeMachine:
                 reply_to=self.config.address,
                 reservation_id=reservation_id,
                 allocations=tuple(a.info() for a in allocations),
+                room=self.ledger.room(),
             ),
         )
 
@@ -600,6 +609,7 @@ class NodeMachine:
                     allocation_ids=free.allocation_ids,
                     reservation_id=free.reservation_id,
                     freed=tuple(freed),
+                    room=self.ledger.room(),
                 ),
             )
         )
@@ -620,10 +630,22 @@ class NodeMachine:
             )
 
     def _retier(self, effects: list[Effect]) -> None:
+        """Follow the allocations: bind the tier topics they call for, and tell requestors
+        (a status on the roster topic) when the tier changed, or when the room grew while
+        the node is in the last tier."""
         if self.stopping:
             return
+        room, before = self.ledger.room(), self._room_before
+        self._room_before = room
         wanted = self.config.tiers.topics_for(self.ledger.allocated_share())
         if wanted == self.bound_topics:
+            # On a nearly full cloud every node sits in the last tier, and a requestor
+            # samples it by room: room freed there (by a Free another requestor sent) is
+            # news to all of them, or they would only find it in an exhaustive step.
+            # Room shrinking is not announced: the decline of the one probe that finds it
+            # out tells that requestor. Below the last tier the tier itself says enough.
+            if room is not before and _grew(before, room) and self._in_last_tier():
+                effects.append(Publish(ROSTER_TOPIC, self._status()))
             return
         # Bind before unbinding so the node is never deaf to every tier at once.
         effects.extend(Bind(topic) for topic in sorted(wanted - self.bound_topics))
@@ -631,6 +653,9 @@ class NodeMachine:
         self.bound_topics = wanted
         # The tier topics change exactly when the narrowest tier does: tell requestors.
         effects.append(Publish(ROSTER_TOPIC, self._status()))
+
+    def _in_last_tier(self) -> bool:
+        return self.tier() == self.config.tiers.percents[-1]
 
     def _sync_buckets(self, effects: list[Effect]) -> None:
         """Bind the lookup bucket of every request id held here, unbind emptied ones."""
@@ -662,3 +687,10 @@ class NodeMachine:
         effects.append(
             CancelTimer(EXPIRY_TIMER) if deadline is None else SetTimer(EXPIRY_TIMER, deadline)
         )
+
+
+def _grew(before: dict[str, int] | None, room: dict[str, int]) -> bool:
+    """Whether some resource class has a larger room than before."""
+    return before is not None and any(
+        room.get(rc, NOTHING_FREE) > was for rc, was in before.items()
+    )

@@ -326,6 +326,9 @@ class RequestorMachine:
 
     def handle(self, message: Message, now: float) -> list[Effect]:
         effects: list[Effect] = []
+        if isinstance(message, Offer | Decline | Accepted | Freed):
+            # Every answer tells of the node's room: the roster's news at no cost.
+            self.roster.note_room(message.sender, message.room)
         if isinstance(message, Offer):
             self._on_offer(message, now, effects)
         elif isinstance(message, Decline):
@@ -369,7 +372,7 @@ class RequestorMachine:
             if message.leaving:
                 self.roster.remove(message.sender)
             else:
-                self.roster.update(message.sender, message.reply_to, message.tier)
+                self.roster.update(message.sender, message.reply_to, message.tier, message.room)
         else:
             effects.append(Dropped("unexpected", f"a requestor does not take {message.kind!r}"))
         return effects
@@ -450,6 +453,7 @@ class RequestorMachine:
                     wanted * 2**c.probe_round,
                     up_to_tier_index=len(config.tiers) - 1,
                     exclude=c.probed,
+                    needs=c.spec.resources,
                 )
                 if members:
                     c.probe_round += 1
@@ -459,6 +463,7 @@ class RequestorMachine:
             # Sampling found too little (or nothing to sample): ask every node, tier by
             # tier, so that no node where the request fits goes unasked.
             c.sampling = False
+            c.exhaustive = True
             self.counters["exhaustive_steps"] += 1
         c.enter(Event.BROADCAST)
         self._new_attempt(c, now, effects)
@@ -484,6 +489,7 @@ class RequestorMachine:
             attempt=c.attempt,
             ttl_s=c.ttl_s,
             findable=c.contention.looks_up,
+            declines_wanted=c.exhaustive,
             **c.spec.shape_fields(),
         )
 

@@ -8,19 +8,25 @@ from its exact state, so a stale entry costs one wasted probe, never a wrong pla
 An entry leaves the roster when its node says it is leaving or when a probe to its
 address comes back unroutable (its inbox is gone).
 
-Sampling is uniform within a tier and draws from :class:`Sampler`, a small seeded
-generator of the roster's own (the protocol core reads no clock and no entropy), so a run
-on a fixed seed is reproducible. Every operation is O(1) or O(sample size), whatever the
-number of nodes: members of a tier sit in a list, and removal swaps the last one in.
+Each entry also keeps the node's room (:mod:`reservoir.protocol.room`), told on its
+announcements and on every answer it sends; a request samples only nodes whose room may
+take one of its instances. Sampling is uniform among those and draws from
+:class:`Sampler`, a small seeded generator of the roster's own (the protocol core reads no
+clock and no entropy), so a run on a fixed seed is reproducible. Every operation is O(1),
+O(sample size) or O(rooms in a tier), whatever the number of nodes: members of a tier sit
+in one list per room, and removal swaps the last one in.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
-from collections.abc import Collection
+import itertools
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Final, TypeVar
 
+from reservoir.protocol.room import RoomKey, may_fit, room_key
 from reservoir.protocol.tiers import TierLadder
 
 __all__ = ["Member", "Roster", "Sampler"]
@@ -71,16 +77,24 @@ class Member:
     name: str
     address: str
     tier_index: int
+    #: its room (:mod:`reservoir.protocol.room`), as a hashable key; () when unknown
+    room: RoomKey = ()
 
 
 class Roster:
-    """Nodes by tier, for sampling. Not thread-safe: its requestor machine owns it."""
+    """Nodes by tier and, inside a tier, by room, for sampling. Not thread-safe: its
+    requestor machine owns it.
+
+    A tier's members sit in one list per room they last told of. The rooms seen in a tier
+    are few (a class per power of two of each resource, whatever the number of nodes), so
+    sampling for a shape looks at every room of a tier, keeps those where the shape may
+    fit, and draws uniformly from their members: O(rooms + sample size)."""
 
     def __init__(self, tiers: TierLadder, rng: Sampler) -> None:
         self._tiers = tiers
         self._rng = rng
-        self._by_tier: list[list[Member]] = [[] for _ in tiers.percents]
-        #: name -> (member, position in its tier's list)
+        self._by_tier: list[dict[RoomKey, list[Member]]] = [{} for _ in tiers.percents]
+        #: name -> (member, position in its tier's list for its room)
         self._where: dict[str, tuple[Member, int]] = {}
         self._by_address: dict[str, str] = {}
 
@@ -91,38 +105,58 @@ class Roster:
         return name in self._where
 
     def tier_sizes(self) -> tuple[int, ...]:
-        return tuple(len(members) for members in self._by_tier)
+        return tuple(sum(map(len, rooms.values())) for rooms in self._by_tier)
 
     def member(self, name: str) -> Member | None:
         found = self._where.get(name)
         return found[0] if found else None
 
-    def update(self, name: str, address: str, tier_percent: int) -> None:
-        """Record ``name`` at ``tier_percent`` (a node's narrowest tier)."""
+    def update(
+        self, name: str, address: str, tier_percent: int, room: Mapping[str, int] | None = None
+    ) -> None:
+        """Record ``name`` at ``tier_percent`` (a node's narrowest tier) with ``room``
+        (None or empty: the room it told of before, if any)."""
         # The ladder owns the rule for where a percentage falls.
         index = self._tiers.first_index_for(tier_percent / 100)
         current = self._where.get(name)
+        key = room_key(room) if room else (current[0].room if current else ())
         if current is not None:
             member = current[0]
-            if member.tier_index == index and member.address == address:
+            if member.tier_index == index and member.address == address and member.room == key:
                 return
             self.remove(name)
-        member = Member(name, address, index)
-        members = self._by_tier[index]
-        self._where[name] = (member, len(members))
+        self._add(Member(name, address, index, key))
+
+    def note_room(self, name: str, room: Mapping[str, int]) -> None:
+        """A known node told of its room (on an answer): move it to that room's list."""
+        current = self._where.get(name)
+        if current is None or not room:
+            return
+        member = current[0]
+        key = room_key(room)
+        if member.room != key:
+            self.remove(name)
+            self._add(Member(member.name, member.address, member.tier_index, key))
+
+    def _add(self, member: Member) -> None:
+        members = self._by_tier[member.tier_index].setdefault(member.room, [])
+        self._where[member.name] = (member, len(members))
         members.append(member)
-        self._by_address[address] = name
+        self._by_address[member.address] = member.name
 
     def remove(self, name: str) -> bool:
         current = self._where.pop(name, None)
         if current is None:
             return False
         member, position = current
-        members = self._by_tier[member.tier_index]
+        rooms = self._by_tier[member.tier_index]
+        members = rooms[member.room]
         last = members.pop()
         if last.name != name:
             members[position] = last
             self._where[last.name] = (last, position)
+        if not members:
+            del rooms[member.room]
         if self._by_address.get(member.address) == name:
             del self._by_address[member.address]
         return True
@@ -133,28 +167,41 @@ class Roster:
         return name is not None and self.remove(name)
 
     def sample(
-        self, wanted: int, *, up_to_tier_index: int, exclude: Collection[str] = ()
+        self,
+        wanted: int,
+        *,
+        up_to_tier_index: int,
+        exclude: Collection[str] = (),
+        needs: Mapping[str, int] | None = None,
     ) -> list[Member]:
         """Up to ``wanted`` distinct members in tiers ``0..up_to_tier_index``, none of them
-        in ``exclude``: as many as possible from the emptiest tier, then the next."""
+        in ``exclude`` and, given ``needs`` (one instance's resources), none whose room
+        rules it out: as many as possible from the emptiest tier, then the next."""
         chosen: list[Member] = []
         for index in range(min(up_to_tier_index, len(self._by_tier) - 1) + 1):
-            members = self._by_tier[index]
             missing = wanted - len(chosen)
             if missing <= 0:
                 break
-            if not members:
+            groups = [
+                members
+                for room, members in self._by_tier[index].items()
+                if needs is None or may_fit(dict(room), needs)
+            ]
+            population = sum(map(len, groups))
+            if not population:
                 continue
-            if len(members) <= missing + len(exclude):
-                pool = [m for m in members if m.name not in exclude]
+            if population <= missing + len(exclude):
+                pool = [m for members in groups for m in members if m.name not in exclude]
                 self._rng.shuffle(pool)
                 chosen.extend(pool[:missing])
                 continue
             # Draw a few more than needed so that excluded members can be skipped
             # without a scan of the whole tier.
-            draw = min(len(members), missing + len(exclude))
-            for position in self._rng.positions(len(members), draw):
-                member = members[position]
+            starts = list(itertools.accumulate((len(members) for members in groups), initial=0))
+            draw = min(population, missing + len(exclude))
+            for position in self._rng.positions(population, draw):
+                group = bisect.bisect_right(starts, position) - 1
+                member = groups[group][position - starts[group]]
                 if member.name not in exclude:
                     chosen.append(member)
                     if len(chosen) == wanted:

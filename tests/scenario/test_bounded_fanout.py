@@ -61,20 +61,36 @@ def test_a_node_that_stops_leaves_every_roster(reservoir_simulation: Simulation)
     assert len(requestor.machine.roster) == 2
 
 
-def test_a_request_only_a_rare_node_can_take_is_found_by_the_exhaustive_step(
+def test_a_request_only_a_rare_node_can_take_goes_straight_to_it_by_its_room(
     reservoir_simulation: Simulation,
 ) -> None:
     sim = reservoir_simulation
     sim.add_nodes(40, vcpus=8)
     sim.add_node("big", vcpus=128)
-    # Two sampling rounds ask 2 + 4 nodes, emptiest first: never all 41.
     requestor = sim.add_requestor("r0", settings=Settings(probe_rounds=2))
     sim.advance(0.1)
-    first = sim.place(requestor, vcpus=70)  # big is now in tier 75: never sampled first
-    steps = requestor.machine.counters["exhaustive_steps"]
+    first = sim.place(requestor, vcpus=70)  # big is now in tier 75, with 58 VCPUs free
+    probes_before = requestor.machine.counters["probes"]
     second = sim.place(requestor, vcpus=50)
     assert first.nodes == second.nodes == ("big",)
-    assert requestor.machine.counters["exhaustive_steps"] == steps + 1
+    # No 8-VCPU node's room can take 50 VCPUs: the one probe goes to big.
+    assert requestor.machine.counters["probes"] == probes_before + 1
+    assert requestor.machine.counters["exhaustive_steps"] == 0
+
+
+def test_a_node_the_roster_lost_is_still_found_by_the_exhaustive_step(
+    reservoir_simulation: Simulation,
+) -> None:
+    sim = reservoir_simulation
+    sim.add_nodes(40, vcpus=8)
+    sim.add_node("big", vcpus=128)
+    requestor = sim.add_requestor("r0", settings=Settings(probe_rounds=2))
+    sim.advance(0.1)
+    # As if big's announcement had been lost: sampling cannot know of it.
+    assert requestor.machine.roster.remove("big")
+    placed = sim.place(requestor, vcpus=70)
+    assert placed.nodes == ("big",)
+    assert requestor.machine.counters["exhaustive_steps"] == 1
 
 
 @pytest.mark.parametrize("explain", [False, True])

@@ -444,3 +444,38 @@ def test_a_lookup_from_another_requestor_finds_a_held_reservation() -> None:
     told = sent(node.handle(lookup, T0))
     assert {type(m) for m in told} == {Decline}
     assert all(m.reasons[0].code == "in_flight_elsewhere" for m in told)  # type: ignore[union-attr]
+
+
+def test_every_answer_and_status_tells_the_nodes_room_as_powers_of_two() -> None:
+    node = NodeMachine(a_node(vcpus=10, memory_mb=4096).config)
+    ((_, started),) = published(node.start(T0))
+    assert isinstance(started, NodeStatus)
+    assert started.room == {"VCPU": 3, "MEMORY_MB": 12}  # 10 free: 8..15; 4096: 2**12
+    offer = the_offer(node.handle(a_request(resources={"VCPU": 3, "MEMORY_MB": 1024}), T0))
+    assert offer.room == {"VCPU": 3, "MEMORY_MB": 12}  # a reservation leaves the room be
+    (accepted,) = sent(node.handle(award(offer), T0))
+    assert isinstance(accepted, Accepted)
+    assert accepted.room == {"VCPU": 2, "MEMORY_MB": 11}  # 7 and 3072 left
+    (decline,) = sent(node.handle(a_request("r2", resources={"VCPU": 9}, probed_node="n"), T0))
+    assert isinstance(decline, Decline) and decline.room == {"VCPU": 2, "MEMORY_MB": 11}
+    ids = tuple(a.allocation_id for a in accepted.allocations)
+    (freed,) = sent(node.handle(Free(request_id="r1", sender=REQUESTOR, reply_to=REPLY,
+                                     allocation_ids=ids), T0))  # fmt: skip
+    assert isinstance(freed, Freed) and freed.room == {"VCPU": 3, "MEMORY_MB": 12}
+
+
+def test_a_full_node_announces_room_that_grows_but_not_room_that_shrinks() -> None:
+    node = a_node(vcpus=16, memory_mb=65536)
+    held = {}
+    for request_id, vcpus in (("a", 8), ("b", 4), ("c", 2)):  # 14 of 16: the last tier
+        offer = the_offer(node.handle(a_request(request_id, resources={"VCPU": vcpus}), T0))
+        (accepted,) = sent(node.handle(award(offer), T0))
+        assert isinstance(accepted, Accepted)
+        held[request_id] = accepted.allocations[0].allocation_id
+    assert node.tier() == 100
+    offer = the_offer(node.handle(a_request("d", resources={"VCPU": 1}), T0))
+    assert published(node.handle(award(offer), T0)) == []  # 2 -> 1 free: shrinks, quiet
+    free = Free(request_id="c", sender=REQUESTOR, reply_to=REPLY, allocation_ids=(held["c"],))
+    ((topic, status),) = published(node.handle(free, T0))  # 1 -> 3 free, still over 75 %
+    assert topic == ROSTER_TOPIC and isinstance(status, NodeStatus)
+    assert (status.tier, status.room["VCPU"]) == (100, 1)

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
+from pydantic import ValidationError
+
+from reservoir.protocol.messages import NodeStatus
+from reservoir.protocol.room import NOTHING_FREE, may_fit, room_class
 from reservoir.protocol.roster import Roster, Sampler
 from reservoir.protocol.tiers import TierLadder
 
@@ -70,3 +75,52 @@ def test_a_node_moves_between_tiers_and_leaves() -> None:
     assert roster.tier_sizes() == (0, 0, 1, 0, 0)
     assert roster.remove("n1") and not roster.remove("n1")
     assert len(roster) == 0 and roster.sample(3, up_to_tier_index=4) == []
+
+
+def test_a_sample_for_a_shape_leaves_out_nodes_whose_room_rules_it_out() -> None:
+    roster = a_roster()
+    for i in range(20):
+        roster.update(f"full-{i}", f"addr-full-{i}", 100, {"VCPU": 1, "MEMORY_MB": 14})
+    roster.update("roomy", "addr-roomy", 100, {"VCPU": 3, "MEMORY_MB": 14})
+    roster.update("silent", "addr-silent", 100)  # never told its room: may fit
+    for _ in range(20):
+        names = {m.name for m in roster.sample(5, up_to_tier_index=4, needs={"VCPU": 8})}
+        assert names == {"roomy", "silent"}
+    assert len(roster.sample(5, up_to_tier_index=4, needs={"VCPU": 2})) == 5
+    assert [m.name for m in roster.sample(5, up_to_tier_index=4, needs={"CUSTOM_GPU": 1})] == [
+        "silent"  # the others have no such resource at all
+    ]
+
+
+def test_an_answer_moves_a_node_to_the_room_it_tells_of() -> None:
+    roster = a_roster()
+    roster.update("n", "addr-n", 100, {"VCPU": 1})
+    assert roster.sample(1, up_to_tier_index=4, needs={"VCPU": 4}) == []
+    roster.note_room("n", {"VCPU": 2})
+    assert [m.name for m in roster.sample(1, up_to_tier_index=4, needs={"VCPU": 4})] == ["n"]
+    roster.note_room("stranger", {"VCPU": 9})  # only known nodes are moved
+    assert len(roster) == 1
+    roster.update("n", "addr-n", 75)  # a status without a room keeps the last one told
+    member = roster.member("n")
+    assert member is not None and member.room == (("VCPU", 2),)
+    assert roster.remove("n") and roster.tier_sizes() == (0, 0, 0, 0, 0)
+
+
+def test_a_shape_may_fit_only_where_its_power_of_two_is_reached() -> None:
+    assert may_fit({"VCPU": 3}, {"VCPU": 8})  # 8..15 free
+    assert may_fit({"VCPU": 3}, {"VCPU": 15})  # perhaps: the node decides
+    assert not may_fit({"VCPU": 2}, {"VCPU": 8})  # 4..7 free
+    assert not may_fit({"VCPU": NOTHING_FREE}, {"VCPU": 1})
+    assert may_fit({"VCPU": 0}, {"VCPU": 1, "MEMORY_MB": 0})  # 1 free; no memory asked
+    assert may_fit({}, {"VCPU": 1000})  # unknown room rules nothing out
+    assert [room_class(f) for f in (0, 1, 2, 3, 4, 1023, 1024)] == [-1, 0, 1, 1, 2, 9, 10]
+
+
+def test_a_status_whose_room_names_no_resource_class_or_too_many_is_refused() -> None:
+    def status(room: dict[str, int]) -> NodeStatus:
+        return NodeStatus(sender="n", reply_to="addr-n", tier=10, room=room)
+
+    assert status({"VCPU": 3, "CUSTOM_GPU": 0}).room == {"VCPU": 3, "CUSTOM_GPU": 0}
+    for bad in ({"vcpu": 3}, {"VCPU": -2}, {"VCPU": 54}, {f"CUSTOM_{i}": 1 for i in range(65)}):
+        with pytest.raises(ValidationError):
+            status(bad)

@@ -53,6 +53,13 @@ import click
 
 from brokers._rules import check_exchange, mask_password
 from reservoir.backoff import quietly_connecting
+from reservoir.bench_limits import (
+    CpuMeter,
+    CpuSnapshot,
+    broker_processes,
+    cpu_bound,
+    measure_message_rate,
+)
 from reservoir.bench_nodes import counters_of, ledger_summary, node_inventories
 from reservoir.broker import Broker, BrokerError, Delivery, Endpoint, UnsupportedBroker
 from reservoir.clock import SystemClock, ThreadScheduler
@@ -69,6 +76,8 @@ RTT_BODY_BYTES: Final = 512
 #: round trips before the measured ones, and the most measured
 RTT_WARMUP: Final = 100
 MAX_RTT_SAMPLES: Final = 2000
+#: messages sent back to back to measure the broker's bare rate (reservoir.bench_limits)
+RATE_MESSAGES: Final = 20_000
 #: the one flavour placed: single-instance, small
 FLAVOUR_VCPUS: Final = 1
 FLAVOUR_MEMORY_MB: Final = 1024
@@ -173,6 +182,14 @@ class BenchResult:
     time_to_failure_ms: float
     time_to_failure_explain_ms: float
     failure_explanation: str
+    #: the broker's bare message rate through the same adapter, and the placement rate it
+    #: allows at this run's messages per placement (see reservoir.bench_limits)
+    broker_msgs_per_s: float
+    broker_bound_placements_per_s: float
+    #: CPU per placement in the throughput run, by part, and the rate it allows
+    cpu_ms_per_placement: dict[str, float]
+    cpu_bound_cores: int
+    cpu_bound_placements_per_s: float
     machine: dict[str, Any]
     elapsed_s: float
     #: the invariant audit of every node's ledger at the end of the run
@@ -564,9 +581,10 @@ class _Throughput:
     failed: int
     elapsed_s: float
     latencies_s: list[float]
+    cpu_ms_per_placement: dict[str, float]
 
 
-def _run_threads(requestors: Sequence[Requestor], placements: int) -> _Throughput:
+def _run_threads(requestors: Sequence[Requestor], placements: int, meter: CpuMeter) -> _Throughput:
     """Each requestor places its share in a thread of its own, all starting together."""
     shares = [
         placements // len(requestors) + (1 if index < placements % len(requestors) else 0)
@@ -604,10 +622,12 @@ def _run_threads(requestors: Sequence[Requestor], placements: int) -> _Throughpu
         thread.start()
     start.wait()
     started = time.perf_counter()
+    cpu_before: CpuSnapshot = meter.snapshot()
     for thread in threads:
         thread.join()
     elapsed_s = time.perf_counter() - started
-    return _Throughput(len(latencies_s), failures[0], elapsed_s, latencies_s)
+    cpu = CpuMeter.per_placement_ms(cpu_before, meter.snapshot(), len(latencies_s))
+    return _Throughput(len(latencies_s), failures[0], elapsed_s, latencies_s, cpu)
 
 
 @dataclass
@@ -791,6 +811,8 @@ def run_bench(
         rtt_samples = max(100, min(placements, MAX_RTT_SAMPLES))
         progress(f"round trip: {rtt_samples} sequential {RTT_BODY_BYTES}-byte round trips")
         rtt_s = measure_round_trips(broker, rtt_samples)
+        progress(f"message rate: {RATE_MESSAGES} messages through the broker, pipelined")
+        broker_msgs_per_s = measure_message_rate(broker, RATE_MESSAGES)
 
         progress(f"sequential: {placements} placements, one at a time")
         sequential = _run_sequential(sequential_requestor, host, placements)
@@ -801,7 +823,13 @@ def run_bench(
         ]
         for requestor in concurrent_requestors:
             _wait_for_roster(requestor, nodes, READY_TIMEOUT_S)
-        throughput = _run_threads(concurrent_requestors, placements)
+        meter = CpuMeter(
+            {
+                "nodes": host.pids if isinstance(host, ProcessNodes) else [],
+                "broker": broker_processes(broker_url),
+            }
+        )
+        throughput = _run_threads(concurrent_requestors, placements, meter)
 
         progress(f"failure: filling {FULL_NODES} nodes of {FULL_NODE_SLOTS} instances each")
         full_requestor = open_requestor(full_broker, "full", full_settings)
@@ -817,6 +845,9 @@ def run_bench(
     place_p99 = percentile(sequential.latencies_s, 0.99)
     placed = len(sequential.latencies_s)
     messages = sum(sequential.sent.values())
+    messages_per_placement = round(messages / placed, 2) if placed else 0.0
+    # One CPython process (the in-process broker) has one core to give, the GIL's.
+    cores = 1 if in_process else os.cpu_count() or 1
     result = BenchResult(
         broker=mask_password(broker_url),
         exchanges=exchanges,
@@ -843,7 +874,7 @@ def run_bench(
         throughput_failed=throughput.failed,
         throughput_p50_ms=_ms(percentile(throughput.latencies_s, 0.50)),
         throughput_p99_ms=_ms(percentile(throughput.latencies_s, 0.99)),
-        messages_per_placement=round(messages / placed, 2) if placed else 0.0,
+        messages_per_placement=messages_per_placement,
         messages_per_placement_by_kind={
             kind: round(count / placed, 2) for kind, count in sorted(sequential.sent.items())
         }
@@ -854,6 +885,13 @@ def run_bench(
         full_cluster_placed=failure.filled,
         time_to_failure_ms=_ms(statistics.median(failure.plain_s)),
         time_to_failure_explain_ms=_ms(statistics.median(failure.explained_s)),
+        broker_msgs_per_s=round(broker_msgs_per_s, 1),
+        broker_bound_placements_per_s=round(broker_msgs_per_s / messages_per_placement, 1)
+        if messages_per_placement
+        else 0.0,
+        cpu_ms_per_placement=throughput.cpu_ms_per_placement,
+        cpu_bound_cores=cores,
+        cpu_bound_placements_per_s=cpu_bound(throughput.cpu_ms_per_placement, cores),
         failure_explanation=failure.explanation,
         machine=_machine(),
         elapsed_s=round(time.perf_counter() - run_started, 1),
@@ -917,6 +955,14 @@ def _print_table(result: BenchResult) -> None:
         ("  with explain", f"{r.time_to_failure_explain_ms:.1f} ms", ""),
         ("failed: sequential, throughput", f"{r.sequential_failed}, {r.throughput_failed}", ""),
         ("exhaustive steps (sequential)", f"{r.exhaustive_steps}", ""),
+        ("broker's bare message rate", f"{r.broker_msgs_per_s:,.0f}/s", ""),
+        ("  placements/s it allows", f"{r.broker_bound_placements_per_s:,.0f}", ""),
+        ("CPU per placement (throughput)", f"{sum(r.cpu_ms_per_placement.values()):.3f} ms", ""),
+        (
+            f"  placements/s it allows on {r.cpu_bound_cores} core(s)",
+            f"{r.cpu_bound_placements_per_s:,.0f}",
+            "",
+        ),
     ]
     for name, value, figure in rows:
         target = r.targets.get(figure)
@@ -934,6 +980,8 @@ def _print_table(result: BenchResult) -> None:
         console.print(f"targets as stated for: {groups}")
     kinds = ", ".join(f"{k} {v:g}" for k, v in r.messages_per_placement_by_kind.items())
     console.print(f"messages per placement by kind: {kinds}")
+    parts = ", ".join(f"{k} {v:.3f} ms" for k, v in r.cpu_ms_per_placement.items())
+    console.print(f"CPU per placement by part: {parts}")
     for note in r.notes:
         console.print(f"note: {note}")
 

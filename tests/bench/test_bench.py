@@ -53,6 +53,18 @@ def assert_sane(result: dict[str, Any]) -> None:
     assert result["requestor_mode"] in ("threads", "processes")
     assert result["full_cluster_placed"] == 16  # 4 nodes of 4 instances, then a failure
     assert "exhausted" in result["failure_explanation"]
+    # the bounds the machine sets, measured in the same run
+    assert result["broker_msgs_per_s"] > 0
+    assert result["broker_bound_placements_per_s"] == pytest.approx(
+        result["broker_msgs_per_s"] / result["messages_per_placement"], rel=0.01
+    )
+    cpu = result["cpu_ms_per_placement"]
+    assert cpu["this process"] > 0
+    if result["node_mode"] == "processes":
+        assert cpu["nodes"] > 0  # the node agents' processes are measured too
+    assert result["cpu_bound_placements_per_s"] == pytest.approx(
+        result["cpu_bound_cores"] * 1000 / sum(cpu.values()), rel=0.01
+    )
     # the run ends with the invariant audit of every node's ledger
     assert result["audit"] == {
         "overcommitted": 0, "leaked_reservations": 0, "duplicate_placements": 0,

@@ -71,22 +71,41 @@ def _cpu_s_of(pid: int) -> float | None:
 
 
 def broker_processes(broker_url: str) -> list[int]:
-    """The RabbitMQ server processes (``beam.smp`` running ``rabbit``) of this machine,
-    when the URL points at loopback; none otherwise."""
-    host = urllib.parse.urlsplit(broker_url.split(";")[0]).hostname or ""
-    if host not in _LOOPBACK:
+    """The process that listens on the broker URL's port, when the URL points at loopback
+    (the broker of this machine, not some other RabbitMQ it may also run); none
+    otherwise. Behind a port forwarder (a container's published port) that forwarder is
+    what is found, and the broker's own CPU is not in the figures."""
+    parts = urllib.parse.urlsplit(broker_url.split(";")[0])
+    if (parts.hostname or "") not in _LOOPBACK:
         return []
+    port = parts.port or (5671 if parts.scheme.endswith("amqps") else 5672)
+    inodes = _listening_inodes(port)
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            command = (entry / "cmdline").read_bytes().split(b"\0")
+            links = [os.readlink(fd) for fd in (entry / "fd").iterdir()]
         except OSError:
             continue
-        if command and command[0].endswith(b"beam.smp") and any(b"rabbit" in c for c in command):
+        if any(link.startswith("socket:[") and link[8:-1] in inodes for link in links):
             found.append(int(entry.name))
     return found
+
+
+def _listening_inodes(port: int) -> set[str]:
+    """Inodes of the TCP sockets listening on ``port`` (state 0A in /proc/net/tcp*)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(fields[9])
+    return inodes
 
 
 @dataclass(frozen=True)

@@ -76,8 +76,8 @@ def broker_processes(broker_url: str) -> list[int]:
     otherwise. Behind a port forwarder (a container's published port) that forwarder is
     what is found, and the broker's own CPU is not in the figures."""
     parts = urllib.parse.urlsplit(broker_url.split(";")[0])
-    if (parts.hostname or "") not in _LOOPBACK:
-        return []
+    if "amqp" not in parts.scheme or (parts.hostname or "") not in _LOOPBACK:
+        return []  # the in-process broker is this process; a remote one cannot be read
     port = parts.port or (5671 if parts.scheme.endswith("amqps") else 5672)
     inodes = _listening_inodes(port)
     found = []

@@ -846,8 +846,7 @@ def run_bench(
     placed = len(sequential.latencies_s)
     messages = sum(sequential.sent.values())
     messages_per_placement = round(messages / placed, 2) if placed else 0.0
-    # One CPython process (the in-process broker) has one core to give, the GIL's.
-    cores = 1 if in_process else os.cpu_count() or 1
+    cores = os.cpu_count() or 1
     result = BenchResult(
         broker=mask_password(broker_url),
         exchanges=exchanges,

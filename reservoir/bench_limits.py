@@ -7,9 +7,11 @@ the messages a placement takes: no protocol work at all could place faster throu
 broker and adapter. ``cpu_bound_placements_per_s`` is the machine's cores divided by the
 CPU seconds a placement costs, summed over every process of the run that could be
 measured: no scheduling of that work could place faster on these cores. (The in-process
-broker runs every participant in one CPython process, so its CPU bound is one core, the
-GIL's.) A target above a bound is out of reach on this machine, whatever the protocol
-does; the distance between the measured rate and the bounds says what is left to win.
+broker runs every participant in one CPython process, whose Python code runs one thread at
+a time: there the bound over all cores is optimistic, and the measured rate stays near one
+core's worth.) A target above a bound is out of reach on this machine, whatever the
+protocol does; the distance between the measured rate and the bounds says what is left
+to win.
 
 CPU times come from ``/proc`` (Linux); where a process cannot be read (a remote broker,
 another OS), its part is left out and the bound says so in its ``parts``.

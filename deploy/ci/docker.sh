@@ -35,6 +35,8 @@ suite="${RESERVOIR_DEBIAN_SUITE:-bookworm}"
 wheel_cache="${RESERVOIR_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/reservoir/wheels}"
 label_image="org.reservoir.image"
 label_run="org.reservoir.test-run"
+# what the reservoir wheel is built from
+source_files="reservoir brokers pyproject.toml README.md"
 
 say() { echo "docker.sh: $*" >&2; }
 
@@ -252,7 +254,7 @@ python_image() {
 source_hash() {
     (
         cd "$root"
-        git ls-files -z -- reservoir brokers pyproject.toml README.md |
+        git ls-files -z -- $source_files |
             xargs -0 sha256sum | sha256sum | cut -c1-12
     )
 }
@@ -312,8 +314,14 @@ reservoir_image() {
     scratch+=("$context")
     mkdir -p "$context/deps" "$context/project"
     cp "$deps_dir"/* "$context/deps/"
+    # the wheel is built from a copy of exactly the hashed files: building in the work
+    # tree would leave build/ there, and setuptools would reuse its stale files
+    mkdir -p "$context/source"
+    (cd "$root" && git ls-files -z -- $source_files | xargs -0 cp --parents -t "$context/source")
     python3 -m pip wheel --quiet --disable-pip-version-check --no-deps \
-        -w "$context/project" "$root" >&2
+        -w "$context/project" "$context/source" 2>&1 |
+        { grep -v "is ignored: it is neither a file nor a directory" || true; } >&2
+    rm -rf "$context/source"
     cp "$here/../docker/Dockerfile" "$context/Dockerfile"
     # the classic builder: BuildKit would want a frontend image, and nothing can be pulled
     DOCKER_BUILDKIT=0 docker build --quiet \

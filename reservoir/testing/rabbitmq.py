@@ -163,16 +163,18 @@ def amqp_url_for_tests() -> Iterator[str]:
         _unavailable(f"RESERVOIR_TEST_AMQP_URL is unset and testcontainers is missing ({error})")
         return
     image = rabbitmq_image()
-    container = container_class(image)
-    # Published on loopback only (an unbound port would be published on every interface),
-    # on a port the engine picks.
-    container.ports[str(container.port)] = ("127.0.0.1", None)
-    container.with_kwargs(labels={RUN_LABEL: run_id()})
+    container = None
     try:
+        container = container_class(image)  # connects to the engine already
+        # Published on loopback only (an unbound port would be published on every
+        # interface), on a port the engine picks.
+        container.ports[str(container.port)] = ("127.0.0.1", None)
+        container.with_kwargs(labels={RUN_LABEL: run_id()})
         container.start()
     except Exception as error:  # no engine, an image that cannot be pulled, ...
-        with contextlib.suppress(Exception):
-            container.stop()  # created but never ready: removed all the same
+        if container is not None:
+            with contextlib.suppress(Exception):
+                container.stop()  # created but never ready: removed all the same
         _unavailable(
             f"RESERVOIR_TEST_AMQP_URL is unset and no container of {image} could start: {error}"
         )

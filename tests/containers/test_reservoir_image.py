@@ -1,14 +1,17 @@
 """The reservoir image (deploy/docker/Dockerfile, built offline by deploy/ci/docker.sh from
 wheels): every command is there, the api extra is installed, it runs as a user of its own,
-and a whole demo placement runs inside it."""
+a whole demo placement runs inside it, and every program the deployment files run (their
+commands and exec probes) is in the image they run it in."""
 
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import click
 import pytest
+import yaml
 
 from reservoir import __version__
 from reservoir.cli import main
@@ -17,6 +20,8 @@ if TYPE_CHECKING:
     from conftest import Docker
 
 pytestmark = pytest.mark.docker
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
 
 def test_every_reservoir_command_is_in_the_image(docker: Docker, reservoir_image: str) -> None:
@@ -56,3 +61,40 @@ def test_a_demo_inside_the_image_places_every_request(docker: Docker, reservoir_
 def test_the_image_tests_leave_no_container_behind(docker: Docker, reservoir_image: str) -> None:
     docker.run(reservoir_image, "true")
     assert docker.containers_of_this_run() == []
+
+
+def programs_run_by_the_deployment_files() -> set[tuple[str, str]]:
+    """(image, program) for every command and exec probe of compose.yaml and the
+    Kubernetes manifests."""
+    run: set[tuple[str, str]] = set()
+    compose = yaml.safe_load((DEPLOY / "compose" / "compose.yaml").read_text())
+    for service in compose["services"].values():
+        test = service.get("healthcheck", {}).get("test", [])
+        for argv in (service.get("command"), test[1:] if test[:1] == ["CMD"] else None):
+            if argv:
+                run.add((service["image"], argv[0]))
+    for manifest in (DEPLOY / "kubernetes").glob("*.yaml"):
+        for document in yaml.safe_load_all(manifest.read_text()):
+            template: dict[str, Any] = (document or {}).get("spec", {}).get("template", {})
+            spec = template.get("spec", {})
+            for container in spec.get("initContainers", []) + spec.get("containers", []):
+                probes = [v for k, v in container.items() if k.endswith("Probe")]
+                for argv in [container.get("command")] + [
+                    p["exec"]["command"] for p in probes if "exec" in p
+                ]:
+                    if argv:
+                        run.add((container["image"], argv[0]))
+    return run
+
+
+def test_every_program_the_deployment_files_run_is_in_its_image(
+    docker: Docker, reservoir_image: str, rabbitmq_test_image: str
+) -> None:
+    run = programs_run_by_the_deployment_files()
+    assert ("${RESERVOIR_IMAGE:-reservoir:latest}", "reservoir") in run
+    assert ("reservoir", "chown") in run  # the DaemonSet's init container
+    for image, program in sorted(run):
+        # the RabbitMQ image built here stands in for the official one of the manifests
+        local = rabbitmq_test_image if "rabbitmq" in image else reservoir_image
+        found = docker.run(local, "sh", "-c", f"command -v {program}").strip()
+        assert found, f"{program} ({image}) is not in {local}"

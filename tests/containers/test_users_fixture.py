@@ -1,7 +1,8 @@
 """The users' ``reservoir_amqp_url`` (reservoir's pytest plugin) in a project of their own:
 the README's example test, run by pytest in a directory of its own with
 ``RESERVOIR_TEST_AMQP_URL`` unset, passes on a throwaway RabbitMQ container that is gone
-afterwards; with no engine, it is skipped, and failed under ``CI``."""
+afterwards. (With no engine it is skipped, failed under ``CI``:
+tests/unit/test_testing_rabbitmq.py.)"""
 
 from __future__ import annotations
 
@@ -62,16 +63,3 @@ def test_the_readme_example_passes_on_a_throwaway_container(
     assert f"start {rabbitmq_test_image}" in events, events
     assert f"destroy {rabbitmq_test_image}" in events, events
     assert docker.containers_of_this_run() == []
-
-
-def test_with_no_engine_the_example_is_skipped_but_fails_under_ci(tmp_path: Path) -> None:
-    no_engine = {"DOCKER_HOST": f"unix://{tmp_path}/no-docker.sock"}
-
-    skipped = run_users_project(tmp_path, **no_engine)
-    assert skipped.returncode == 0, skipped.stdout
-    assert "1 skipped" in skipped.stdout
-    assert "no container of" in skipped.stdout
-
-    failed = run_users_project(tmp_path, CI="1", **no_engine)
-    assert failed.returncode == 1, failed.stdout
-    assert "CI needs a RabbitMQ and has none" in failed.stdout

@@ -1,11 +1,13 @@
 """How reservoir.testing.rabbitmq picks the RabbitMQ image and sets testcontainers up,
 without an engine: the image named in the environment wins, then the newest locally built
 one (by version, not by spelling), then the pinned upstream one; the reaper and the
-loopback host are set unless the user set them."""
+loopback host are set unless the user set them; with no engine, the fixture skips the test,
+and fails it under ``CI``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 from testcontainers.core.config import ConnectionMode, testcontainers_config
@@ -13,6 +15,7 @@ from testcontainers.core.config import ConnectionMode, testcontainers_config
 from reservoir.testing.rabbitmq import (
     IMAGE_ENV,
     RABBITMQ_IMAGE,
+    amqp_url_for_tests,
     configure_testcontainers,
     rabbitmq_image,
     rabbitmqctl_command,
@@ -110,3 +113,29 @@ def test_a_remote_engine_is_not_reached_on_loopback(monkeypatch: pytest.MonkeyPa
 
 def test_a_broker_not_started_here_is_managed_by_the_machines_rabbitmqctl() -> None:
     assert rabbitmqctl_command("amqp://guest:guest@127.0.0.1:5672/") == ["rabbitmqctl"]
+
+
+@pytest.fixture
+def no_engine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("RESERVOIR_TEST_AMQP_URL", raising=False)
+    monkeypatch.delenv("CI", raising=False)
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/no-docker.sock")
+
+
+@pytest.mark.usefixtures("no_engine")
+def test_with_no_engine_the_test_is_skipped() -> None:
+    with (
+        pytest.raises(pytest.skip.Exception, match=r"no container of \S+ could start"),
+        amqp_url_for_tests(),
+    ):
+        pytest.fail("a URL without an engine")
+
+
+@pytest.mark.usefixtures("no_engine")
+def test_with_no_engine_under_ci_the_test_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CI", "true")
+    with (
+        pytest.raises(pytest.fail.Exception, match="CI needs a RabbitMQ and has none"),
+        amqp_url_for_tests(),
+    ):
+        pytest.fail("a URL without an engine")

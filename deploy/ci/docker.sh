@@ -36,7 +36,7 @@ wheel_cache="${RESERVOIR_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/reservoir/
 label_image="org.reservoir.image"
 label_run="org.reservoir.test-run"
 # what the reservoir wheel is built from
-source_files="reservoir brokers pyproject.toml README.md"
+source_files=(reservoir brokers pyproject.toml README.md)
 
 say() { echo "docker.sh: $*" >&2; }
 
@@ -48,9 +48,10 @@ remove_scratch() {
     for dir in "${scratch[@]}"; do
         # an interrupted debootstrap leaves /proc and /sys (maybe /dev) mounted inside its
         # target: unmount them first, and never descend into another file system
-        for mount in $(awk -v d="$dir/" 'index($2, d) == 1 {print $2}' /proc/mounts | sort -r); do
-            umount -l "$mount" 2>/dev/null || true
-        done
+        awk -v d="$dir/" 'index($2, d) == 1 {print $2}' /proc/mounts | sort -r |
+            while read -r mount; do
+                umount -l "$mount" 2>/dev/null || true
+            done
         rm -rf --one-file-system "$dir"
     done
 }
@@ -254,7 +255,7 @@ python_image() {
 source_hash() {
     (
         cd "$root"
-        git ls-files -z -- $source_files |
+        git ls-files -z -- "${source_files[@]}" |
             xargs -0 sha256sum | sha256sum | cut -c1-12
     )
 }
@@ -317,7 +318,7 @@ reservoir_image() {
     # the wheel is built from a copy of exactly the hashed files: building in the work
     # tree would leave build/ there, and setuptools would reuse its stale files
     mkdir -p "$context/source"
-    (cd "$root" && git ls-files -z -- $source_files | xargs -0 cp --parents -t "$context/source")
+    (cd "$root" && git ls-files -z -- "${source_files[@]}" | xargs -0 cp --parents -t "$context/source")
     python3 -m pip wheel --quiet --disable-pip-version-check --no-deps \
         -w "$context/project" "$context/source" 2>&1 |
         { grep -v "is ignored: it is neither a file nor a directory" || true; } >&2

@@ -324,11 +324,17 @@ reservoir_image() {
         { grep -v "is ignored: it is neither a file nor a directory" || true; } >&2
     rm -rf "$context/source"
     cp "$here/../docker/Dockerfile" "$context/Dockerfile"
-    # the classic builder: BuildKit would want a frontend image, and nothing can be pulled
-    DOCKER_BUILDKIT=0 docker build --quiet \
+    # The classic builder: BuildKit would want a frontend image, and nothing can be pulled
+    # (its deprecation notice is all it says on success: shown only on a failure).
+    if ! DOCKER_BUILDKIT=0 docker build --quiet \
         --build-arg "BASE=$python_tag" \
         --label "$label_image=reservoir" --label "org.reservoir.source=$hash" \
-        -t "$tag" "$context" >/dev/null
+        -t "$tag" "$context" >/dev/null 2>"$context.log"; then
+        cat "$context.log" >&2
+        rm -f "$context.log"
+        exit 1
+    fi
+    rm -f "$context.log"
     docker tag "$tag" reservoir:latest
     # one cached reservoir image is enough: older builds of other sources are removed
     local old

@@ -210,7 +210,7 @@ rabbitmq_image() {
     fi
     local started=$SECONDS rootfs version tag
     rootfs="$(mktemp -d /var/tmp/reservoir-rootfs.XXXXXX)"
-    scratch+=("$rootfs")
+    scratch+=("$rootfs" "$rootfs.log")
     make_rootfs "$rootfs" rabbitmq-server
     version="$(package_version "$rootfs" rabbitmq-server)"
     tag="reservoir/rabbitmq:$version"
@@ -237,7 +237,7 @@ python_image() {
     fi
     local started=$SECONDS rootfs version
     rootfs="$(mktemp -d /var/tmp/reservoir-rootfs.XXXXXX)"
-    scratch+=("$rootfs")
+    scratch+=("$rootfs" "$rootfs.log")
     # python3-venv brings ensurepip, so the image can make a venv without pip from apt
     make_rootfs "$rootfs" python3 python3-venv
     version="$(package_version "$rootfs" python3)"
@@ -312,7 +312,7 @@ reservoir_image() {
     python_image
     dependency_wheels
     context="$(mktemp -d /var/tmp/reservoir-image.XXXXXX)"
-    scratch+=("$context")
+    scratch+=("$context" "$context.log")
     mkdir -p "$context/deps" "$context/project"
     cp "$deps_dir"/* "$context/deps/"
     # the wheel is built from a copy of exactly the hashed files: building in the work

@@ -68,6 +68,29 @@ class Docker:
             timeout=timeout,
         )  # fmt: skip
 
+    def start(self, image: str, *command: str, options: tuple[str, ...] = ()) -> str:
+        """``command`` in a detached container of ``image`` (no network): its id. The
+        caller removes it (``docker rm -f``)."""
+        started = self(
+            "run", "-d", "--network", "none", "--label", self.label, *options, image, *command
+        )
+        return started.strip()
+
+    def succeeds(self, container: str, *command: str) -> bool:
+        """Whether ``command``, run in ``container``, exits 0."""
+        done = subprocess.run(
+            ["docker", "exec", container, *command], capture_output=True, timeout=60, check=False
+        )
+        return done.returncode == 0
+
+    def logs(self, container: str) -> str:
+        """What ``container`` wrote, stdout and stderr together."""
+        done = subprocess.run(
+            ["docker", "logs", container],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        return done.stdout
+
     def containers_of_this_run(self) -> list[str]:
         return self("ps", "-aq", "--filter", f"label={self.label}").split()
 

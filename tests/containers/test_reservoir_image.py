@@ -1,11 +1,14 @@
 """The reservoir image (deploy/docker/Dockerfile, built offline by deploy/ci/docker.sh from
 wheels): every command is there, the api extra is installed, it runs as a user of its own,
-a whole demo placement runs inside it, and every program the deployment files run (their
-commands and exec probes) is in the image they run it in."""
+a whole demo placement runs inside it, every program the deployment files run (their
+commands and exec probes) is in the image they run it in, and the Kubernetes manifests'
+node agent and API, run as they say (their command, user, read-only root), pass their own
+probes."""
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -104,3 +107,62 @@ def test_every_program_the_deployment_files_run_is_in_its_image(
         found = docker.run(local, "sh", "-c", script).split()
         missing = [p for p in programs if not any(f.endswith(f"/{p}") for f in found)]
         assert not missing, f"not in {local}: {missing}"
+
+
+def manifest_container(kind: str) -> dict[str, Any]:
+    for manifest in (DEPLOY / "kubernetes").glob("*.yaml"):
+        for document in yaml.safe_load_all(manifest.read_text()):
+            if document and document["kind"] == kind:
+                containers: list[dict[str, Any]] = document["spec"]["template"]["spec"][
+                    "containers"
+                ]
+                return containers[0]
+    raise AssertionError(f"no {kind} in deploy/kubernetes")
+
+
+def probe_commands(container: dict[str, Any]) -> list[list[str]]:
+    """Each probe of ``container`` as a command to run inside it."""
+    commands = []
+    for key in ("startupProbe", "livenessProbe", "readinessProbe"):
+        probe = container.get(key)
+        if probe is None:
+            continue
+        if "exec" in probe:
+            commands.append(probe["exec"]["command"])
+        else:
+            ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+            port = ports.get(probe["httpGet"]["port"], probe["httpGet"]["port"])
+            url = f"http://127.0.0.1:{port}{probe['httpGet']['path']}"
+            commands.append(
+                ["python3", "-c", f"import urllib.request; urllib.request.urlopen({url!r})"]
+            )
+    return commands
+
+
+@pytest.mark.parametrize("kind", ["DaemonSet", "Deployment"])
+def test_the_manifests_agents_run_read_only_as_their_user_and_pass_their_probes(
+    docker: Docker, reservoir_image: str, kind: str
+) -> None:
+    container = manifest_container(kind)
+    command = [arg.replace("$(NODE_NAME)", "worker-1") for arg in container["command"]]
+    options = ["--read-only", "--user", "10001:10001", "-e", "RESERVOIR_BROKER_URL=memory://"]
+    for env in container.get("env", []):
+        if "value" in env:
+            options += ["-e", f"{env['name']}={env['value']}"]
+    for mount in container.get("volumeMounts", []):  # the hostPath, empty and the user's
+        options += ["--tmpfs", f"{mount['mountPath']}:uid=10001,gid=10001"]
+    probes = probe_commands(container)
+    assert len(probes) >= 2, f"{kind} has {len(probes)} probes"
+    started = docker.start(reservoir_image, *command, options=tuple(options))
+    try:
+        deadline = time.monotonic() + 30
+        passing: list[bool] = []
+        while time.monotonic() < deadline:
+            passing = [docker.succeeds(started, *probe) for probe in probes]
+            if all(passing):
+                break
+            time.sleep(0.5)
+        logs = docker.logs(started)
+        assert all(passing), f"{kind}: probes {probes} gave {passing}; logs: {logs}"
+    finally:
+        docker("rm", "-f", started)

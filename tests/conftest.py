@@ -2,7 +2,8 @@
 fixed set of examples under CI, so a CI run is reproducible; ``--run-slow`` runs the tests
 marked ``slow`` (the soak runs of tests/property/test_soak.py and the full chaos run),
 skipped otherwise. These options are this suite's own: the pytest plugin reservoir
-installs for its users adds none."""
+installs for its users adds none. The report's header says where the RabbitMQ tests' broker
+comes from (the URL in ``RESERVOIR_TEST_AMQP_URL``, or a testcontainers image)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import os
 
 import pytest
 from hypothesis import settings
+
+from brokers import BrokerUrl
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -19,6 +22,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=False,
         help="run tests marked slow (soak runs, the full chaos run)",
     )
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    url = os.environ.get("RESERVOIR_TEST_AMQP_URL")
+    if url:
+        return f"rabbitmq: RESERVOIR_TEST_AMQP_URL ({BrokerUrl.parse(url).display})"
+    from reservoir.testing.rabbitmq import rabbitmq_image
+
+    return f"rabbitmq: testcontainers, image {rabbitmq_image()} (RESERVOIR_TEST_AMQP_URL unset)"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -14,7 +14,8 @@ What only the two RabbitMQ drivers share (reconnection, confirms and stats, retu
 ``user_id``, flow control, cancelled consumers, refusals) is tested by
 ``test_amqp_contract.py`` over ``AMQP_DRIVERS``, with these fixtures: ``open_amqp`` (a
 driver on an exchange of the test's own, deleted afterwards), ``ctl`` (``rabbitmqctl``,
-which must manage the RabbitMQ under test: skipped where it cannot, failed under ``CI``)
+which must manage the RabbitMQ under test: the machine's own, or ``docker exec`` into the
+testcontainers broker; skipped where it cannot, failed under ``CI``)
 and ``restricted_user`` (a user of the test's own, deleted afterwards).
 """
 
@@ -38,6 +39,7 @@ from brokers.inprocess import InProcessBroker
 from brokers.kombu_broker import KombuBroker
 from brokers.pika_broker import PikaBroker
 from reservoir.broker import Broker, Delivery, Endpoint
+from reservoir.testing.rabbitmq import rabbitmqctl_command
 
 #: generous: a healthy broker answers in milliseconds; only a hang ever waits this long
 WAIT_S = 10.0
@@ -269,11 +271,15 @@ def open_amqp(driver: str, reservoir_amqp_url: str, amqp_exchange: str) -> Itera
 
 
 class Ctl:
-    """``rabbitmqctl`` on the RabbitMQ under test."""
+    """``rabbitmqctl`` on the RabbitMQ under test: ``command`` runs it (the machine's own,
+    or ``docker exec`` into the container serving the URL)."""
+
+    def __init__(self, command: list[str]) -> None:
+        self.command = command
 
     def __call__(self, *args: str) -> str:
         done = subprocess.run(
-            ["rabbitmqctl", "-q", *args], capture_output=True, text=True, timeout=60, check=False
+            [*self.command, "-q", *args], capture_output=True, text=True, timeout=60, check=False
         )
         if done.returncode != 0:
             raise RuntimeError(f"rabbitmqctl {' '.join(args)}: {done.stderr or done.stdout}")
@@ -300,9 +306,10 @@ def ctl(reservoir_amqp_url: str) -> Ctl:
             pytest.fail(f"CI must be able to manage its RabbitMQ: {reason}", pytrace=False)
         pytest.skip(f"rabbitmqctl cannot manage the RabbitMQ under test: {reason}")
 
-    if shutil.which("rabbitmqctl") is None:
-        unavailable("not on PATH")
-    ctl = Ctl()
+    command = rabbitmqctl_command(reservoir_amqp_url)
+    if shutil.which(command[0]) is None:
+        unavailable(f"{command[0]} is not on PATH")
+    ctl = Ctl(command)
     probe_url = BrokerUrl.parse(reservoir_amqp_url).with_exchange(f"ctl-probe-{uuid.uuid4().hex}")
     probe = connect(probe_url)
     try:

@@ -4,8 +4,9 @@
 - ``exchange``: a topic exchange name of the test's own; it and its inbox exchange are
   deleted afterwards;
 - ``rabbitmqctl``: ``rabbitmqctl -q <args>`` (stdin optional), once it is known to manage
-  the RabbitMQ under test; where it cannot, the test is skipped (failed under ``CI``, which
-  must be able to run them);
+  the RabbitMQ under test (the machine's own, or ``docker exec`` into the testcontainers
+  broker); where it cannot, the test is skipped (failed under ``CI``, which must be able
+  to run them);
 - ``close_connection``: closes one connection by its ``connection_name`` from the server
   side, as an operator would, to make an adapter reconnect.
 """
@@ -23,6 +24,7 @@ import pika
 import pytest
 
 from brokers.pika_broker import INBOX_SUFFIX
+from reservoir.testing.rabbitmq import rabbitmqctl_command
 
 Rabbitmqctl = Callable[..., str]
 
@@ -47,9 +49,19 @@ def exchange(amqp_url: str) -> Iterator[str]:
         connection.close()
 
 
-def _run_rabbitmqctl(*args: str, stdin: str | None = None) -> str:
+def _rabbitmqctl_on(command: list[str]) -> Rabbitmqctl:
+    """``rabbitmqctl -q <args>`` through ``command`` (the machine's own, or ``docker exec``
+    into the container serving the URL under test)."""
+
+    def run(*args: str, stdin: str | None = None) -> str:
+        return _run_rabbitmqctl(command, *args, stdin=stdin)
+
+    return run
+
+
+def _run_rabbitmqctl(command: list[str], *args: str, stdin: str | None = None) -> str:
     done = subprocess.run(
-        ["rabbitmqctl", "-q", *args],
+        [*command, "-q", *args],
         input=stdin,
         capture_output=True,
         text=True,
@@ -77,15 +89,17 @@ def _where(url: str) -> str:
 def rabbitmqctl(reservoir_amqp_url: str) -> Rabbitmqctl:
     """Runs ``rabbitmqctl -q <args>`` (``stdin=`` optional) and returns its output; raises
     RuntimeError when it fails. Skips (fails under ``CI``) where rabbitmqctl is missing or
-    manages another node than the one the URL reaches, as with a testcontainers broker."""
-    if shutil.which("rabbitmqctl") is None:
-        _unavailable("rabbitmqctl is not on PATH")
+    manages another node than the one the URL reaches."""
+    command = rabbitmqctl_command(reservoir_amqp_url)
+    if shutil.which(command[0]) is None:
+        _unavailable(f"{command[0]} is not on PATH")
+    rabbitmqctl = _rabbitmqctl_on(command)
     probe_name = f"reservoir-test-probe-{uuid.uuid4().hex}"
     parameters = pika.URLParameters(reservoir_amqp_url)
     parameters.client_properties = {"connection_name": probe_name}
     probe = pika.BlockingConnection(parameters)
     try:
-        listing = _run_rabbitmqctl("list_connections", "--no-table-headers", "client_properties")
+        listing = rabbitmqctl("list_connections", "--no-table-headers", "client_properties")
     except (OSError, subprocess.SubprocessError, RuntimeError) as error:
         _unavailable(f"rabbitmqctl cannot manage the broker: {error}")
     finally:
@@ -94,7 +108,7 @@ def rabbitmqctl(reservoir_amqp_url: str) -> Rabbitmqctl:
         _unavailable(
             f"rabbitmqctl manages another RabbitMQ than the one at {_where(reservoir_amqp_url)}"
         )
-    return _run_rabbitmqctl
+    return rabbitmqctl
 
 
 @pytest.fixture

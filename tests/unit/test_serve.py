@@ -338,7 +338,9 @@ def test_the_nodes_list_shows_every_node_with_its_usage_and_tier(
 def test_probes_and_metrics(broker: InProcessBroker, nodes: list[NodeAgent]) -> None:
     app = create_app(broker)
 
-    async def scenario(client: httpx.AsyncClient, service: ReservoirService) -> str:
+    async def scenario(
+        client: httpx.AsyncClient, service: ReservoirService
+    ) -> tuple[str, str, list[Placement]]:
         assert (await client.get("/healthz")).json()["status"] == "ok"
         assert (await client.get("/readyz")).status_code == 200
         await client.post("/v1/reservations", json={"vcpus": 1, "memory_mb": 1})
@@ -352,9 +354,9 @@ def test_probes_and_metrics(broker: InProcessBroker, nodes: list[NodeAgent]) -> 
         service.closing = False
         exposition = await client.get("/metrics")
         assert exposition.status_code == 200
-        return exposition.text
+        return exposition.text, service.requestor.name, list(service.placements.values())
 
-    text = run_against(app, scenario)
+    text, requestor, placements = run_against(app, scenario)
     assert 'reservoir_service_placement_seconds_bucket{le="0.005",outcome="placed"}' in text
     assert 'reservoir_service_placement_seconds_count{outcome="placed"} 1.0' in text
     assert 'reservoir_service_placements_total{partial="false"} 1.0' in text
@@ -365,6 +367,16 @@ def test_probes_and_metrics(broker: InProcessBroker, nodes: list[NodeAgent]) -> 
         'status="201"} 1.0'
     ) in text
     assert 'route="/readyz",status="503"' in text
+    # the service's requestor counts into the same registry: what the protocol did
+    who = f'participant="{requestor}"'
+    assert f'reservoir_placement_seconds_count{{outcome="placed",{who}}} 1.0' in text
+    assert f'reservoir_placement_failures_total{{{who},reason="not_placed"}} 1.0' in text
+    assert f'reservoir_messages_sent_total{{kind="award",{who}}} 1.0' in text
+    assert f"reservoir_requestor_in_flight{{{who}}} 0.0" in text
+    # and the process's own
+    assert "process_cpu_seconds_total" in text
+    assert "python_info" in text
+    audited(nodes, placements)
 
 
 class FlakyBroker(InProcessBroker):

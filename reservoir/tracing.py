@@ -49,6 +49,7 @@ __all__ = [
     "node_span",
     "start_place",
     "tracer",
+    "use",
 ]
 
 #: whether the OpenTelemetry API is installed
@@ -58,6 +59,16 @@ TRACER_NAME: Final = "reservoir"
 _PROPAGATOR: Any = TraceContextTextMapPropagator() if otel_trace is not None else None
 #: (provider, its tracer): asking the provider for a tracer on every placement would cost
 _cached: tuple[object, Any] | None = None
+#: a provider for reservoir's spans alone, instead of the global one (see :func:`use`)
+_provider: Any = None
+
+
+def use(provider: Any) -> None:
+    """Make reservoir's spans with ``provider`` (an SDK ``TracerProvider``) instead of the
+    global one; None goes back to the global. For tests, and for an application that
+    traces reservoir apart from the rest."""
+    global _provider
+    _provider = provider
 
 
 def tracer() -> Tracer | None:
@@ -66,7 +77,7 @@ def tracer() -> Tracer | None:
     global _cached
     if otel_trace is None:
         return None
-    provider = otel_trace.get_tracer_provider()
+    provider = _provider if _provider is not None else otel_trace.get_tracer_provider()
     if isinstance(provider, otel_trace.ProxyTracerProvider | otel_trace.NoOpTracerProvider):
         return None
     cached = _cached

@@ -633,6 +633,13 @@ def _open_requestor(command: str, broker_url: str | None) -> Any:
     show_default=True,
     help="Give up after this many seconds.",
 )
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Only ask: list the nodes that would take it and why the others would not, "
+    "reserving nothing (answers gathered for 1 s, or --timeout if shorter); exit status "
+    "1 when there is not room enough.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def request(
     broker_url: str | None,
@@ -652,10 +659,11 @@ def request(
     request_id: str | None,
     explain: bool,
     timeout_s: float,
+    dry_run: bool,
     as_json: bool,
 ) -> None:
     """Place one request and print the placement, or the failure with its explanation
-    (exit status 1)."""
+    (exit status 1). With --dry-run, only say where it would fit."""
 
     amounts: dict[str, int] = {}
     for rc, given in {"VCPU": vcpus, "MEMORY_MB": memory_mb, "DISK_GB": disk_gb}.items():
@@ -687,6 +695,10 @@ def request(
         )
     except ValidationError as error:
         raise click.UsageError(f"not a valid request: {error}") from None
+    if dry_run:
+        _dry_run(spec, broker_url, min(timeout_s, DRY_RUN_WAIT_S), as_json)
+        return
+    _set_up_tracing("request")
     requestor = _open_requestor("request", broker_url)
     with requestor:
         try:
@@ -725,6 +737,51 @@ def request(
     for allocation in placement.allocations:
         shown = ", ".join(f"{rc}={n}" for rc, n in sorted(allocation.resources.items()))
         click.echo(f"  {allocation.node}  {allocation.allocation_id}  {shown}")
+
+
+#: how long a dry run gathers the nodes' answers
+DRY_RUN_WAIT_S = 1.0
+
+
+def _dry_run(spec: PlacementRequest, broker_url: str | None, wait_s: float, as_json: bool) -> None:
+    from reservoir.backoff import quietly_connecting
+    from reservoir.dry_run import DryRun
+
+    settings = _settings(broker_url=broker_url)
+    try:
+        with quietly_connecting():
+            asking = DryRun(spec, settings.broker_url, settings=settings)
+    except BrokerError as error:
+        click.echo(f"reservoir request: cannot reach the broker: {error}", err=True)
+        sys.exit(EXIT_BROKER)
+    with asking:
+        asking.ask()
+        report = asking.collect(wait_s=wait_s)
+    if as_json:
+        click.echo(json.dumps(report.as_json(), sort_keys=True))
+    else:
+        shape = ", ".join(f"{rc}={n}" for rc, n in sorted(spec.resources.items()) if n)
+        if not report.answers:
+            click.echo(f"dry run of {spec.count} instance(s) of {shape}: no node answered")
+        else:
+            click.echo(
+                f"dry run of {spec.count} instance(s) of {shape}: "
+                f"{len(report.takers)} of {len(report.answers)} node(s) could take it, "
+                f"room for {report.room} instance(s) (wanted {report.wanted}); "
+                "nothing was reserved"
+            )
+        for answer in report.answers:
+            if answer.slots:
+                click.echo(
+                    f"  would take   {answer.node}: {answer.slots} instance(s), utilisation "
+                    f"{answer.utilisation:.0%}, tier {answer.tier}%, score {answer.score:.2f}"
+                )
+            else:
+                why = "; ".join(answer.reasons) or "no room"
+                busy = " (held by others' live reservations)" if answer.busy else ""
+                click.echo(f"  would not    {answer.node}: {why}{busy}")
+    if not report.would_place:
+        sys.exit(EXIT_NOT_PLACED)
 
 
 # -- free ----------------------------------------------------------------------------------

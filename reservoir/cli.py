@@ -86,7 +86,7 @@ def _set_up_tracing(command: str) -> None:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.version_option(package_name="reservoir")
+@click.version_option(package_name="reservoir", prog_name="reservoir")
 @click.option("-v", "--verbose", count=True, help="More logging on stderr (-vv for debug).")
 @click.option(
     "--log-format",

@@ -42,6 +42,8 @@ _STANDARD: Final = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None
     "message",
     "asctime",
     "taskName",
+    # uvicorn's copy of the message with terminal colours in it
+    "color_message",
 }
 
 

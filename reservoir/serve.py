@@ -791,20 +791,28 @@ def _stopped(signum: int, frame: FrameType | None) -> None:
 )
 @click.option(
     "--explain/--no-explain",
+    envvar="RESERVOIR_SERVE_EXPLAIN",
     default=True,
     show_default=True,
-    help="Ask nodes that cannot take a request why, so a 409 names the short resource.",
+    help="Ask nodes that cannot take a request why, so a 409 names the short resource "
+    "[env: RESERVOIR_SERVE_EXPLAIN].",
 )
 @click.option(
     "--drain-timeout",
     "drain_timeout_s",
+    envvar="RESERVOIR_SERVE_DRAIN_TIMEOUT",
     default=DEFAULT_DRAIN_TIMEOUT_S,
     show_default=True,
     type=click.FloatRange(0, 600),
-    help="On SIGTERM, seconds requests in flight get to finish before they fail.",
+    help="On SIGTERM, seconds requests in flight get to finish before they fail "
+    "[env: RESERVOIR_SERVE_DRAIN_TIMEOUT].",
 )
 @click.option(
-    "--access-log/--no-access-log", default=False, show_default=True, help="Log every request."
+    "--access-log/--no-access-log",
+    envvar="RESERVOIR_SERVE_ACCESS_LOG",
+    default=False,
+    show_default=True,
+    help="Log every request [env: RESERVOIR_SERVE_ACCESS_LOG].",
 )
 def serve(
     broker_url: str | None,
@@ -836,8 +844,8 @@ def serve(
     except ImportError:
         click.echo("reservoir serve needs the api extra: pip install 'reservoir[api]'", err=True)
         raise SystemExit(EXIT_USAGE) from None
-    from reservoir.cli import _set_up_tracing
-    from reservoir.logs import json_logs
+    from reservoir.cli import _set_up_tracing, _shown_url
+    from reservoir.logs import json_logs, say
 
     settings = _settings(broker_url=broker_url)
     _set_up_tracing("serve")
@@ -855,6 +863,9 @@ def serve(
         # the adapters' errors name the URL with its password masked
         click.echo(f"reservoir serve: cannot reach the broker: {error}", err=True)
         raise SystemExit(EXIT_BROKER) from None
+    # (uvicorn does not say where it listens when it is handed the socket)
+    shown = _shown_url(settings.broker_url)
+    say(f"reservoir serve: listening on http://{host}:{port}, broker {shown}")
     # uvicorn handles SIGTERM and SIGINT itself (stop accepting, finish what is open, run
     # the lifespan's shutdown), then raises the signal again under the handlers it found:
     # with this one, a stop it completed ends in exit status 0, not death by the signal.

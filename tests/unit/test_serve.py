@@ -560,3 +560,62 @@ def test_the_serve_command_on_a_port_in_use_says_so_in_one_line_and_exits_2() ->
     [line] = result.output.strip().splitlines()
     assert line.startswith(f"reservoir serve: cannot listen on 127.0.0.1:{port}: ")
     assert "in use" in line
+
+
+def test_the_serve_process_takes_its_configuration_from_the_environment_and_exits_0_on_sigterm(
+    tmp_path: Any,
+) -> None:
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(sys.path),
+        "RESERVOIR_BROKER_URL": "memory://",
+        "RESERVOIR_SERVE_HOST": "127.0.0.1",
+        "RESERVOIR_SERVE_PORT": str(port),
+        "RESERVOIR_REQUEST_TIMEOUT_S": "0.5",
+        "RESERVOIR_LOG_FORMAT": "json",
+    }
+    serving_process = subprocess.Popen(
+        [sys.executable, "-m", "reservoir", "-v", "serve"],  # -v: placements at info
+        env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5) as client:
+            while True:
+                assert serving_process.poll() is None, serving_process.communicate()[1]
+                try:
+                    if client.get("/readyz").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert time.monotonic() < deadline, "reservoir serve never became ready"
+                time.sleep(0.1)  # a real process starting: nothing to wait on but its port
+            # memory:// is a broker of the process's own, with no node: the request
+            # timeout from the environment bounds the wait
+            started = time.monotonic()
+            unplaced = client.post("/v1/reservations", json={"vcpus": 1, "memory_mb": 1})
+            assert unplaced.status_code in (409, 504), unplaced.text
+            assert time.monotonic() - started < 5
+        serving_process.send_signal(signal.SIGTERM)
+        _out, stderr = serving_process.communicate(timeout=30)
+    finally:
+        if serving_process.poll() is None:
+            serving_process.kill()
+            serving_process.wait(timeout=10)
+    assert serving_process.returncode == 0, stderr
+    lines = [json.loads(line) for line in stderr.splitlines()]
+    messages = [line["message"] for line in lines]
+    assert "Application shutdown complete." in messages, messages
+    assert f"reservoir serve: listening on http://127.0.0.1:{port}, broker memory://" in messages
+    [unplaced_line] = [line for line in lines if str(line["message"]).startswith("not placed")]
+    assert unplaced_line["request_id"] == unplaced.json()["request_id"]

@@ -15,8 +15,9 @@ import pytest
 from fastapi import FastAPI
 
 from brokers.inprocess import InProcessBroker
-from examples.asgi_service import PlacementOut, PlacementService, create_app
+from examples.asgi_service import PlacementOut, create_app
 from reservoir import NodeAgent, Placement, Requestor, RequestorClosed, Settings, audit
+from reservoir.serve import ReservoirService
 
 NODE_VCPUS = 16
 NODE_MEMORY_MB = 32768
@@ -68,9 +69,10 @@ async def serving(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
             yield client
 
 
-def service_of(app: FastAPI) -> PlacementService:
-    service = app.state.service
-    assert isinstance(service, PlacementService)
+def service_of(app: FastAPI) -> ReservoirService:
+    """The example's state: the lifespan helper's service, one requestor for the app."""
+    service = app.state.reservoir
+    assert isinstance(service, ReservoirService)
     return service
 
 
@@ -382,3 +384,25 @@ def test_the_module_app_runs_on_its_own_empty_broker(monkeypatch: pytest.MonkeyP
     assert response.status_code == 409  # memory:// is a new broker: no node is on it
     assert "tiers tried" in response.json()["detail"]
     audited([], [])
+
+
+def test_the_same_key_with_another_shape_is_a_409_and_the_first_placement_stays(
+    broker: InProcessBroker, nodes: list[NodeAgent]
+) -> None:
+    app = create_app(broker)
+    key = {"Idempotency-Key": "order-shape"}
+
+    async def scenario() -> tuple[httpx.Response, httpx.Response, list[Placement]]:
+        async with serving(app) as client:
+            first = await client.post("/servers", json={"vcpus": 1, "memory_mb": 256}, headers=key)
+            other = await client.post("/servers", json={"vcpus": 4, "memory_mb": 256}, headers=key)
+            return first, other, list(service_of(app).placements.values())
+
+    first, other, placements = asyncio.run(scenario())
+    assert first.status_code == 201, first.text
+    assert other.status_code == 409, other.text
+    assert "another shape" in other.json()["detail"]
+    assert [p.request_id for p in placements] == ["order-shape"]
+    assert allocation_count(nodes) == 1
+    assert sum(allocated(node, "VCPU") for node in nodes) == 1
+    audited(nodes, placements)

@@ -24,6 +24,7 @@ So one trace id runs from the HTTP call through every node's offer.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
@@ -221,7 +222,8 @@ def configure_from_environment(service_name: str) -> str | None:
         return "OTEL_TRACES_EXPORTER needs the OpenTelemetry SDK: pip install 'reservoir[otel]'"
     exporter: SpanExporter
     if wanted == "console":
-        exporter = ConsoleSpanExporter()
+        # stderr: a command's stdout may be its --json answer
+        exporter = ConsoleSpanExporter(out=sys.stderr)
     elif wanted == "otlp":
         try:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import (  # type: ignore[import-not-found]

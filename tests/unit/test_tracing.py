@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import httpx
@@ -130,3 +133,31 @@ def test_while_nobody_traces_no_span_is_made_and_no_message_changes(
     assert "traceparent" not in json.loads(seen[0].model_dump_json())
     assert "dry_run" not in json.loads(seen[0].model_dump_json())
     sim.finish([placement])
+
+
+def run_request(exporter: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OTEL_TRACES_EXPORTER": exporter}
+    return subprocess.run(
+        [sys.executable, "-m", "reservoir", "request", "--broker", "memory://", "--vcpus", "1",
+         "--timeout", "0.3", "--json"],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
+def test_a_command_asked_for_console_spans_writes_them_to_stderr_and_keeps_stdout_its_answer() -> (
+    None
+):
+    done = run_request("console")
+    assert done.returncode == 1  # memory:// is a broker of its own, with no node on it
+    assert json.loads(done.stdout)["placed"] is False
+    assert '"name": "reservoir.place"' in done.stderr
+    assert '"reservoir.outcome": "failed"' in done.stderr
+
+
+def test_an_exporter_reservoir_does_not_know_is_one_line_and_status_2() -> None:
+    done = run_request("carrier-pigeon")
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "reservoir request: OTEL_TRACES_EXPORTER='carrier-pigeon': "
+        "reservoir knows console, otlp and none"
+    ]

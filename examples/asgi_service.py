@@ -1,32 +1,27 @@
-"""reservoir embedded in an API server: a small FastAPI service that places servers.
+"""reservoir embedded in an API server of one's own: a small FastAPI app that places
+servers, built on the lifespan helper of ``reservoir serve``.
 
-For the whole service (problem+json errors, ``/readyz`` that follows the broker
-connection, ``/metrics``, ``/v1/nodes``, the key-reused-with-another-body check), run
-``reservoir serve`` or build on :func:`reservoir.serve.create_app`; its lifespan helper
-:func:`reservoir.serve.reservoir_lifespan` puts the same shared requestor in any FastAPI
-or Starlette app. This example stays small to show the design underneath.
+:func:`reservoir.serve.reservoir_lifespan` does the work: it opens ONE shared
+:class:`~reservoir.Requestor` for the app's lifetime (thread-safe, any number of
+concurrent requests over one reply queue, learning the offer latency that keeps tier
+widening short), puts a :class:`~reservoir.serve.ReservoirService` in
+``app.state.reservoir``, runs every placement to its end even when the client goes away
+(so the retry with the same key finds it), and on shutdown lets placements in flight
+finish before closing the requestor. This app adds only its own HTTP shapes: ``/servers``
+in its own words, and errors as plain JSON. For the whole service (problem+json errors,
+``/readyz``, ``/metrics``, ``/v1/nodes``, a reused key with another body refused), run
+``reservoir serve`` itself.
 
 What it shows:
 
-- **One Requestor per process.** A :class:`~reservoir.Requestor` is thread-safe and runs
-  any number of concurrent requests over one broker endpoint (one reply queue, one
-  connection), and it learns the offer latency that keeps tier widening short. So the app
-  opens one in its lifespan, every request shares it, and shutdown closes it. A requestor
-  per HTTP request would open a queue per request and start every placement cold.
-- **The event loop never blocks.** Handlers ``await requestor.reserve_async(...)`` and
-  ``await requestor.release_async(...)``: the protocol runs on the requestor's own
-  scheduler thread while the handler awaits a future. Opening and closing the requestor
-  (which may connect to RabbitMQ) runs in a worker thread.
 - **Idempotency through the request id.** The ``Idempotency-Key`` header (or the body's
-  ``request_id``) becomes the reservoir request id. A client that retries after a timeout
+  ``request_id``) becomes the reservoir request id: a client that retries after a timeout
   or a dropped connection gets the same placement back, not a second one, even through
-  another replica of this service: the nodes themselves answer for the ids they hold. A
-  multi-tenant service would prefix the key with the tenant so two tenants' keys never
-  meet.
-- **A placement, once started, runs to its end.** If the client goes away mid-request the
-  placement still completes and is recorded (the handler's await is shielded), so the
-  retry with the same key finds it. (Shielding also keeps a cancelled await from
-  cancelling the requestor's own future, which other waiters on the same id share.)
+  another replica of this service (the nodes answer for the ids they hold). The same key
+  with another shape is refused by the requestor (409). A multi-tenant service would
+  prefix the key with the tenant.
+- **The event loop never blocks.** The service awaits the requestor's futures; the
+  protocol runs on the requestor's own threads.
 
 Endpoints: ``POST /servers`` (201 with the placement; 409 with the explanation when the
 nodes cannot take it; 504 when the request times out; 422 for a bad body),
@@ -54,12 +49,11 @@ Each uvicorn worker process gets its own requestor, as it should.
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Literal
 
-from fastapi import Depends, FastAPI, Header, HTTPException, Request, Response, status
+from fastapi import FastAPI, Header, HTTPException, Request, Response, status
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -71,11 +65,11 @@ from reservoir import (
     PlacementError,
     PlacementRequest,
     PlacementTimeout,
-    Requestor,
     RequestorClosed,
     Settings,
 )
 from reservoir.protocol.messages import GroupPolicy, Identifier
+from reservoir.serve import Problem, ReservoirService, reservoir_lifespan
 
 __all__ = [
     "AllocationOut",
@@ -86,8 +80,6 @@ __all__ = [
     "app",
     "create_app",
 ]
-
-T = TypeVar("T")
 
 
 # -- the HTTP shapes -------------------------------------------------------------------
@@ -192,69 +184,11 @@ class Health(BaseModel):
     placements: int
 
 
-# -- the service -----------------------------------------------------------------------
-
-
-class PlacementService:
-    """The shared requestor, and the placements this process made, by request id.
-
-    The placements live in memory to keep the example small: a real service keeps them in
-    its database, next to the servers they belong to, so that a restart or another replica
-    can still free them. Only the event loop's thread touches them, so there is no lock.
-    """
-
-    def __init__(self, requestor: Requestor, *, explain: bool) -> None:
-        self.requestor = requestor
-        self.explain = explain
-        self.placements: dict[str, Placement] = {}
-        self.freeing: set[str] = set()
-        self._tasks: set[asyncio.Task[Any]] = set()
-
-    async def place(self, spec: PlacementRequest) -> Placement:
-        """Place ``spec`` and list the placement, even should the caller go away."""
-        return await self._to_the_end(self._place(spec))
-
-    async def free(self, placement: Placement) -> None:
-        """Free a placement this process no longer lists, even should the caller go away;
-        listed again if a node never confirms, so that a retried ``DELETE`` can finish."""
-        await self._to_the_end(self._free(placement))
-
-    async def _place(self, spec: PlacementRequest) -> Placement:
-        placement = await self.requestor.reserve_async(spec)
-        self.placements[placement.request_id] = placement
-        return placement
-
-    async def _free(self, placement: Placement) -> None:
-        self.freeing.add(placement.request_id)
-        try:
-            await self.requestor.release_async(placement)
-        except FreeIncomplete:
-            self.placements[placement.request_id] = placement
-            raise
-        finally:
-            self.freeing.discard(placement.request_id)
-
-    async def _to_the_end(self, work: Coroutine[Any, Any, T]) -> T:
-        """Await ``work`` in a task of its own that a cancelled caller does not cancel."""
-        task = asyncio.ensure_future(work)
-        self._tasks.add(task)
-        task.add_done_callback(self._finished)
-        return await asyncio.shield(task)
-
-    def _finished(self, task: asyncio.Task[Any]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled():
-            task.exception()  # retrieved: nobody may be left to await it
-
-
-def current_service(request: Request) -> PlacementService:
-    service = getattr(request.app.state, "service", None)
-    if not isinstance(service, PlacementService):
+def current_service(request: Request) -> ReservoirService:
+    service = getattr(request.app.state, "reservoir", None)
+    if not isinstance(service, ReservoirService):
         raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, "the requestor is not open")
     return service
-
-
-Service = Annotated[PlacementService, Depends(current_service)]
 
 
 # -- the app ---------------------------------------------------------------------------
@@ -274,13 +208,8 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        requestor = await asyncio.to_thread(Requestor, broker, settings=settings)
-        app.state.service = PlacementService(requestor, explain=explain)
-        try:
-            yield  # every request shares app.state.service.requestor
-        finally:
-            app.state.service = None
-            await asyncio.to_thread(requestor.close)  # fails what is in flight, lets go
+        async with reservoir_lifespan(app, broker, settings=settings, explain=explain):
+            yield  # every request shares app.state.reservoir and its one requestor
 
     app = FastAPI(title="reservoir placement service", lifespan=lifespan)
 
@@ -294,6 +223,11 @@ def create_app(
     async def closing(request: Request, error: RequestorClosed) -> JSONResponse:
         return JSONResponse({"detail": str(error)}, status_code=503)
 
+    @app.exception_handler(Problem)
+    async def problem(request: Request, error: Problem) -> JSONResponse:
+        # the helper's errors (no such placement, shutting down), in this app's words
+        return JSONResponse({"detail": error.detail}, status_code=error.status)
+
     @app.post(
         "/servers",
         status_code=status.HTTP_201_CREATED,
@@ -304,9 +238,10 @@ def create_app(
     )
     async def create_servers(
         body: ServerRequest,
-        service: Service,
+        request: Request,
         idempotency_key: Annotated[Identifier | None, Header()] = None,
     ) -> PlacementOut:
+        service = current_service(request)
         if idempotency_key and body.request_id and idempotency_key != body.request_id:
             raise HTTPException(
                 422,
@@ -323,18 +258,16 @@ def create_app(
         status_code=status.HTTP_204_NO_CONTENT,
         responses={404: {"description": "this service holds no such placement"}},
     )
-    async def delete_servers(request_id: str, service: Service) -> Response:
-        placement = service.placements.pop(request_id, None)
-        if placement is None:
-            raise HTTPException(status.HTTP_404_NOT_FOUND, f"no placement {request_id!r}")
+    async def delete_servers(request_id: str, request: Request) -> Response:
         try:
-            await service.free(placement)
+            await current_service(request).release(request_id)
         except FreeIncomplete as error:
             raise HTTPException(status.HTTP_502_BAD_GATEWAY, str(error)) from error
         return Response(status_code=status.HTTP_204_NO_CONTENT)
 
     @app.get("/healthz")
-    async def healthz(service: Service) -> Health:
+    async def healthz(request: Request) -> Health:
+        service = current_service(request)
         return Health(in_flight=service.requestor.in_flight(), placements=len(service.placements))
 
     return app

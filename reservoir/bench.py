@@ -1068,6 +1068,14 @@ def bench(
     Runs on exchanges of its own, removed at the end. Exit status 3 when the broker
     cannot be reached, 2 when the run cannot be carried out.
     """
+    from reservoir import metrics
+
+    if not metrics.AVAILABLE:
+        # messages per placement are read from the participants' Prometheus counters
+        raise click.UsageError(
+            "reservoir bench counts messages with prometheus-client: "
+            "pip install 'reservoir[prometheus]'"
+        )
     if scheme_of(broker_url) != "memory" and node_processes > nodes:
         raise click.BadParameter(
             f"{node_processes} processes for {nodes} nodes: give at most --nodes",

@@ -9,7 +9,6 @@ placed, 2 on bad usage or a broken invariant, 3 when the broker cannot be reache
 from __future__ import annotations
 
 import json
-import logging
 import signal
 import sys
 import threading
@@ -76,30 +75,38 @@ def _setting_name(loc: tuple[int | str, ...]) -> str:
     return f"{field} (RESERVOIR_{field.upper()}): "
 
 
-def _configure_logging(verbose: int) -> None:
-    level = logging.WARNING - 10 * verbose
-    # pika and kombu narrate every connection step at INFO, and a refused connection as a
-    # dozen ERROR lines: the adapters say what matters in one line. Keep them for -vv.
-    for chatty in ("pika", "kombu", "amqp"):
-        logging.getLogger(chatty).setLevel(logging.DEBUG if verbose >= 2 else logging.CRITICAL)
-    logging.basicConfig(
-        level=max(level, logging.DEBUG),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+def _set_up_tracing(command: str) -> None:
+    """OpenTelemetry for this process, when OTEL_TRACES_EXPORTER asks for it."""
+    from reservoir.tracing import configure_from_environment
+
+    problem = configure_from_environment(f"reservoir-{command}")
+    if problem is not None:
+        click.echo(f"reservoir {command}: {problem}", err=True)
+        sys.exit(EXIT_USAGE)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.version_option(package_name="reservoir")
+@click.version_option(package_name="reservoir", prog_name="reservoir")
 @click.option("-v", "--verbose", count=True, help="More logging on stderr (-vv for debug).")
-def main(verbose: int) -> None:
+@click.option(
+    "--log-format",
+    type=click.Choice(["text", "json"]),
+    default="text",
+    show_default=True,
+    envvar="RESERVOIR_LOG_FORMAT",
+    help="Log lines on stderr as text, or as one JSON object each (with the request_id "
+    "of the conversation a line belongs to) [env: RESERVOIR_LOG_FORMAT].",
+)
+def main(verbose: int, log_format: str) -> None:
     """reservoir places work on compute nodes with a fanout reservation protocol.
 
     A requestor broadcasts a reservation request on utilisation-tiered topics; every node
     that can take it reserves the resources and answers; the requestor awards a winner
     and releases the rest; unclaimed reservations expire after a TTL (5 s).
     """
-    _configure_logging(verbose)
+    from reservoir.logs import configure
+
+    configure(verbose, "json" if log_format == "json" else "text")
 
 
 # -- demo ----------------------------------------------------------------------------------
@@ -245,7 +252,12 @@ def _print_demo(result: Any) -> None:
         ("latency p50", f"{result.p50_ms:.2f} ms"),
         ("latency p99", f"{result.p99_ms:.2f} ms"),
         ("placements per second", f"{result.placements_per_s:.1f}"),
-        ("messages per placement", f"{result.messages_per_placement:.1f}"),
+        (
+            "messages per placement",
+            "n/a (counted with the prometheus extra)"
+            if result.messages_per_placement is None
+            else f"{result.messages_per_placement:.1f}",
+        ),
         ("wall time", f"{result.elapsed_s:.2f} s"),
         ("mean node utilisation", f"{result.mean_utilisation:.0%}"),
         ("placed at tier", ", ".join(f"{k}: {v}" for k, v in result.tiers_used.items())),
@@ -406,12 +418,16 @@ def node(
     closes cleanly; allocations stay in --state-dir for the next start.
     """
     from reservoir.backoff import quietly_connecting, until_connected
+    from reservoir.logs import say
     from reservoir.node_agent import NodeAgent
     from reservoir.store import StateError
 
     inventories = _node_inventories(vcpus, memory_mb, disk_gb, inventory, ratio, reserved)
     topology = _numa_topology(numa_cells, hugepages, inventories)
     settings = _settings(broker_url=broker_url, state_dir=state_dir)
+    # before connecting: a port in use is a usage error, said before any waiting
+    registry = _serve_metrics(metrics_port) if metrics_port is not None else None
+    _set_up_tracing("node")
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -430,6 +446,7 @@ def node(
                 traits=[t.upper() for t in traits],
                 numa=topology,
                 settings=settings,
+                metrics_registry=registry,
             )
 
     try:
@@ -443,16 +460,14 @@ def node(
     except ValueError as error:
         raise click.UsageError(str(error)) from None
     if agent is None:
-        click.echo(f"node {name}: stopped before the broker answered", err=True)
+        say(f"node {name}: stopped before the broker answered")
         return
-    if metrics_port is not None:
-        _serve_metrics(agent, metrics_port)
     snapshot = agent.snapshot()
-    click.echo(
+    metrics_at = f"; metrics on port {metrics_port}" if metrics_port is not None else ""
+    say(
         f"node {name}: ready on {_shown_url(settings.broker_url)}; "
         f"{len(snapshot.allocations)} allocation(s) held, utilisation "
-        f"{snapshot.utilisation:.0%}, tier {snapshot.tier}%",
-        err=True,
+        f"{snapshot.utilisation:.0%}, tier {snapshot.tier}%{metrics_at}"
     )
     status_path = state_dir / f"{name}.status.json" if state_dir else None
     try:
@@ -465,7 +480,7 @@ def node(
         agent.close()
         if status_path is not None:
             agent.write_status(status_path)
-        click.echo(f"node {name}: stopped", err=True)
+        say(f"node {name}: stopped")
 
 
 def _node_broker_problem(name: str, error: BaseException) -> str:
@@ -481,25 +496,35 @@ def _node_broker_problem(name: str, error: BaseException) -> str:
 
 
 def _say_waiting(name: str) -> Callable[[int, BaseException, float], None]:
+    from reservoir.logs import say as say_line
+
     def say(attempt: int, error: BaseException, wait_s: float) -> None:
-        click.echo(
+        say_line(
             f"node {name}: {_node_broker_problem(name, error)} (attempt {attempt}); "
-            f"retrying in {wait_s:.1f} s",
-            err=True,
+            f"retrying in {wait_s:.1f} s"
         )
 
     return say
 
 
-def _serve_metrics(agent: Any, port: int) -> None:
+def _serve_metrics(port: int) -> Any:
+    """The registry a node exports (its metrics and the process's), served on ``port``."""
     try:
-        from reservoir.prometheus import serve_metrics
+        from reservoir.prometheus import process_registry, serve_metrics
     except ImportError:
-        agent.close()
         raise click.UsageError(
             "--metrics-port needs prometheus-client: pip install 'reservoir[prometheus]'"
         ) from None
-    serve_metrics([agent], port)
+    registry = process_registry()
+    try:
+        serve_metrics(registry, port)
+    except OSError as error:
+        click.echo(
+            f"reservoir node: --metrics-port {port}: cannot listen: {error.strerror or error}",
+            err=True,
+        )
+        sys.exit(EXIT_USAGE)
+    return registry
 
 
 def _numa_topology(
@@ -608,6 +633,13 @@ def _open_requestor(command: str, broker_url: str | None) -> Any:
     show_default=True,
     help="Give up after this many seconds.",
 )
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Only ask: list the nodes that would take it and why the others would not, "
+    "reserving nothing (answers gathered for 1 s, or --timeout if shorter); exit status "
+    "1 when there is not room enough.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def request(
     broker_url: str | None,
@@ -627,10 +659,11 @@ def request(
     request_id: str | None,
     explain: bool,
     timeout_s: float,
+    dry_run: bool,
     as_json: bool,
 ) -> None:
     """Place one request and print the placement, or the failure with its explanation
-    (exit status 1)."""
+    (exit status 1). With --dry-run, only say where it would fit."""
 
     amounts: dict[str, int] = {}
     for rc, given in {"VCPU": vcpus, "MEMORY_MB": memory_mb, "DISK_GB": disk_gb}.items():
@@ -662,6 +695,10 @@ def request(
         )
     except ValidationError as error:
         raise click.UsageError(f"not a valid request: {error}") from None
+    if dry_run:
+        _dry_run(spec, broker_url, min(timeout_s, DRY_RUN_WAIT_S), as_json)
+        return
+    _set_up_tracing("request")
     requestor = _open_requestor("request", broker_url)
     with requestor:
         try:
@@ -700,6 +737,51 @@ def request(
     for allocation in placement.allocations:
         shown = ", ".join(f"{rc}={n}" for rc, n in sorted(allocation.resources.items()))
         click.echo(f"  {allocation.node}  {allocation.allocation_id}  {shown}")
+
+
+#: how long a dry run gathers the nodes' answers
+DRY_RUN_WAIT_S = 1.0
+
+
+def _dry_run(spec: PlacementRequest, broker_url: str | None, wait_s: float, as_json: bool) -> None:
+    from reservoir.backoff import quietly_connecting
+    from reservoir.dry_run import DryRun
+
+    settings = _settings(broker_url=broker_url)
+    try:
+        with quietly_connecting():
+            asking = DryRun(spec, settings.broker_url, settings=settings)
+    except BrokerError as error:
+        click.echo(f"reservoir request: cannot reach the broker: {error}", err=True)
+        sys.exit(EXIT_BROKER)
+    with asking:
+        asking.ask()
+        report = asking.collect(wait_s=wait_s)
+    if as_json:
+        click.echo(json.dumps(report.as_json(), sort_keys=True))
+    else:
+        shape = ", ".join(f"{rc}={n}" for rc, n in sorted(spec.resources.items()) if n)
+        if not report.answers:
+            click.echo(f"dry run of {spec.count} instance(s) of {shape}: no node answered")
+        else:
+            click.echo(
+                f"dry run of {spec.count} instance(s) of {shape}: "
+                f"{len(report.takers)} of {len(report.answers)} node(s) could take it, "
+                f"room for {report.room} instance(s) (wanted {report.wanted}); "
+                "nothing was reserved"
+            )
+        for answer in report.answers:
+            if answer.slots:
+                click.echo(
+                    f"  would take   {answer.node}: {answer.slots} instance(s), utilisation "
+                    f"{answer.utilisation:.0%}, tier {answer.tier}%, score {answer.score:.2f}"
+                )
+            else:
+                why = "; ".join(answer.reasons) or "no room"
+                busy = " (held by others' live reservations)" if answer.busy else ""
+                click.echo(f"  would not    {answer.node}: {why}{busy}")
+    if not report.would_place:
+        sys.exit(EXIT_NOT_PLACED)
 
 
 # -- free ----------------------------------------------------------------------------------

@@ -67,7 +67,8 @@ class DemoResult:
     p50_ms: float
     p99_ms: float
     placements_per_s: float
-    messages_per_placement: float
+    #: None without prometheus-client, which counts the messages
+    messages_per_placement: float | None
     elapsed_s: float
     nodes: int
     requests: int
@@ -206,6 +207,7 @@ def run_demo(
             messages = sum(
                 participant.metrics.total("sent") for participant in [*agents, *requestors]
             )
+            counted = all(p.metrics.enabled for p in [*agents, *requestors])
             dropped: Counter[str] = Counter()
             for participant in [*agents, *requestors]:
                 dropped.update(participant.metrics.by_label("dropped"))
@@ -231,7 +233,9 @@ def run_demo(
         p50_ms=round(statistics.median(latencies_s) * 1000, 2) if latencies_s else 0.0,
         p99_ms=round(_percentile(latencies_s, 0.99) * 1000, 2),
         placements_per_s=round(placed / elapsed_s, 1) if elapsed_s else 0.0,
-        messages_per_placement=round(messages / placed, 1) if placed else 0.0,
+        messages_per_placement=(
+            None if not counted else round(messages / placed, 1) if placed else 0.0
+        ),
         elapsed_s=round(elapsed_s, 3),
         nodes=nodes,
         requests=requests,

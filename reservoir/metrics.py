@@ -1,43 +1,369 @@
-"""Counters a participant keeps about itself: messages in and out by kind, and messages
-dropped by reason. Thread-safe, dependency-free; ``reservoir.prometheus`` can export them.
+"""Each participant's Prometheus metrics, kept by prometheus_client itself (the
+``prometheus`` extra); without prometheus_client every call here is a no-op.
+
+A :class:`Metrics` belongs to one participant (a node agent, a requestor, an auditor) and
+lives in a :class:`~prometheus_client.CollectorRegistry`: its own by default, so that the
+50 nodes of ``reservoir demo`` or the participants of a test never collide in the global
+registry; or a registry it is given (``reservoir serve`` gives its requestor the
+service's, so ``/metrics`` shows both). Several participants may share a registry: the
+metric families are made once per registry, and every series carries the participant's
+name (``participant``, or ``node`` for a node's state).
+
+What this module owns:
+
+- the message counters the driver counts into (``inc``): ``reservoir_messages_sent_total``
+  and ``..._received_total`` by kind, ``..._returned_total`` (our own, unroutable),
+  ``..._dropped_total`` (refused by the codec) and ``..._ignored_total`` (late, duplicate,
+  expired: a state machine's ``Dropped`` effects) by reason, and
+  ``reservoir_transport_errors_total``. Each (counter, label) child is bound once and
+  cached, so counting a message is a dict lookup and an increment, never ``.labels()``;
+- the requestor's outcomes (:meth:`Metrics.placed`, :meth:`Metrics.failed`): the placement
+  latency histogram ``reservoir_placement_seconds{outcome}``, offers per request
+  ``reservoir_placement_offers``, ``reservoir_tier_widenings_total`` and
+  ``reservoir_placement_failures_total{reason}``;
+- scrape-time sources (:meth:`Metrics.add_source`): what a participant reports about its
+  state when Prometheus scrapes (a node's utilisation, tier and reservations; a
+  requestor's in-flight count), read then and never between scrapes.
+
+The counters are also read back (``get``, ``total``, ``by_label``, ``snapshot``) by tests,
+``reservoir demo`` and ``reservoir bench``; without prometheus_client they read as zero
+and :attr:`Metrics.enabled` is False.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import Counter
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Final
 
-__all__ = ["Metrics"]
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.core import Metric
+
+    from reservoir.protocol.placement import Placement, PlacementError
+
+try:
+    import prometheus_client
+except ImportError:  # the core package runs without the prometheus extra
+    prometheus_client = None  # type: ignore[assignment]
+
+__all__ = [
+    "AVAILABLE",
+    "OFFER_BUCKETS",
+    "PLACEMENT_BUCKETS_S",
+    "Metrics",
+    "failure_reason",
+]
+
+#: whether prometheus_client is installed (the ``prometheus`` or ``api`` extra)
+AVAILABLE: Final = prometheus_client is not None
+
+#: placement latency buckets, seconds: a warm placement takes a few milliseconds, one
+#: that widens up to a few seconds, one that times out the request timeout (30 s)
+PLACEMENT_BUCKETS_S: Final = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+)  # fmt: skip
+#: offers a request received: a probe round asks two nodes per instance
+OFFER_BUCKETS: Final = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 128)
+
+#: driver counter name -> (metric name, help, label)
+_MESSAGE_COUNTERS: Final = {
+    "sent": ("reservoir_messages_sent", "Messages sent, by kind", "kind"),
+    "received": ("reservoir_messages_received", "Messages received, by kind", "kind"),
+    "returned": (
+        "reservoir_messages_returned",
+        "Own messages the broker handed back as unroutable, by kind",
+        "kind",
+    ),
+    "dropped": (
+        "reservoir_messages_dropped",
+        "Messages refused as bad input (malformed, oversized, unsigned, replayed, ...)",
+        "reason",
+    ),
+    "ignored": (
+        "reservoir_messages_ignored",
+        "Late, duplicate or stray messages and expired reservations, by reason",
+        "reason",
+    ),
+    "transport_errors": (
+        "reservoir_transport_errors",
+        "Messages or binds the broker refused, by kind",
+        "kind",
+    ),
+}
+
+#: failure reasons of ``reservoir_placement_failures_total``
+FAILURE_REASONS: Final = ("timeout", "no_answer", "not_placed", "conflict", "closed")
+
+
+def failure_reason(error: PlacementError) -> str:
+    """Why a request failed, as a bounded label: ``timeout`` (out of time), ``closed``
+    (the requestor closed under it), ``conflict`` (its id is placed with another shape),
+    ``no_answer`` (no node answered at all) or ``not_placed`` (nodes answered; none could
+    take it)."""
+    from reservoir.protocol.placement import PlacementTimeout
+
+    explanation = error.explanation
+    if isinstance(error, PlacementTimeout):
+        return "timeout"
+    if explanation.note == "the requestor closed":
+        return "closed"
+    if "with another shape" in explanation.note:
+        return "conflict"
+    if not (explanation.offers_received or explanation.declines_received or explanation.found):
+        return "no_answer"
+    return "not_placed"
+
+
+class _Families:
+    """The metric families of one registry, made on first use and shared by every
+    participant counting into it; and the one collector that merges the participants'
+    scrape-time sources (two nodes' ``reservoir_node_utilisation`` are one family)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self._made: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        #: participant key -> a weak reference to its source (a participant that is
+        #: never closed must not be kept alive by a registry that outlives it)
+        self._sources: dict[int, Callable[[], Callable[[], Iterable[Metric]] | None]] = {}
+        registry.register(_Merged(self))
+
+    def get(self, key: str, make: Callable[[CollectorRegistry], Any]) -> Any:
+        family = self._made.get(key)
+        if family is None:
+            with self._lock:
+                family = self._made.get(key)
+                if family is None:
+                    family = self._made[key] = make(self.registry)
+        return family
+
+    def add_source(self, key: int, source: Callable[[], Iterable[Metric]]) -> None:
+        reference: Callable[[], Callable[[], Iterable[Metric]] | None] = (
+            weakref.WeakMethod(source) if hasattr(source, "__self__") else lambda: source
+        )
+        with self._lock:
+            self._sources[key] = reference
+
+    def remove_source(self, key: int) -> None:
+        with self._lock:
+            self._sources.pop(key, None)
+
+    def collect_sources(self) -> Iterator[Metric]:
+        with self._lock:
+            sources = list(self._sources.values())
+        merged: dict[str, Metric] = {}
+        for reference in sources:
+            source = reference()
+            if source is None:
+                continue
+            for family in source():
+                known = merged.get(family.name)
+                if known is None:
+                    merged[family.name] = family
+                else:
+                    known.samples.extend(family.samples)
+        yield from merged.values()
+
+
+class _Merged:
+    """A collector yielding the scrape-time sources of a registry's participants."""
+
+    def __init__(self, families: _Families) -> None:
+        self._families = weakref.ref(families)
+
+    def collect(self) -> Iterator[Metric]:
+        families = self._families()
+        if families is not None:
+            yield from families.collect_sources()
+
+
+_REGISTRIES_LOCK = threading.Lock()
+
+
+def _families_of(registry: CollectorRegistry) -> _Families:
+    # Kept on the registry itself, so that they go when it goes.
+    with _REGISTRIES_LOCK:
+        families: _Families | None = getattr(registry, "_reservoir_families", None)
+        if families is None:
+            families = _Families(registry)
+            registry._reservoir_families = families  # type: ignore[attr-defined]
+        return families
 
 
 class Metrics:
-    """Named counters with an optional single label, e.g. ``dropped{reason=stale}``."""
+    """One participant's metrics, in ``registry`` (a new one of its own by default)."""
 
-    def __init__(self) -> None:
-        self._counts: Counter[str] = Counter()
-        self._lock = threading.Lock()
+    def __init__(self, participant: str = "", *, registry: CollectorRegistry | None = None) -> None:
+        self.participant = participant
+        #: (counter name, label) -> the bound child; filled on first use of each pair
+        self._children: dict[tuple[str, str | None], Any] = {}
+        self._bind_lock = threading.Lock()
+        self.registry: CollectorRegistry | None = None
+        self._families: _Families | None = None
+        self._outcomes: Any = None
+        if prometheus_client is None:
+            return
+        self.registry = registry if registry is not None else prometheus_client.CollectorRegistry()
+        self._families = _families_of(self.registry)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether anything is counted (prometheus_client is installed)."""
+        return self._families is not None
+
+    # -- counting (the driver's hot path) ----------------------------------------------
 
     def inc(self, name: str, label: str | None = None, amount: int = 1) -> None:
-        key = name if label is None else f"{name}:{label}"
-        with self._lock:
-            self._counts[key] += amount
+        """Count ``amount`` under the driver's counter ``name`` (``sent``, ``dropped``,
+        ...) and its kind or reason."""
+        child = self._children.get((name, label))
+        if child is None:
+            if self._families is None:
+                return
+            child = self._bind(name, label)
+        child.inc(amount)
+
+    def _bind(self, name: str, label: str | None) -> Any:
+        assert self._families is not None and prometheus_client is not None
+        with self._bind_lock:
+            child = self._children.get((name, label))
+            if child is not None:
+                return child
+            metric, documentation, label_name = _MESSAGE_COUNTERS.get(
+                name, (f"reservoir_{name}", f"reservoir {name} events", "label")
+            )
+
+            def make(registry: CollectorRegistry) -> Any:
+                assert prometheus_client is not None
+                return prometheus_client.Counter(
+                    metric, documentation, ["participant", label_name], registry=registry
+                )
+
+            family = self._families.get(f"counter:{name}", make)
+            child = family.labels(self.participant, "" if label is None else label)
+            self._children[(name, label)] = child
+            return child
+
+    # -- a requestor's outcomes --------------------------------------------------------
+
+    def placed(self, placement: Placement) -> None:
+        """A request was placed: its latency, offers and widenings."""
+        outcomes = self._outcomes or self._bind_outcomes()
+        if outcomes is None:
+            return
+        outcomes.seconds_placed.observe(placement.elapsed_s)
+        outcomes.offers.observe(placement.offers_received)
+        if len(placement.tiers_tried) > 1:
+            outcomes.widenings.inc(len(placement.tiers_tried) - 1)
+
+    def failed(self, error: PlacementError, elapsed_s: float) -> None:
+        """A request failed: its latency, offers and widenings, and why."""
+        outcomes = self._outcomes or self._bind_outcomes()
+        if outcomes is None:
+            return
+        explanation = error.explanation
+        outcomes.seconds_failed.observe(elapsed_s)
+        outcomes.offers.observe(explanation.offers_received)
+        if len(explanation.tiers_tried) > 1:
+            outcomes.widenings.inc(len(explanation.tiers_tried) - 1)
+        outcomes.failures[failure_reason(error)].inc()
+
+    def _bind_outcomes(self) -> _Outcomes | None:
+        if self._families is None:
+            return None
+        with self._bind_lock:
+            if self._outcomes is None:
+                self._outcomes = _Outcomes(self._families, self.participant)
+            outcomes: _Outcomes = self._outcomes
+            return outcomes
+
+    # -- scrape-time sources -----------------------------------------------------------
+
+    def add_source(self, source: Callable[[], Iterable[Metric]]) -> None:
+        """Have ``source`` report metric families (gauges of the participant's state) each
+        time the registry is collected, until :meth:`remove_source`."""
+        if self._families is not None:
+            self._families.add_source(id(self), source)
+
+    def remove_source(self) -> None:
+        if self._families is not None:
+            self._families.remove_source(id(self))
+
+    # -- reading back ------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, int]:
+        """Every message counter of this participant: ``name`` or ``name:label`` -> count."""
+        counts: dict[str, int] = {}
+        for (name, label), child in list(self._children.items()):
+            value = int(child._value.get())  # prometheus_client keeps no public getter
+            counts[name if label is None else f"{name}:{label}"] = value
+        return counts
 
     def get(self, name: str, label: str | None = None) -> int:
-        key = name if label is None else f"{name}:{label}"
-        with self._lock:
-            return self._counts[key]
+        child = self._children.get((name, label))
+        return 0 if child is None else int(child._value.get())
 
     def total(self, name: str) -> int:
         """The counter summed over all its labels."""
-        prefix = name + ":"
-        with self._lock:
-            return sum(v for k, v in self._counts.items() if k == name or k.startswith(prefix))
+        return sum(self.by_label(name).values()) + self.get(name)
 
     def by_label(self, name: str) -> dict[str, int]:
-        prefix = name + ":"
-        with self._lock:
-            return {k[len(prefix) :]: v for k, v in self._counts.items() if k.startswith(prefix)}
+        return {
+            label: int(child._value.get())
+            for (counter, label), child in list(self._children.items())
+            if counter == name and label is not None
+        }
 
-    def snapshot(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._counts)
+
+class _Outcomes:
+    """A requestor's outcome metrics, every child bound once."""
+
+    def __init__(self, families: _Families, participant: str) -> None:
+        assert prometheus_client is not None
+        client = prometheus_client
+
+        def seconds(registry: CollectorRegistry) -> Any:
+            return client.Histogram(
+                "reservoir_placement_seconds",
+                "Time from placing a request to its outcome (placed or failed)",
+                ["participant", "outcome"],
+                buckets=PLACEMENT_BUCKETS_S,
+                registry=registry,
+            )
+
+        def offers(registry: CollectorRegistry) -> Any:
+            return client.Histogram(
+                "reservoir_placement_offers",
+                "Offers a request received before its outcome",
+                ["participant"],
+                buckets=OFFER_BUCKETS,
+                registry=registry,
+            )
+
+        def widenings(registry: CollectorRegistry) -> Any:
+            return client.Counter(
+                "reservoir_tier_widenings",
+                "Times a request widened to the next tier",
+                ["participant"],
+                registry=registry,
+            )
+
+        def failures(registry: CollectorRegistry) -> Any:
+            return client.Counter(
+                "reservoir_placement_failures",
+                "Requests not placed, by reason: timeout, no_answer (no node answered), "
+                "not_placed (nodes answered, none could take it), conflict (the id is "
+                "placed with another shape), closed (the requestor closed)",
+                ["participant", "reason"],
+                registry=registry,
+            )
+
+        histogram = families.get("placement_seconds", seconds)
+        self.seconds_placed = histogram.labels(participant, "placed")
+        self.seconds_failed = histogram.labels(participant, "failed")
+        self.offers = families.get("placement_offers", offers).labels(participant)
+        self.widenings = families.get("tier_widenings", widenings).labels(participant)
+        family = families.get("placement_failures", failures)
+        self.failures = {reason: family.labels(participant, reason) for reason in FAILURE_REASONS}

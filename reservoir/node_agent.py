@@ -3,6 +3,11 @@
 It drives a :class:`~reservoir.protocol.node.NodeMachine` with a broker endpoint named
 after the node (``reservoir.node.<name>``), a scheduler for its reservation-expiry timer and
 an allocation store, which is durable (SQLite) when a state directory is given.
+
+It also publishes what the machine only counts: the node's state and what became of its
+reservations as Prometheus metrics (read when scraped, see :mod:`reservoir.metrics`), a
+``reservoir.node.evaluate`` or ``reservoir.node.award`` span for each traced request or
+award (:mod:`reservoir.tracing`), and the request id on every log line of a conversation.
 """
 
 from __future__ import annotations
@@ -11,23 +16,36 @@ import json
 import logging
 import os
 import secrets
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+from reservoir import tracing
 from reservoir.audit import NodeSnapshot
 from reservoir.broker import Broker
 from reservoir.clock import Scheduler
 from reservoir.driver import Driver
+from reservoir.logs import REQUEST_ID
 from reservoir.metrics import Metrics
 from reservoir.plugins import load_filters, load_weighers
 from reservoir.protocol.effects import DeleteAllocation, Effect, Publish, StoreAllocation
 from reservoir.protocol.filters import Filter, Weigher
 from reservoir.protocol.ledger import Allocation, Inventory
-from reservoir.protocol.messages import Message, NodeStatus, is_resource_class
+from reservoir.protocol.messages import (
+    AUDIT_ID,
+    ROSTER_ID,
+    Message,
+    NodeStatus,
+    is_resource_class,
+)
 from reservoir.protocol.node import NodeConfig, NodeMachine
 from reservoir.protocol.numa import NumaTopology
 from reservoir.settings import Settings
 from reservoir.store import AllocationStore, MemoryStore, SqliteStore
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.core import Metric
 
 __all__ = ["NodeAgent", "node_address"]
 
@@ -86,9 +104,14 @@ class NodeAgent(Driver):
         filters: Sequence[Filter] | None = None,
         weighers: Sequence[Weigher] | None = None,
         metrics: Metrics | None = None,
+        metrics_registry: CollectorRegistry | None = None,
         start: bool = True,
     ) -> None:
+        """``metrics_registry``: the Prometheus registry to count in (a registry of its
+        own by default, so many nodes in one process never collide)."""
         settings = settings if settings is not None else Settings()
+        if metrics is None:
+            metrics = Metrics(name, registry=metrics_registry)
         if store is None and settings.state_dir is not None:
             store = SqliteStore.for_node(settings.state_dir, name)
         self.store: AllocationStore = store if store is not None else MemoryStore()
@@ -117,6 +140,7 @@ class NodeAgent(Driver):
             self.store.close()
             raise
         self._started = False
+        self.metrics.add_source(self._metric_families)
         if start:
             self.start()
 
@@ -139,6 +163,7 @@ class NodeAgent(Driver):
         with self._lock:
             self._closed = True
             self._cancel_all_timers()
+        self.metrics.remove_source()
         self._let_go()
         self.store.close()
 
@@ -205,10 +230,79 @@ class NodeAgent(Driver):
         """Free allocations on the operator's word, without a requestor."""
         self._run(lambda now: self.machine.free_local(allocation_ids))
 
+    # -- metrics -----------------------------------------------------------------------
+
+    def _metric_families(self) -> Iterator[Metric]:
+        """The node's state when Prometheus scrapes (see reservoir.metrics)."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        snapshot = self.snapshot()
+        with self._lock:
+            counters = dict(self.machine.counters)
+        name = self.name
+        gauges: list[tuple[str, str, float]] = [
+            ("reservoir_node_utilisation", "Dominant share, reservations included (0..1)",
+             snapshot.utilisation),
+            ("reservoir_node_tier_percent", "Narrowest tier the node hears", snapshot.tier),
+            ("reservoir_node_allocations", "Allocations held", len(snapshot.allocations)),
+            ("reservoir_node_reservations", "Live reservations held",
+             len(snapshot.reservations)),
+        ]  # fmt: skip
+        for metric, documentation, value in gauges:
+            gauge = GaugeMetricFamily(metric, documentation, labels=["node"])
+            gauge.add_metric([name], value)
+            yield gauge
+        resources = GaugeMetricFamily(
+            "reservoir_node_resource", "Per resource class: capacity, allocated, reserved",
+            labels=["node", "class", "state"],
+        )  # fmt: skip
+        for rc, usage in snapshot.usages.items():
+            resources.add_metric([name, rc, "capacity"], usage.capacity)
+            resources.add_metric([name, rc, "allocated"], usage.allocated)
+            resources.add_metric([name, rc, "reserved"], usage.reserved)
+        yield resources
+        made = CounterMetricFamily(
+            "reservoir_node_reservations_made", "Reservations made (offers)", labels=["node"]
+        )
+        made.add_metric([name], counters.get("reserved", 0))
+        yield made
+        ended = CounterMetricFamily(
+            "reservoir_node_reservations_ended",
+            "Reservations ended, by how: awarded (turned into allocations), released, "
+            "expired (past their TTL), withdrawn (the node stopping, or a superseded award)",
+            labels=["node", "how"],
+        )
+        for how in ("awarded", "released", "expired", "withdrawn"):
+            ended.add_metric([name, how], counters.get(how, 0))
+        yield ended
+        dry_runs = CounterMetricFamily(
+            "reservoir_node_dry_runs", "Dry runs answered (nothing reserved)", labels=["node"]
+        )
+        dry_runs.add_metric([name], counters.get("dry_runs", 0))
+        yield dry_runs
+
     # -- driver hooks ------------------------------------------------------------------
 
+    def _call(self, handler: Any, message: Message) -> None:
+        # Every log line while the message is handled, and its effects carried out,
+        # names the conversation.
+        if message.request_id in (ROSTER_ID, AUDIT_ID):
+            super()._call(handler, message)
+            return
+        token = REQUEST_ID.set(message.request_id)
+        try:
+            super()._call(handler, message)
+        finally:
+            REQUEST_ID.reset(token)
+
     def _handle_message(self, message: Message, now: float) -> list[Effect]:
-        return self._logging_tier(self.machine.handle(message, now))
+        if getattr(message, "traceparent", None) is not None:
+            effects = tracing.node_span(
+                self.name, message, lambda: self.machine.handle(message, now)
+            )
+        else:
+            effects = self.machine.handle(message, now)
+        return self._logging_tier(effects)
 
     def _logging_tier(self, effects: list[Effect]) -> list[Effect]:
         # The node announces its tier exactly when it changes.

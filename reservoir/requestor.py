@@ -9,6 +9,12 @@ share the same state machine, so a request id placed through one is known to the
         placement = requestor.reserve(vcpus=2, memory_mb=4096)
         ...
         requestor.release(placement)
+
+Observability lives here, not in the protocol core: each outcome goes to the requestor's
+Prometheus metrics (:mod:`reservoir.metrics`; ``metrics_registry=`` puts them in a registry
+of the caller's, e.g. the one its own ``/metrics`` serves), each placement is a
+``reservoir.place`` span when OpenTelemetry is set up (:mod:`reservoir.tracing`), and every
+log line of a conversation carries its ``request_id`` (:mod:`reservoir.logs`).
 """
 
 from __future__ import annotations
@@ -18,15 +24,17 @@ import concurrent.futures
 import logging
 import secrets
 import uuid
-from collections.abc import Callable, Hashable, Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
+from reservoir import tracing
 from reservoir.broker import Broker
 from reservoir.clock import Scheduler
 from reservoir.driver import Driver, Outcome
+from reservoir.logs import REQUEST_ID
 from reservoir.metrics import Metrics
 from reservoir.protocol.effects import Effect, Failed, FreeCompleted, Placed
-from reservoir.protocol.messages import GroupSpec, Message, NumaSpec
+from reservoir.protocol.messages import ROSTER_ID, GroupSpec, Message, NumaSpec
 from reservoir.protocol.placement import (
     Explanation,
     Placement,
@@ -35,7 +43,12 @@ from reservoir.protocol.placement import (
 )
 from reservoir.protocol.policies import Policy, policy_named
 from reservoir.protocol.requestor import RequestorConfig, RequestorMachine
+from reservoir.protocol.timers import ConversationTimer
 from reservoir.settings import Settings
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.core import Metric
 
 __all__ = ["FreeIncomplete", "Requestor", "RequestorClosed"]
 
@@ -91,9 +104,15 @@ class Requestor(Driver):
         policy: Policy | str | None = None,
         scheduler: Scheduler | None = None,
         metrics: Metrics | None = None,
+        metrics_registry: CollectorRegistry | None = None,
     ) -> None:
+        """``metrics_registry``: the Prometheus registry to count in (a registry of its
+        own by default; ``reservoir serve`` gives the service's, so that its ``/metrics``
+        shows the requestor's placements too)."""
         settings = settings if settings is not None else Settings()
         self.name = name or f"requestor-{secrets.token_hex(4)}"
+        if metrics is None:
+            metrics = Metrics(self.name, registry=metrics_registry)
         if isinstance(policy, str) or policy is None:
             policy = policy_named(policy or settings.policy)
         # The machine exists before the endpoint does: a delivery can arrive the moment
@@ -114,6 +133,10 @@ class Requestor(Driver):
         )
         self._placing: dict[str, list[concurrent.futures.Future[Placement]]] = {}
         self._freeing: dict[str, list[concurrent.futures.Future[None]]] = {}
+        #: request id -> its reservoir.place spans (one per caller joining it), if tracing
+        self._spans: dict[str, list[Any]] = {}
+        #: request ids answered from the machine's memory, not placed again
+        self._replays: set[str] = set()
         super().__init__(
             broker=broker,
             settings=settings,
@@ -128,6 +151,7 @@ class Requestor(Driver):
         except BaseException:
             self._let_go()
             raise
+        self.metrics.add_source(self._metric_families)
 
     # -- placing -----------------------------------------------------------------------
 
@@ -169,11 +193,28 @@ class Requestor(Driver):
         )
         request_id = spec.request_id or uuid.uuid4().hex
         timeout_s = self.settings.request_timeout_s if timeout_s is None else timeout_s
+        span, traceparent = tracing.start_place(request_id, spec.resources, spec.count)
+        if span is not None:
+            with self._lock:
+                self._spans.setdefault(request_id, []).append(span)
         return self._start(
             self._placing,
             request_id,
-            lambda now: self.machine.place(spec, request_id, now, timeout_s),
+            lambda now: self._place(spec, request_id, now, timeout_s, traceparent),
         )
+
+    def _place(
+        self,
+        spec: PlacementRequest,
+        request_id: str,
+        now: float,
+        timeout_s: float,
+        traceparent: str | None,
+    ) -> list[Effect]:
+        if self.machine.placement_of(request_id) is not None:
+            # answered from memory: not a placement to time or count again
+            self._replays.add(request_id)
+        return self.machine.place(spec, request_id, now, timeout_s, traceparent=traceparent)
 
     def _start(
         self,
@@ -185,12 +226,19 @@ class Requestor(Driver):
         so the outcome cannot arrive before the waiter is there to receive it."""
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         outcomes: list[Outcome] = []
-        with self._lock:
-            if self._closed:
+        token = REQUEST_ID.set(request_id)
+        try:
+            with self._lock:
+                closed = self._closed
+                if not closed:
+                    waiting.setdefault(request_id, []).append(future)
+                    self._execute(step(self.scheduler.clock.now()), outcomes)
+            if closed:
+                self._end_spans(request_id, "closed")
                 raise RequestorClosed(f"{self.name} is closed")
-            waiting.setdefault(request_id, []).append(future)
-            self._execute(step(self.scheduler.clock.now()), outcomes)
-        self._settle(outcomes)
+            self._settle(outcomes)
+        finally:
+            REQUEST_ID.reset(token)
         return future
 
     def reserve(
@@ -268,6 +316,11 @@ class Requestor(Driver):
         for future in waiting:
             if not future.done():
                 future.set_exception(RequestorClosed(f"{self.name} closed"))
+        with self._lock:
+            left = list(self._spans)
+        for request_id in left:
+            self._end_spans(request_id, "closed")
+        self.metrics.remove_source()
         self._let_go()
 
     def __enter__(self) -> Requestor:
@@ -282,7 +335,70 @@ class Requestor(Driver):
     async def __aexit__(self, *exc_info: object) -> None:
         self.close()
 
+    # -- observing ---------------------------------------------------------------------
+
+    def _metric_families(self) -> Iterator[Metric]:
+        """The requestor's state when Prometheus scrapes (see reservoir.metrics)."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        with self._lock:
+            in_flight = self.machine.in_flight()
+            held = self.machine.held_reservations()
+            roster = len(self.machine.roster)
+            steps = dict(self.machine.counters)
+        labels = ["participant"]
+        for name, documentation, value in (
+            ("reservoir_requestor_in_flight", "Requests being placed now", in_flight),
+            ("reservoir_requestor_offers_held", "Offers held, not yet awarded or released",
+             held),
+            ("reservoir_requestor_roster_nodes", "Nodes the requestor knows of", roster),
+        ):  # fmt: skip
+            gauge = GaugeMetricFamily(name, documentation, labels=labels)
+            gauge.add_metric([self.name], value)
+            yield gauge
+        counter = CounterMetricFamily(
+            "reservoir_requestor_steps",
+            "How the requestor asked: probes (messages), probe_rounds, exhaustive_steps "
+            "(tier broadcasts), busy_retries, unheard_retries",
+            labels=["participant", "step"],
+        )
+        for step in ("probes", "probe_rounds", "exhaustive_steps", "busy_retries",
+                     "unheard_retries"):  # fmt: skip
+            counter.add_metric([self.name, step], steps.get(step, 0))
+        yield counter
+
+    def _end_spans(self, request_id: str, outcome: str, error: BaseException | None = None,
+                   **attributes: Any) -> None:  # fmt: skip
+        if not self._spans:
+            return  # not tracing: the usual case costs one truth test
+        with self._lock:
+            spans = self._spans.pop(request_id, ())
+        for span in spans:
+            tracing.end_place(span, outcome, error, **attributes)
+
     # -- driver hooks ------------------------------------------------------------------
+
+    def _call(self, handler: Any, message: Message) -> None:
+        # Every log line while the message is handled, and its effects carried out,
+        # names the conversation.
+        if message.request_id == ROSTER_ID:
+            super()._call(handler, message)
+            return
+        token = REQUEST_ID.set(message.request_id)
+        try:
+            super()._call(handler, message)
+        finally:
+            REQUEST_ID.reset(token)
+
+    def _on_timer(self, key: Hashable, generation: int) -> None:
+        if not isinstance(key, ConversationTimer):
+            super()._on_timer(key, generation)
+            return
+        token = REQUEST_ID.set(key.request_id)
+        try:
+            super()._on_timer(key, generation)
+        finally:
+            REQUEST_ID.reset(token)
 
     def _handle_message(self, message: Message, now: float) -> list[Effect]:
         return self.machine.handle(message, now)
@@ -298,12 +414,45 @@ class Requestor(Driver):
         # is done already and is skipped; everyone else still gets the answer.
         for outcome in outcomes:
             if isinstance(outcome, Placed):
-                self.metrics.inc("placed")
+                placement = outcome.placement
+                if self._replays:
+                    replay = outcome.request_id in self._replays
+                    self._replays.discard(outcome.request_id)
+                else:
+                    replay = False
+                if not replay:
+                    self.metrics.placed(placement)
+                log.debug(
+                    "placed %s: %d instance(s) on %s in %.1f ms, tiers %s",
+                    outcome.request_id,
+                    len(placement.allocations),
+                    ", ".join(sorted(set(placement.nodes))) or "no node",
+                    placement.elapsed_s * 1000,
+                    placement.tiers_tried,
+                    extra={"request_id": outcome.request_id},
+                )
+                self._end_spans(
+                    outcome.request_id,
+                    "placed",
+                    instances=len(placement.allocations),
+                    offers=placement.offers_received,
+                    tiers_tried=len(placement.tiers_tried),
+                )
                 for future in self._pop(self._placing, outcome.request_id):
                     if not future.done():
                         future.set_result(outcome.placement)
             elif isinstance(outcome, Failed):
-                self.metrics.inc("failed")
+                explanation = outcome.error.explanation
+                self._replays.discard(outcome.request_id)
+                self.metrics.failed(outcome.error, explanation.elapsed_s)
+                log.debug("not placed: %s", explanation, extra={"request_id": outcome.request_id})
+                self._end_spans(
+                    outcome.request_id,
+                    "failed",
+                    outcome.error,
+                    offers=explanation.offers_received,
+                    tiers_tried=len(explanation.tiers_tried),
+                )
                 for future in self._pop(self._placing, outcome.request_id):
                     if not future.done():
                         future.set_exception(outcome.error)

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Protocol, TypeVar
 import click
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from reservoir import tracing
 from reservoir.audit import NodeSnapshot
 from reservoir.auditor import LedgerCollector
 from reservoir.broker import Broker, BrokerError
@@ -395,9 +396,14 @@ class ReservoirService:
         except PlacementTimeout:
             outcome = "timeout"
             raise
-        except PlacementError:
+        except PlacementError as error:
             # abandoned by the shutdown, not refused by the nodes
             outcome = "unavailable" if self.closing else "not_placed"
+            log.info(
+                "not placed: %s",
+                error.explanation,
+                extra={"request_id": error.explanation.request_id},
+            )
             raise
         except (RequestorClosed, BrokerError):
             outcome = "unavailable"
@@ -413,6 +419,14 @@ class ReservoirService:
                     metrics.failures.labels(outcome).inc()
         if metrics is not None:
             metrics.placements.labels(str(placement.partial).lower()).inc()
+        log.info(
+            "placed %s: %d instance(s) on %s in %.1f ms",
+            placement.request_id,
+            len(placement.allocations),
+            ", ".join(sorted(set(placement.nodes))),
+            placement.elapsed_s * 1000,
+            extra={"request_id": placement.request_id},
+        )
         self.placements[placement.request_id] = placement
         self._count_held()
         return placement
@@ -490,8 +504,11 @@ async def reservoir_lifespan(
         from brokers import connect
 
         broker = owned = await asyncio.to_thread(connect, broker or settings.broker_url)
+    registry = metrics.registry if metrics is not None else None
     try:
-        requestor = await asyncio.to_thread(Requestor, broker, settings=settings)
+        requestor = await asyncio.to_thread(
+            Requestor, broker, settings=settings, metrics_registry=registry
+        )
     except BaseException:
         if owned is not None:
             await asyncio.to_thread(owned.close)
@@ -594,6 +611,24 @@ def create_app(
     async def on_http(request: Request, error: HTTPException) -> JSONResponse:
         title = {404: "not found", 405: "method not allowed"}.get(error.status_code, "error")
         return problem_response(Problem(error.status_code, title, str(error.detail)))
+
+    @app.middleware("http")
+    async def trace_requests(request: Request, call_next: Any) -> Response:
+        # A server span continuing the caller's traceparent header: the requestor's
+        # reservoir.place span, and through it every node's, are its children.
+        if tracing.tracer() is None:
+            response: Response = await call_next(request)
+            return response
+        with tracing.Traced(f"{request.method} {request.url.path}",
+                            parent=dict(request.headers)) as traced:  # fmt: skip
+            response = await call_next(request)
+            route = getattr(request.scope.get("route"), "path", None)
+            if route is not None:
+                traced.span.update_name(f"{request.method} {route}")
+                traced.span.set_attribute("http.route", route)
+            traced.span.set_attribute("http.request.method", request.method)
+            traced.span.set_attribute("http.response.status_code", response.status_code)
+            return response
 
     @app.middleware("http")
     async def count_requests(request: Request, call_next: Any) -> Response:
@@ -756,20 +791,28 @@ def _stopped(signum: int, frame: FrameType | None) -> None:
 )
 @click.option(
     "--explain/--no-explain",
+    envvar="RESERVOIR_SERVE_EXPLAIN",
     default=True,
     show_default=True,
-    help="Ask nodes that cannot take a request why, so a 409 names the short resource.",
+    help="Ask nodes that cannot take a request why, so a 409 names the short resource "
+    "[env: RESERVOIR_SERVE_EXPLAIN].",
 )
 @click.option(
     "--drain-timeout",
     "drain_timeout_s",
+    envvar="RESERVOIR_SERVE_DRAIN_TIMEOUT",
     default=DEFAULT_DRAIN_TIMEOUT_S,
     show_default=True,
     type=click.FloatRange(0, 600),
-    help="On SIGTERM, seconds requests in flight get to finish before they fail.",
+    help="On SIGTERM, seconds requests in flight get to finish before they fail "
+    "[env: RESERVOIR_SERVE_DRAIN_TIMEOUT].",
 )
 @click.option(
-    "--access-log/--no-access-log", default=False, show_default=True, help="Log every request."
+    "--access-log/--no-access-log",
+    envvar="RESERVOIR_SERVE_ACCESS_LOG",
+    default=False,
+    show_default=True,
+    help="Log every request [env: RESERVOIR_SERVE_ACCESS_LOG].",
 )
 def serve(
     broker_url: str | None,
@@ -801,7 +844,11 @@ def serve(
     except ImportError:
         click.echo("reservoir serve needs the api extra: pip install 'reservoir[api]'", err=True)
         raise SystemExit(EXIT_USAGE) from None
+    from reservoir.cli import _set_up_tracing, _shown_url
+    from reservoir.logs import json_logs, say
+
     settings = _settings(broker_url=broker_url)
+    _set_up_tracing("serve")
     try:
         listening = _listen(host, port)
     except OSError as error:
@@ -816,6 +863,9 @@ def serve(
         # the adapters' errors name the URL with its password masked
         click.echo(f"reservoir serve: cannot reach the broker: {error}", err=True)
         raise SystemExit(EXIT_BROKER) from None
+    # (uvicorn does not say where it listens when it is handed the socket)
+    shown = _shown_url(settings.broker_url)
+    say(f"reservoir serve: listening on http://{host}:{port}, broker {shown}")
     # uvicorn handles SIGTERM and SIGINT itself (stop accepting, finish what is open, run
     # the lifespan's shutdown), then raises the signal again under the handlers it found:
     # with this one, a stop it completed ends in exit status 0, not death by the signal.
@@ -825,10 +875,15 @@ def serve(
         app = create_app(
             broker, settings=settings, explain=explain, drain_timeout_s=drain_timeout_s
         )
+        if json_logs():
+            # uvicorn's own handlers print text: let its lines reach ours instead
+            for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+                logging.getLogger(name).setLevel(logging.INFO)
         config = uvicorn.Config(
             app,
             access_log=access_log,
             log_level="info",
+            log_config=None if json_logs() else uvicorn.config.LOGGING_CONFIG,
             # uvicorn waits this long for open connections after SIGTERM; the lifespan
             # then drains the requestor's own work with the same allowance
             timeout_graceful_shutdown=int(drain_timeout_s) or None,

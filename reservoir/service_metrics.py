@@ -2,7 +2,9 @@
 
 Every :class:`ServiceMetrics` keeps its own :class:`~prometheus_client.CollectorRegistry`,
 so two apps in one process (tests, or a user's app mounting the service twice) never
-collide on metric names, and ``/metrics`` shows this app's numbers only.
+collide on metric names, and ``/metrics`` shows this app's numbers only. The service's
+requestor counts into the same registry (its messages, placement latency, offers,
+widenings and failures: see :mod:`reservoir.metrics`), and so do the process metrics.
 """
 
 from __future__ import annotations
@@ -18,16 +20,17 @@ from prometheus_client import (
 
 __all__ = ["CONTENT_TYPE_LATEST", "ServiceMetrics"]
 
-#: placement latency buckets, seconds: a warm placement takes milliseconds, a widening one
-#: up to a few seconds, a timed-out one the request timeout (30 s by default)
-PLACEMENT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+from reservoir.metrics import PLACEMENT_BUCKETS_S
 
 
 class ServiceMetrics:
     """The metrics of one service instance, in a registry of their own."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        from reservoir.prometheus import add_process_metrics
+
         self.registry = registry if registry is not None else CollectorRegistry()
+        add_process_metrics(self.registry)
         self.placement_seconds = Histogram(
             "reservoir_service_placement_seconds",
             "Time from a POST /v1/reservations reaching the requestor to its outcome.",

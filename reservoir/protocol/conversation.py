@@ -152,6 +152,8 @@ class Conversation:
     probed: set[str] = field(default_factory=set)
     #: probed nodes whose answer to the current attempt is still due
     expected: set[str] = field(default_factory=set)
+    #: the caller's trace context (W3C traceparent), carried on requests and awards
+    traceparent: str | None = None
 
     def enter(self, event: Event) -> None:
         if event not in TRANSITIONS[self.phase]:

@@ -13,6 +13,8 @@ Conversation, one per request id (see docs/design.md):
               that hears it)
               (--Lookup--> lookup.<bucket of the id>, when the caller chose the request id)
     node      --Offer | Decline | AlreadyPlaced--> requestor's reply address
+              (a dry run, ReservationRequest(dry_run) on the widest tier's topic: every
+              node --Assessment--> requestor, and nothing is reserved)
     requestor --Award | Release--> node
     node      --Accepted | Refused--> requestor
     requestor --Free--> node --Freed--> requestor       (the instance was deleted)
@@ -57,6 +59,7 @@ __all__ = [
     "Accepted",
     "AllocationInfo",
     "AlreadyPlaced",
+    "Assessment",
     "Award",
     "Decline",
     "Free",
@@ -108,6 +111,17 @@ Identifier = Annotated[
 ]
 Trait = Annotated[str, StringConstraints(min_length=1, max_length=255, pattern=r"^[A-Z0-9_]+$")]
 Amount = Annotated[int, Field(ge=0, le=2**53)]
+#: a W3C ``traceparent`` (version-trace id-parent id-flags), carried so that a node's spans
+#: join the requestor's trace; absent unless the requestor traces
+TraceParent = Annotated[
+    str, StringConstraints(pattern=r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
+]
+
+
+def _absent(value: object) -> bool:
+    # Optional fields left out of the JSON when unset: a message that uses none of them is
+    # byte for byte what it was before they existed.
+    return value is None or value is False
 
 
 def is_resource_class(name: str) -> bool:
@@ -278,7 +292,11 @@ class ReservationRequest(_Message, InstanceShape):
     #: probed node does: set by the exhaustive step, after sampling the roster found too
     #: little, so that a full cluster is told apart from one where nobody listens and the
     #: request fails at once rather than waiting for nodes that might still be starting
-    declines_wanted: bool = False
+    declines_wanted: bool = Field(default=False, exclude_if=_absent)
+    #: only ask: the node evaluates the request and answers with an Assessment (whether
+    #: and how much it could take, and why not), reserving nothing
+    dry_run: bool = Field(default=False, exclude_if=_absent)
+    traceparent: TraceParent | None = Field(default=None, exclude_if=_absent)
 
 
 class Lookup(_Message):
@@ -345,6 +363,25 @@ class Award(_Message):
     reply_to: Identifier
     reservation_id: Identifier
     slots: int = Field(ge=1)
+    traceparent: TraceParent | None = Field(default=None, exclude_if=_absent)
+
+
+class Assessment(_Message):
+    """A node's answer to a dry run: how many instances it could take now (0: none, and
+    ``reasons`` say why when the request asks to explain), reserving nothing."""
+
+    kind: Literal["assessment"] = "assessment"
+    reply_to: Identifier
+    slots: int = Field(ge=0)
+    #: the node's dominant share now, 0..1
+    utilisation: float = Field(ge=0)
+    #: what the node's weighers make of hosting the request; higher is better
+    score: float = 0.0
+    #: the narrowest tier the node belongs to, as a percentage
+    tier: int = Field(ge=1, le=100)
+    #: only other requests' live reservations stand in the way
+    busy: bool = False
+    reasons: tuple[Reason, ...] = ()
 
 
 class Release(_Message):
@@ -502,6 +539,7 @@ Message = Annotated[
     | Decline
     | AlreadyPlaced
     | Award
+    | Assessment
     | Release
     | Accepted
     | Refused
@@ -523,6 +561,7 @@ NODE_KINDS: Final = frozenset(
         "offer",
         "decline",
         "already_placed",
+        "assessment",
         "accepted",
         "refused",
         "freed",

@@ -21,6 +21,7 @@ How a node answers (one conversation per request id):
                 reservation already turned into allocations : the same Accepted again
                 otherwise (expired, unknown)           : Refused
     release  -> drop the reservation (unknown: dropped, logged at debug)
+    dry run  -> an Assessment of the request, nothing reserved (protocol/dry_run.py)
     free     -> free the allocations named, Freed (idempotent)
     timer    -> reservations whose deadline has come are dropped
 
@@ -34,10 +35,12 @@ id reaches it and no node that holds nothing of it.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
+from reservoir.protocol.dry_run import assess
 from reservoir.protocol.effects import (
     Bind,
     CancelTimer,
@@ -140,6 +143,9 @@ class NodeMachine:
         self.stopping = False
         self._sequence = 0
         self._expiry_at: float | None = None
+        #: what became of reservations (``reserved``, ``awarded``, ``released``,
+        #: ``expired``, ``withdrawn``) and ``dry_runs`` answered, for the driver to publish
+        self.counters: Counter[str] = Counter()
 
     # -- observing ---------------------------------------------------------------------
 
@@ -177,6 +183,7 @@ class NodeMachine:
         self.bound_topics = frozenset()
         for reservation in list(self.ledger.reservations.values()):
             self.ledger.pop_reservation(reservation.reservation_id)
+            self.counters["withdrawn"] += 1
             effects.append(
                 self._refused(
                     reservation.reply_to,
@@ -357,6 +364,18 @@ class NodeMachine:
         )
 
     def _on_request(self, request: ReservationRequest, now: float, effects: list[Effect]) -> None:
+        if request.dry_run:
+            self.counters["dry_runs"] += 1
+            answer = assess(
+                request,
+                self.view,
+                self.config.filters,
+                self.config.weighers,
+                address=self.config.address,
+                tier=self.tier(),
+            )
+            effects.append(Send(request.reply_to, answer))
+            return
         if self.stopping:
             effects.append(Dropped("stopping", f"request {request.request_id}"))
             if request.probed_node:  # the requestor waits for our answer: don't make it wait
@@ -422,6 +441,7 @@ class NodeMachine:
         )
         members_before = self._group_members(request)
         self.ledger.add_reservation(reservation)
+        self.counters["reserved"] += 1
         # Findable by a Lookup for the id before anyone hears of the offer.
         self._sync_buckets(effects)
         effects.append(
@@ -489,6 +509,7 @@ class NodeMachine:
             return
         if reservation.superseded_by is not None and reservation.owner == award.sender:
             self.ledger.pop_reservation(reservation.reservation_id)
+            self.counters["withdrawn"] += 1
             effects.append(
                 self._refused(
                     award.reply_to,
@@ -508,6 +529,7 @@ class NodeMachine:
             )
             return
         self.ledger.pop_reservation(reservation.reservation_id)
+        self.counters["awarded"] += 1
         slots = min(award.slots, reservation.slots)
         allocations = []
         for index in range(slots):
@@ -569,6 +591,7 @@ class NodeMachine:
             )
         else:
             self.ledger.pop_reservation(release.reservation_id)
+            self.counters["released"] += 1
 
     def _on_free(self, free: Free, effects: list[Effect]) -> None:
         reservation: Reservation | None = None
@@ -585,6 +608,7 @@ class NodeMachine:
             reservation = self.ledger.reservation_for(free.request_id)
         if reservation is not None and reservation.owner == free.sender:
             self.ledger.pop_reservation(reservation.reservation_id)
+            self.counters["released"] += 1
         freed = []
         for allocation in allocations:
             if allocation.request_id != free.request_id:
@@ -621,6 +645,7 @@ class NodeMachine:
             return  # the earliest deadline is still ahead: nothing to scan for
         for reservation in self.ledger.expired(now):
             self.ledger.pop_reservation(reservation.reservation_id)
+            self.counters["expired"] += 1
             effects.append(
                 Dropped(
                     "expired",

@@ -51,6 +51,8 @@ class Placement:
     tiers_tried: tuple[int, ...] = ()
     attempts: int = 1
     elapsed_s: float = 0.0
+    #: offers the requestor received while placing it
+    offers_received: int = 0
 
     @property
     def nodes(self) -> tuple[str, ...]:
@@ -98,6 +100,8 @@ class Explanation:
     reasons: Mapping[str, int] = field(default_factory=dict)
     #: a one-line cause from the requestor's side (timed out, node refused, ...)
     note: str = ""
+    #: how long the requestor tried
+    elapsed_s: float = 0.0
 
     def __str__(self) -> str:
         tiers = ", ".join(f"{t}%" for t in self.tiers_tried) or "none"

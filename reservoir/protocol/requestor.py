@@ -234,10 +234,17 @@ class RequestorMachine:
         ]
 
     def place(
-        self, spec: PlacementRequest, request_id: str, now: float, timeout_s: float
+        self,
+        spec: PlacementRequest,
+        request_id: str,
+        now: float,
+        timeout_s: float,
+        *,
+        traceparent: str | None = None,
     ) -> list[Effect]:
         """Start placing ``spec`` under ``request_id`` (joining or answering from memory
-        when the id is known)."""
+        when the id is known). ``traceparent`` goes with every request and award sent for
+        it, so the nodes' spans join the caller's trace."""
         effects: list[Effect] = []
         if request_id in self._active:
             return effects  # in flight: the caller joins it
@@ -266,6 +273,7 @@ class RequestorMachine:
             # A caller-chosen id may be placed, before or meanwhile, by another requestor,
             # on a node in any tier: every decision first looks it up.
             contention=IdContention(self.config.requestor_id, spec.request_id is not None),
+            traceparent=traceparent,
         )
         # An affinity member belongs (or, soft, prefers to be) on the node that already
         # hosts its group, which may sit in any tier: only the widest tier reaches it.
@@ -490,6 +498,7 @@ class RequestorMachine:
             ttl_s=c.ttl_s,
             findable=c.contention.looks_up,
             declines_wanted=c.exhaustive,
+            traceparent=c.traceparent,
             **c.spec.shape_fields(),
         )
 
@@ -777,6 +786,7 @@ class RequestorMachine:
                 reply_to=self.config.reply_to,
                 reservation_id=offer.reservation_id,
                 slots=slots,
+                traceparent=c.traceparent,
             ),
         )
 
@@ -1015,6 +1025,7 @@ class RequestorMachine:
             tiers_tried=tuple(c.tiers_tried),
             attempts=c.attempt,
             elapsed_s=now - c.started_at,
+            offers_received=c.offers_received,
         )
         self._finish(c, placement, effects)
         effects.append(Placed(c.request_id, placement))
@@ -1047,6 +1058,7 @@ class RequestorMachine:
             busy_nodes=len(c.busy_nodes),
             reasons=reasons,
             note=c.note,
+            elapsed_s=now - c.started_at,
         )
         error = PlacementTimeout(explanation) if timed_out else PlacementError(explanation)
         self._finish(c, None, effects)

@@ -1,6 +1,8 @@
 """End to end: ``reservoir serve`` in a process of its own in front of three real
 ``reservoir node`` processes on a real RabbitMQ, driven over HTTP by concurrent clients,
-stopped with SIGTERM, and the cluster audited over the broker at the end."""
+asked for a dry run by ``reservoir request --dry-run``, its ``/metrics`` and a node's
+checked against what happened, stopped with SIGTERM, and the cluster audited over the
+broker at the end."""
 
 from __future__ import annotations
 
@@ -93,11 +95,26 @@ class Deployment:
     base_url: str
     serve: Process
     nodes: list[Process]
+    #: the first node serves its metrics here
+    node_metrics_port: int
+    env: dict[str, str]
 
 
-def node_args(name: str, state_dir: Path) -> list[str]:
-    return ["node", "--name", name, "--vcpus", str(NODE_VCPUS),
+def node_args(name: str, state_dir: Path, metrics_port: int | None = None) -> list[str]:
+    args = ["node", "--name", name, "--vcpus", str(NODE_VCPUS),
             "--memory-mb", str(NODE_MEMORY_MB), "--state-dir", str(state_dir)]  # fmt: skip
+    return args if metrics_port is None else [*args, "--metrics-port", str(metrics_port)]
+
+
+def sample(text: str, name: str, **labels: str) -> float:
+    """One sample of a Prometheus exposition, parsed (so the exposition is valid)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        for found in family.samples:
+            if found.name == name and all(found.labels.get(k) == v for k, v in labels.items()):
+                return float(found.value)
+    raise AssertionError(f"no {name}{labels} in the exposition")
 
 
 @pytest.fixture
@@ -107,7 +124,11 @@ def deployment(reservoir_amqp_url: str, tmp_path: Path) -> Iterator[Deployment]:
     url = f"{reservoir_amqp_url}{separator}exchange={exchange}"
     # PYTHONPATH passes through, so the children run this tree's reservoir
     env = {**os.environ, "RESERVOIR_BROKER_URL": url}
-    nodes = [Process.start(name, node_args(name, tmp_path), env) for name in NODES]
+    metrics_port = free_port()
+    nodes = [
+        Process.start(name, node_args(name, tmp_path, metrics_port if i == 0 else None), env)
+        for i, name in enumerate(NODES)
+    ]
     port = free_port()
     serve = Process.start("serve", ["serve", "--port", str(port)], env)
     try:
@@ -115,7 +136,7 @@ def deployment(reservoir_amqp_url: str, tmp_path: Path) -> Iterator[Deployment]:
             node.wait_for("ready")
         base_url = f"http://127.0.0.1:{port}"
         wait_until_ready(base_url, serve)
-        yield Deployment(url, base_url, serve, nodes)
+        yield Deployment(url, base_url, serve, nodes, metrics_port, env)
     finally:
         for child in (serve, *nodes):
             if child.process.poll() is None:
@@ -144,6 +165,29 @@ def test_the_service_places_reads_lists_releases_and_explains_over_http(
     deployment: Deployment,
 ) -> None:
     shape = {"vcpus": 1, "memory_mb": 512}
+
+    # a dry run first: every node could take it, and nothing is held afterwards
+    asked = subprocess.run(
+        [sys.executable, "-m", "reservoir.cli", "request", "--vcpus", "2", "--memory-mb", "512",
+         "--count", "3", "--require", "HW_GPU", "--dry-run", "--json"],
+        env=deployment.env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert asked.returncode == 1, asked.stderr  # no node has the trait: not room enough
+    dry = json.loads(asked.stdout)
+    assert dry["nodes_answering"] == 3 and dry["room"] == 0
+    assert all(n["reasons"] == ["trait HW_GPU missing"] for n in dry["nodes"]), dry
+    asked = subprocess.run(
+        [sys.executable, "-m", "reservoir.cli", "request", "--vcpus", "2", "--memory-mb", "512",
+         "--count", "3", "--dry-run", "--json"],
+        env=deployment.env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert asked.returncode == 0, asked.stderr
+    dry = json.loads(asked.stdout)
+    assert dry["would_place"] is True
+    assert sorted(n["node"] for n in dry["nodes"]) == sorted(NODES)
+    assert all(n["slots"] == 3 for n in dry["nodes"]), dry
+    held = audit_cluster(deployment.url, expect_nodes=3, wait_s=10)
+    assert held.ok and (held.allocations, held.reservations) == (0, 0), held.as_json()
 
     async def scenario() -> tuple[list[dict[str, Any]], str]:
         async with httpx.AsyncClient(base_url=deployment.base_url, timeout=60.0) as client:
@@ -210,6 +254,7 @@ def test_the_service_places_reads_lists_releases_and_explains_over_http(
             return placed[4:], exposition.text
 
     held, metrics = asyncio.run(scenario())
+    # the service's own record: 12 placed (replays not counted), one not placed
     assert 'reservoir_service_placements_total{partial="false"} 12.0' in metrics
     assert 'reservoir_service_placement_failures_total{reason="not_placed"} 1.0' in metrics
     assert 'reservoir_service_placement_seconds_count{outcome="placed"} 12.0' in metrics
@@ -218,6 +263,25 @@ def test_the_service_places_reads_lists_releases_and_explains_over_http(
         'reservoir_service_http_requests_total{method="POST",route="/v1/reservations",'
         'status="201"} 12.0'
     ) in metrics
+    # its requestor's, in the same exposition: the protocol's view of the same work
+    assert sample(metrics, "reservoir_placement_seconds_count", outcome="placed") == 12
+    assert sample(metrics, "reservoir_placement_seconds_count", outcome="failed") == 1
+    assert sample(metrics, "reservoir_placement_failures_total", reason="not_placed") == 1
+    assert sample(metrics, "reservoir_placement_offers_count") == 13
+    assert sample(metrics, "reservoir_messages_sent_total", kind="award") >= 12
+    assert sample(metrics, "process_resident_memory_bytes") > 0
+    # and a node's, on its own port: what it holds, what became of its reservations
+    first = NODES[0]
+    node_url = f"http://127.0.0.1:{deployment.node_metrics_port}/metrics"
+    node_metrics = httpx.get(node_url, timeout=10).text
+    allocations = sample(node_metrics, "reservoir_node_allocations", node=first)
+    awarded = sample(node_metrics, "reservoir_node_reservations_ended_total", node=first,
+                     how="awarded")  # fmt: skip
+    assert awarded >= allocations
+    assert sample(node_metrics, "reservoir_node_dry_runs_total", node=first) == 2
+    vcpus = sample(node_metrics, "reservoir_node_resource", node=first, state="allocated",
+                   **{"class": "VCPU"})  # fmt: skip
+    assert vcpus == allocations
 
     # SIGTERM: the service closes its requestor and exits cleanly
     assert deployment.serve.terminate() == 0, "".join(deployment.serve.seen)

@@ -15,8 +15,9 @@ import pytest
 from fastapi import FastAPI
 
 from brokers.inprocess import InProcessBroker
-from examples.asgi_service import PlacementOut, PlacementService, create_app
+from examples.asgi_service import PlacementOut, create_app
 from reservoir import NodeAgent, Placement, Requestor, RequestorClosed, Settings, audit
+from reservoir.serve import ReservoirService
 
 NODE_VCPUS = 16
 NODE_MEMORY_MB = 32768
@@ -68,9 +69,10 @@ async def serving(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
             yield client
 
 
-def service_of(app: FastAPI) -> PlacementService:
-    service = app.state.service
-    assert isinstance(service, PlacementService)
+def service_of(app: FastAPI) -> ReservoirService:
+    """The example's state: the lifespan helper's service, one requestor for the app."""
+    service = app.state.reservoir
+    assert isinstance(service, ReservoirService)
     return service
 
 
@@ -230,19 +232,40 @@ def test_an_impossible_request_is_409_with_the_explanation(
     audited(nodes, [])
 
 
-def test_a_request_nobody_answers_in_time_is_504(
+def test_a_request_nobody_answers_in_time_is_504(broker: InProcessBroker) -> None:
+    # A listener that hears every tier and never answers (a hung node): the requestor
+    # waits for answers until its deadline. (A full cluster, whose nodes decline, is a
+    # 409 at once: see the next test.)
+    hung = broker.open_endpoint(lambda delivery: None, name="reservoir.node.hung")
+    for tier in (10, 25, 50, 75, 100):
+        hung.bind(f"tier.{tier}")
+    app = create_app(broker, settings=Settings(request_timeout_s=0.3), explain=False)
+
+    async def scenario() -> httpx.Response:
+        async with serving(app) as client:
+            return await client.post("/servers", json={"vcpus": 1, "memory_mb": 1024})
+
+    try:
+        response = asyncio.run(scenario())
+    finally:
+        hung.close()
+    assert response.status_code == 504, response.text
+    assert response.json()["offers_received"] == 0
+
+
+def test_a_request_no_node_can_take_is_409_at_once_even_without_explain(
     broker: InProcessBroker, nodes: list[NodeAgent]
 ) -> None:
-    # Without explain, nodes that cannot take a request stay silent: the requestor waits
-    # for an offer that never comes until its deadline.
-    app = create_app(broker, settings=Settings(request_timeout_s=0.3), explain=False)
+    app = create_app(broker, settings=Settings(request_timeout_s=5.0), explain=False)
 
     async def scenario() -> httpx.Response:
         async with serving(app) as client:
             return await client.post("/servers", json={"vcpus": 64, "memory_mb": 1024})
 
     response = asyncio.run(scenario())
-    assert response.status_code == 504, response.text
+    # Not a 504: the exhaustive step asks the nodes to decline, so the verdict comes
+    # from their answers, long before the 5 s deadline.
+    assert response.status_code == 409, response.text
     assert response.json()["offers_received"] == 0
     assert allocation_count(nodes) == 0
     audited(nodes, [])
@@ -382,3 +405,25 @@ def test_the_module_app_runs_on_its_own_empty_broker(monkeypatch: pytest.MonkeyP
     assert response.status_code == 409  # memory:// is a new broker: no node is on it
     assert "tiers tried" in response.json()["detail"]
     audited([], [])
+
+
+def test_the_same_key_with_another_shape_is_a_409_and_the_first_placement_stays(
+    broker: InProcessBroker, nodes: list[NodeAgent]
+) -> None:
+    app = create_app(broker)
+    key = {"Idempotency-Key": "order-shape"}
+
+    async def scenario() -> tuple[httpx.Response, httpx.Response, list[Placement]]:
+        async with serving(app) as client:
+            first = await client.post("/servers", json={"vcpus": 1, "memory_mb": 256}, headers=key)
+            other = await client.post("/servers", json={"vcpus": 4, "memory_mb": 256}, headers=key)
+            return first, other, list(service_of(app).placements.values())
+
+    first, other, placements = asyncio.run(scenario())
+    assert first.status_code == 201, first.text
+    assert other.status_code == 409, other.text
+    assert "another shape" in other.json()["detail"]
+    assert [p.request_id for p in placements] == ["order-shape"]
+    assert allocation_count(nodes) == 1
+    assert sum(allocated(node, "VCPU") for node in nodes) == 1
+    audited(nodes, placements)

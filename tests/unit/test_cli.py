@@ -139,3 +139,11 @@ def test_a_broker_on_a_closed_port_is_one_line_and_status_3() -> None:
     assert done.returncode == 3
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert "cannot reach the broker" in done.stderr and "guest:guest" not in done.stderr
+
+
+def test_reservoir_version_names_the_installed_version() -> None:
+    from reservoir import __version__
+
+    shown = CliRunner().invoke(main, ["--version"])
+    assert shown.exit_code == 0
+    assert shown.output.strip() == f"reservoir, version {__version__}"

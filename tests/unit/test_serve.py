@@ -338,7 +338,9 @@ def test_the_nodes_list_shows_every_node_with_its_usage_and_tier(
 def test_probes_and_metrics(broker: InProcessBroker, nodes: list[NodeAgent]) -> None:
     app = create_app(broker)
 
-    async def scenario(client: httpx.AsyncClient, service: ReservoirService) -> str:
+    async def scenario(
+        client: httpx.AsyncClient, service: ReservoirService
+    ) -> tuple[str, str, list[Placement]]:
         assert (await client.get("/healthz")).json()["status"] == "ok"
         assert (await client.get("/readyz")).status_code == 200
         await client.post("/v1/reservations", json={"vcpus": 1, "memory_mb": 1})
@@ -352,9 +354,9 @@ def test_probes_and_metrics(broker: InProcessBroker, nodes: list[NodeAgent]) -> 
         service.closing = False
         exposition = await client.get("/metrics")
         assert exposition.status_code == 200
-        return exposition.text
+        return exposition.text, service.requestor.name, list(service.placements.values())
 
-    text = run_against(app, scenario)
+    text, requestor, placements = run_against(app, scenario)
     assert 'reservoir_service_placement_seconds_bucket{le="0.005",outcome="placed"}' in text
     assert 'reservoir_service_placement_seconds_count{outcome="placed"} 1.0' in text
     assert 'reservoir_service_placements_total{partial="false"} 1.0' in text
@@ -365,6 +367,16 @@ def test_probes_and_metrics(broker: InProcessBroker, nodes: list[NodeAgent]) -> 
         'status="201"} 1.0'
     ) in text
     assert 'route="/readyz",status="503"' in text
+    # the service's requestor counts into the same registry: what the protocol did
+    who = f'participant="{requestor}"'
+    assert f'reservoir_placement_seconds_count{{outcome="placed",{who}}} 1.0' in text
+    assert f'reservoir_placement_failures_total{{{who},reason="not_placed"}} 1.0' in text
+    assert f'reservoir_messages_sent_total{{kind="award",{who}}} 1.0' in text
+    assert f"reservoir_requestor_in_flight{{{who}}} 0.0" in text
+    # and the process's own
+    assert "process_cpu_seconds_total" in text
+    assert "python_info" in text
+    audited(nodes, placements)
 
 
 class FlakyBroker(InProcessBroker):
@@ -548,3 +560,62 @@ def test_the_serve_command_on_a_port_in_use_says_so_in_one_line_and_exits_2() ->
     [line] = result.output.strip().splitlines()
     assert line.startswith(f"reservoir serve: cannot listen on 127.0.0.1:{port}: ")
     assert "in use" in line
+
+
+def test_the_serve_process_takes_its_configuration_from_the_environment_and_exits_0_on_sigterm(
+    tmp_path: Any,
+) -> None:
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(sys.path),
+        "RESERVOIR_BROKER_URL": "memory://",
+        "RESERVOIR_SERVE_HOST": "127.0.0.1",
+        "RESERVOIR_SERVE_PORT": str(port),
+        "RESERVOIR_REQUEST_TIMEOUT_S": "0.5",
+        "RESERVOIR_LOG_FORMAT": "json",
+    }
+    serving_process = subprocess.Popen(
+        [sys.executable, "-m", "reservoir", "-v", "serve"],  # -v: placements at info
+        env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5) as client:
+            while True:
+                assert serving_process.poll() is None, serving_process.communicate()[1]
+                try:
+                    if client.get("/readyz").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert time.monotonic() < deadline, "reservoir serve never became ready"
+                time.sleep(0.1)  # a real process starting: nothing to wait on but its port
+            # memory:// is a broker of the process's own, with no node: the request
+            # timeout from the environment bounds the wait
+            started = time.monotonic()
+            unplaced = client.post("/v1/reservations", json={"vcpus": 1, "memory_mb": 1})
+            assert unplaced.status_code in (409, 504), unplaced.text
+            assert time.monotonic() - started < 5
+        serving_process.send_signal(signal.SIGTERM)
+        _out, stderr = serving_process.communicate(timeout=30)
+    finally:
+        if serving_process.poll() is None:
+            serving_process.kill()
+            serving_process.wait(timeout=10)
+    assert serving_process.returncode == 0, stderr
+    lines = [json.loads(line) for line in stderr.splitlines()]
+    messages = [line["message"] for line in lines]
+    assert "Application shutdown complete." in messages, messages
+    assert f"reservoir serve: listening on http://127.0.0.1:{port}, broker memory://" in messages
+    [unplaced_line] = [line for line in lines if str(line["message"]).startswith("not placed")]
+    assert unplaced_line["request_id"] == unplaced.json()["request_id"]

@@ -1,0 +1,99 @@
+"""Structured logs (reservoir.logs): JSON lines, and the request id on every line logged
+while a conversation is handled, by the requestor and by the nodes."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from reservoir.logs import REQUEST_ID, ConversationFilter, JsonFormatter
+from reservoir.testing import Simulation
+
+
+@pytest.fixture
+def json_lines() -> Iterator[io.StringIO]:
+    """Every reservoir record at DEBUG, as reservoir --log-format json -vv writes it."""
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.addFilter(ConversationFilter())
+    handler.setFormatter(JsonFormatter())
+    logger = logging.getLogger("reservoir")
+    previous = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    yield stream
+    logger.removeHandler(handler)
+    logger.setLevel(previous)
+
+
+def parsed(stream: io.StringIO) -> list[dict[str, object]]:
+    return [json.loads(line) for line in stream.getvalue().splitlines()]
+
+
+def test_every_line_of_a_conversation_names_its_request_id(
+    json_lines: io.StringIO, reservoir_simulation: Simulation
+) -> None:
+    sim = reservoir_simulation
+    sim.add_node("n1", vcpus=2, memory_mb=1024)
+    sim.add_node("n2", vcpus=2, memory_mb=1024)
+    requestor = sim.add_requestor("r1")
+    json_lines.truncate(0)
+    json_lines.seek(0)
+    placement = sim.place(requestor, vcpus=2, memory_mb=1, request_id="order-42")
+    sim.settle()  # the spare's release, and what the nodes say of it
+    lines = parsed(json_lines)
+    # the requestor says it placed it; the node that took it says it moved tier
+    messages = [str(line["message"]) for line in lines]
+    assert any(m.startswith("placed order-42") for m in messages), messages
+    assert any("now at 100% utilisation" in m for m in messages), messages
+    assert lines and all(line["request_id"] == "order-42" for line in lines), lines
+    assert {line["level"] for line in lines} <= {"debug", "info"}
+    assert REQUEST_ID.get() is None  # nothing leaks out of the conversation
+    sim.finish([placement])
+
+
+def test_a_line_outside_any_conversation_has_no_request_id(json_lines: io.StringIO) -> None:
+    logging.getLogger("reservoir.test").warning("hello %s", "there", extra={"shard": 3})
+    [line] = parsed(json_lines)
+    assert line["message"] == "hello there"
+    assert line["level"] == "warning"
+    assert line["logger"] == "reservoir.test"
+    assert line["shard"] == 3
+    assert "request_id" not in line
+    assert str(line["time"]).endswith("+00:00")
+
+
+def test_a_node_started_with_log_format_json_writes_only_json_lines() -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    node = subprocess.Popen(
+        [sys.executable, "-m", "reservoir", "--log-format", "json", "-v", "node",
+         "--broker", "memory://", "--name", "j1", "--vcpus", "2"],
+        stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    assert node.stderr is not None
+    ready = json.loads(node.stderr.readline())
+    assert ready["level"] == "info"
+    assert "node j1: ready" in ready["message"]
+    node.send_signal(signal.SIGTERM)
+    rest = node.stderr.read()
+    assert node.wait(timeout=30) == 0
+    lines = [json.loads(line) for line in rest.splitlines()]
+    assert lines[-1]["message"] == "node j1: stopped"
+
+
+def test_a_log_format_the_cli_does_not_know_is_one_line_and_status_2() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "reservoir", "--log-format", "xml", "nodes"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "--log-format" in done.stderr
+    assert "Traceback" not in done.stderr

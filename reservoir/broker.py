@@ -111,6 +111,12 @@ class Broker(ABC):
     def close(self) -> None:
         """Close every endpoint and the connection. Idempotent."""
 
+    @property
+    def connected(self) -> bool:
+        """Whether messages can flow now: a broker with a connection to lose says so
+        while it is down (and reconnecting); one in this process is always connected."""
+        return True
+
     def __enter__(self) -> Broker:
         return self
 

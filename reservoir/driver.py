@@ -104,6 +104,8 @@ class Driver:
         self.scheduler = scheduler
         try:
             self.endpoint: Endpoint = broker.open_endpoint(self._on_delivery, name=endpoint_name)
+            #: the broker the endpoint is on (its ``connected`` is the participant's health)
+            self.broker: Broker = broker
         except BaseException:
             self._let_go_of_owned()
             raise

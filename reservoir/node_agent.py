@@ -201,6 +201,8 @@ class NodeAgent(Driver):
         now = snapshot.taken_at
         return {
             "node": self.name,
+            # False while the broker connection is down (the agent reconnects by itself)
+            "connected": self.broker.connected,
             "utilisation": round(snapshot.utilisation, 4),
             "tier": snapshot.tier,
             "usages": {

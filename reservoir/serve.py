@@ -320,7 +320,7 @@ class ReservoirService:
         The in-process broker has no connection to lose and is always ready."""
         if self.closing:
             return False
-        return bool(getattr(self.broker, "connected", True))
+        return self.broker.connected
 
     def check_ready(self) -> None:
         if self.closing:

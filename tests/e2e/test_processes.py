@@ -224,6 +224,7 @@ def test_concurrent_requests_with_a_node_killed_mid_run_double_book_nothing(
         status = cluster.status(name)
         assert status["reservations"] == [], status
         assert status["violations"] == []
+        assert status["connected"] is True  # its broker connection, for probes
     for name in ("a", "c"):
         cluster.stop(name)
     audit_nodes(cluster, placements, {p["request_id"]: 1 for p in placements})

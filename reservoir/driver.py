@@ -29,6 +29,7 @@ from functools import partial
 from reservoir.broker import Broker, BrokerClosed, BrokerError, Delivery, Endpoint
 from reservoir.clock import Scheduler, ThreadScheduler, Timer
 from reservoir.keys import Role
+from reservoir.logs import REQUEST_ID
 from reservoir.metrics import Metrics
 from reservoir.protocol.effects import (
     Bind,
@@ -45,13 +46,16 @@ from reservoir.protocol.effects import (
     StoreAllocation,
     Unbind,
 )
-from reservoir.protocol.messages import REQUESTOR_KINDS, Message
+from reservoir.protocol.messages import AUDIT_ID, REQUESTOR_KINDS, ROSTER_ID, Message
 from reservoir.settings import Settings
 from reservoir.wire import DecodeError, DropWarnings
 
 __all__ = ["Driver"]
 
 log = logging.getLogger(__name__)
+
+#: request ids of messages that belong to no conversation (membership, audits)
+_NOT_A_CONVERSATION = frozenset({ROSTER_ID, AUDIT_ID})
 
 Outcome = Placed | Failed | FreeCompleted
 
@@ -191,6 +195,15 @@ class Driver:
         return allowed is None or (user_id is not None and user_id in allowed)
 
     def _on_timer(self, key: Hashable, generation: int) -> None:
+        request_id = self._conversation_of(key)
+        token = REQUEST_ID.set(request_id) if request_id is not None else None
+        try:
+            self._fire(key, generation)
+        finally:
+            if token is not None:
+                REQUEST_ID.reset(token)
+
+    def _fire(self, key: Hashable, generation: int) -> None:
         outcomes: list[Outcome] = []
         with self._lock:
             current = self._timers.get(key)
@@ -202,6 +215,18 @@ class Driver:
         self._settle(outcomes)
 
     def _call(self, handler: Callable[[Message, float], list[Effect]], message: Message) -> None:
+        # Every log line while a conversation's message is handled, and its effects
+        # carried out, names the conversation (reservoir.logs).
+        if message.request_id in _NOT_A_CONVERSATION:
+            self._handle(handler, message)
+            return
+        token = REQUEST_ID.set(message.request_id)
+        try:
+            self._handle(handler, message)
+        finally:
+            REQUEST_ID.reset(token)
+
+    def _handle(self, handler: Callable[[Message, float], list[Effect]], message: Message) -> None:
         outcomes: list[Outcome] = []
         with self._lock:
             if self._closed:
@@ -303,6 +328,10 @@ class Driver:
 
     def _handle_timer(self, key: Hashable, now: float) -> list[Effect]:
         raise NotImplementedError
+
+    def _conversation_of(self, key: Hashable) -> str | None:
+        """The request id a timer belongs to, for the logs (None: no conversation's)."""
+        return None
 
     def _persist(self, effect: StoreAllocation | DeleteAllocation) -> None:
         raise NotImplementedError(f"{type(self).__name__} keeps no allocations")

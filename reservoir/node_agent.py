@@ -18,22 +18,19 @@ import os
 import secrets
 from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from reservoir import tracing
 from reservoir.audit import NodeSnapshot
 from reservoir.broker import Broker
 from reservoir.clock import Scheduler
 from reservoir.driver import Driver
-from reservoir.logs import REQUEST_ID
 from reservoir.metrics import Metrics
 from reservoir.plugins import load_filters, load_weighers
 from reservoir.protocol.effects import DeleteAllocation, Effect, Publish, StoreAllocation
 from reservoir.protocol.filters import Filter, Weigher
 from reservoir.protocol.ledger import Allocation, Inventory
 from reservoir.protocol.messages import (
-    AUDIT_ID,
-    ROSTER_ID,
     Message,
     NodeStatus,
     is_resource_class,
@@ -284,18 +281,6 @@ class NodeAgent(Driver):
         yield dry_runs
 
     # -- driver hooks ------------------------------------------------------------------
-
-    def _call(self, handler: Any, message: Message) -> None:
-        # Every log line while the message is handled, and its effects carried out,
-        # names the conversation.
-        if message.request_id in (ROSTER_ID, AUDIT_ID):
-            super()._call(handler, message)
-            return
-        token = REQUEST_ID.set(message.request_id)
-        try:
-            super()._call(handler, message)
-        finally:
-            REQUEST_ID.reset(token)
 
     def _handle_message(self, message: Message, now: float) -> list[Effect]:
         if getattr(message, "traceparent", None) is not None:

@@ -34,7 +34,7 @@ from reservoir.driver import Driver, Outcome
 from reservoir.logs import REQUEST_ID
 from reservoir.metrics import Metrics
 from reservoir.protocol.effects import Effect, Failed, FreeCompleted, Placed
-from reservoir.protocol.messages import ROSTER_ID, GroupSpec, Message, NumaSpec
+from reservoir.protocol.messages import GroupSpec, Message, NumaSpec
 from reservoir.protocol.placement import (
     Explanation,
     Placement,
@@ -43,7 +43,7 @@ from reservoir.protocol.placement import (
 )
 from reservoir.protocol.policies import Policy, policy_named
 from reservoir.protocol.requestor import RequestorConfig, RequestorMachine
-from reservoir.protocol.timers import ConversationTimer
+from reservoir.protocol.timers import ConversationTimer, FreeTimer
 from reservoir.settings import Settings
 
 if TYPE_CHECKING:
@@ -378,27 +378,8 @@ class Requestor(Driver):
 
     # -- driver hooks ------------------------------------------------------------------
 
-    def _call(self, handler: Any, message: Message) -> None:
-        # Every log line while the message is handled, and its effects carried out,
-        # names the conversation.
-        if message.request_id == ROSTER_ID:
-            super()._call(handler, message)
-            return
-        token = REQUEST_ID.set(message.request_id)
-        try:
-            super()._call(handler, message)
-        finally:
-            REQUEST_ID.reset(token)
-
-    def _on_timer(self, key: Hashable, generation: int) -> None:
-        if not isinstance(key, ConversationTimer):
-            super()._on_timer(key, generation)
-            return
-        token = REQUEST_ID.set(key.request_id)
-        try:
-            super()._on_timer(key, generation)
-        finally:
-            REQUEST_ID.reset(token)
+    def _conversation_of(self, key: Hashable) -> str | None:
+        return key.request_id if isinstance(key, ConversationTimer | FreeTimer) else None
 
     def _handle_message(self, message: Message, now: float) -> list[Effect]:
         return self.machine.handle(message, now)

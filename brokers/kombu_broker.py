@@ -251,11 +251,10 @@ class KombuBroker(AmqpBroker):
         interval = connection.get_heartbeat_interval() if connection is not None else 0
         return float(interval or 0) / 4
 
-    def _wake(self) -> None:
-        if self._request_wake():
-            # Full of wake-ups already, or closed at shutdown: either way awake enough.
-            with contextlib.suppress(OSError):
-                self._wake_w.send(b"\0")
+    def _send_wake(self) -> None:
+        # Full of wake-ups already, or closed at shutdown: either way awake enough.
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"\0")
 
     def _read(self) -> None:
         """Read what the socket has, at most ``_READ_BATCH`` frames. Events py-amqp reports

@@ -139,12 +139,11 @@ class PikaBroker(AmqpBroker):
             self._ioloop.start()
         self._ioloop.close()
 
-    def _wake(self) -> None:
-        if self._request_wake():
-            try:
-                self._ioloop.add_callback_threadsafe(self._pump)
-            except Exception:  # the loop has closed: nothing left to wake
-                log.debug("%s: wake-up after the loop closed", self.connection_name)
+    def _send_wake(self) -> None:
+        try:
+            self._ioloop.add_callback_threadsafe(self._pump)
+        except Exception:  # the loop has closed: nothing left to wake
+            log.debug("%s: wake-up after the loop closed", self.connection_name)
 
     # -- actions ---------------------------------------------------------------------------
 

@@ -8,7 +8,7 @@ runs handlers one at a time in arrival order, readiness (:meth:`AmqpBroker.wait_
 stats, and the pump that carries the session's actions to the driver.
 
 A driver subclasses :class:`AmqpBroker` and supplies the IO thread: ``_io_main`` (run the
-client's loop until the session says Stop), ``_wake`` (make the IO thread call ``_pump``
+client's loop until the session says Stop), ``_send_wake`` (make the IO thread call ``_pump``
 soon; from any thread), and ``_do`` (carry out one action with the client library and
 report what happened through ``_event``). Everything the session decides is the same for
 both drivers; so are these methods, stats and readiness.
@@ -306,11 +306,15 @@ class AmqpBroker(Broker, ABC):
             raise BrokerError(f"the broker's connection failed for good: {self._session.failure}")
 
     def _accept(self, endpoint: AmqpEndpoint, exchange: str, key: str, body: bytes) -> None:
+        # Every send and publish passes here: one lock for the session and the wake-up.
         with self._lock:
             self._check_usable(endpoint)
-            wake = self._session.accept(Message(endpoint._token, exchange, key, body))
+            first = self._session.accept(Message(endpoint._token, exchange, key, body))
+            wake = first and not self._wake_pending
+            if wake:
+                self._wake_pending = True
         if wake:
-            self._wake()
+            self._send_wake()
 
     def _wait(
         self,
@@ -417,22 +421,28 @@ class AmqpBroker(Broker, ABC):
             while True:
                 with self._lock:
                     soon, self._soon = self._soon, []
-                for call in soon:
-                    call()
-                with self._lock:
-                    self._wake_pending = False
-                    state = self._session.state
-                    actions = self._session.take_actions()
-                    if self._session.state is not state or any(
-                        isinstance(a, Resolve) for a in actions
-                    ):
-                        self._changed.notify_all()
+                    if not soon:  # one lock for the common case: nothing from tests
+                        actions = self._take_actions()
+                if soon:
+                    for call in soon:
+                        call()
+                    with self._lock:
+                        actions = self._take_actions()
                 if not actions:
                     return
                 for action in actions:
                     self._carry_out(action)
         finally:
             self._pumping = False
+
+    def _take_actions(self) -> list[Action[Future]]:
+        """Under the lock: the session's actions, waking waiters when they may care."""
+        self._wake_pending = False
+        state = self._session.state
+        actions = self._session.take_actions()
+        if self._session.state is not state or any(isinstance(a, Resolve) for a in actions):
+            self._changed.notify_all()
+        return actions
 
     def _carry_out(self, action: Action[Future]) -> None:
         if isinstance(action, Resolve):
@@ -499,9 +509,15 @@ class AmqpBroker(Broker, ABC):
     def _io_main(self) -> None:
         """Run the client library's loop until a Stop action was carried out."""
 
-    @abstractmethod
     def _wake(self) -> None:
         """Make the IO thread call :meth:`_pump` soon. From any thread."""
+        if self._request_wake():
+            self._send_wake()
+
+    @abstractmethod
+    def _send_wake(self) -> None:
+        """Wake the IO thread to call :meth:`_pump` (one wake-up per pump is enough: the
+        callers see to that). From any thread."""
 
     @abstractmethod
     def _do(self, action: Action[Future]) -> None:

@@ -38,9 +38,8 @@ class LoopbackBroker(AmqpBroker):
         while not self._stopping:
             self._calls.get()()
 
-    def _wake(self) -> None:
-        if self._request_wake():
-            self._calls.put(self._pump)
+    def _send_wake(self) -> None:
+        self._calls.put(self._pump)
 
     def _do(self, action: Action[Future]) -> None:
         gen = self._gen

@@ -20,20 +20,17 @@ from __future__ import annotations
 
 import json
 import secrets
-import threading
-import time
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from reservoir.asking import AskEveryNode
 from reservoir.audit import AuditReport, NodeSnapshot, audit
 from reservoir.broker import Broker
 from reservoir.clock import Scheduler
-from reservoir.driver import Driver
 from reservoir.metrics import Metrics
 from reservoir.node_agent import node_address
-from reservoir.protocol.effects import Dropped, Effect, Publish
 from reservoir.protocol.ledger import Allocation, Reservation, ResourceUsage
 from reservoir.protocol.messages import LedgerQuery, LedgerReport, Message
 from reservoir.protocol.placement import PlacedAllocation, Placement
@@ -126,8 +123,10 @@ def snapshot_of(parts: Sequence[LedgerReport]) -> NodeSnapshot:
     )
 
 
-class LedgerCollector(Driver):
+class LedgerCollector(AskEveryNode):
     """An auditor's endpoint: asks once, then gathers answers until :meth:`close`."""
+
+    asker = "an auditor"
 
     def __init__(
         self,
@@ -137,42 +136,23 @@ class LedgerCollector(Driver):
         scheduler: Scheduler | None = None,
         metrics: Metrics | None = None,
     ) -> None:
-        settings = settings if settings is not None else Settings()
         self.audit_id = secrets.token_hex(8)
         #: (node, incarnation) -> part number -> the part
         self._parts: dict[tuple[str, str], dict[int, LedgerReport]] = {}
-        self._changed = threading.Condition()
-        self._nobody = False
         super().__init__(
-            broker=broker,
+            broker,
+            name=f"auditor-{self.audit_id}",
             settings=settings,
             scheduler=scheduler,
             metrics=metrics,
-            # Named like a requestor's inbox: under the per-role broker users of deploy/rabbitmq/
-            # an auditor runs with requestor credentials, and nodes may answer only those.
-            endpoint_name=f"reservoir.requestor.auditor-{self.audit_id}",
-            role="requestor",
         )
-
-    def ask(self) -> None:
-        """Publish the query to every node that serves (the widest tier's topic)."""
-        ladder = self.settings.ladder
-        query = LedgerQuery(sender=self.address, reply_to=self.address, audit_id=self.audit_id)
-        self._run(lambda now: [Publish(ladder.topic(ladder.percents[-1]), query)])
 
     def collect(self, *, wait_s: float, expect_nodes: int | None = None) -> list[NodeSnapshot]:
         """Wait up to ``wait_s`` for answers (less when ``expect_nodes`` nodes have answered
         in full, or when the broker said no node is listening), and return a snapshot of
         every node whose report came complete."""
-        deadline = time.monotonic() + wait_s
+        self.wait_for_answers(wait_s=wait_s, expect_nodes=expect_nodes)
         with self._changed:
-            while not self._nobody:
-                if expect_nodes is not None and len(self._complete()) >= expect_nodes:
-                    break
-                left_s = deadline - time.monotonic()
-                if left_s <= 0:
-                    break
-                self._changed.wait(left_s)
             complete = self._complete()
         return [snapshot_of(parts) for _node, parts in sorted(complete.items())]
 
@@ -181,14 +161,6 @@ class LedgerCollector(Driver):
         with self._changed:
             done = set(self._complete())
             return sorted({node for node, _ in self._parts} - done)
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        with self._lock:
-            self._closed = True
-            self._cancel_all_timers()
-        self._let_go()
 
     def _complete(self) -> dict[str, list[LedgerReport]]:
         complete: dict[str, list[LedgerReport]] = {}
@@ -199,27 +171,19 @@ class LedgerCollector(Driver):
                 complete[node] = [parts[index] for index in range(expected)]
         return complete
 
-    # -- driver hooks ------------------------------------------------------------------
+    # -- what is asked, what is taken ----------------------------------------------------
 
-    def _handle_message(self, message: Message, now: float) -> list[Effect]:
+    def _question(self, widest_tier: int) -> Message:
+        return LedgerQuery(sender=self.address, reply_to=self.address, audit_id=self.audit_id)
+
+    def _take(self, message: Message) -> bool:
         if not isinstance(message, LedgerReport) or message.audit_id != self.audit_id:
-            return [Dropped("unexpected", f"an auditor does not take this {message.kind!r}")]
-        with self._changed:
-            self._parts.setdefault((message.sender, message.incarnation), {})[message.part] = (
-                message
-            )
-            self._changed.notify_all()
-        return []
+            return False
+        self._parts.setdefault((message.sender, message.incarnation), {})[message.part] = message
+        return True
 
-    def _handle_returned(self, message: Message, now: float) -> list[Effect]:
-        if isinstance(message, LedgerQuery):
-            with self._changed:
-                self._nobody = True
-                self._changed.notify_all()
-        return []
-
-    def _handle_timer(self, key: Hashable, now: float) -> list[Effect]:
-        return []
+    def _nodes_answered(self) -> int:
+        return len(self._complete())
 
 
 def free_command(node: str, request_id: str, allocation_id: str) -> str:

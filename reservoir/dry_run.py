@@ -13,15 +13,11 @@ to place.
 from __future__ import annotations
 
 import secrets
-import threading
-import time
-from collections.abc import Hashable
 from dataclasses import dataclass
 
+from reservoir.asking import AskEveryNode
 from reservoir.broker import Broker
 from reservoir.clock import Scheduler
-from reservoir.driver import Driver
-from reservoir.protocol.effects import Dropped, Effect, Publish
 from reservoir.protocol.messages import Assessment, Message, ReservationRequest
 from reservoir.protocol.placement import PlacementRequest, reason_label
 from reservoir.settings import Settings
@@ -108,9 +104,11 @@ class DryRunReport:
         }
 
 
-class DryRun(Driver):
+class DryRun(AskEveryNode):
     """Asks every serving node once what it would make of ``spec``; gathers the answers
     until :meth:`close`."""
+
+    asker = "a dry run"
 
     def __init__(
         self,
@@ -120,52 +118,20 @@ class DryRun(Driver):
         settings: Settings | None = None,
         scheduler: Scheduler | None = None,
     ) -> None:
-        settings = settings if settings is not None else Settings()
         self.spec = spec
         self.request_id = spec.request_id or f"dry-run-{secrets.token_hex(8)}"
         self._answers: dict[str, Assessment] = {}
-        self._nobody = False
-        self._changed = threading.Condition()
-        name = f"dry-run-{secrets.token_hex(4)}"
         super().__init__(
-            broker=broker,
+            broker,
+            name=f"dry-run-{secrets.token_hex(4)}",
             settings=settings,
             scheduler=scheduler,
-            metrics=None,
-            endpoint_name=f"reservoir.requestor.{name}",
-            role="requestor",
         )
-
-    def ask(self) -> None:
-        """Publish the request, marked a dry run, to every node that serves."""
-        ladder = self.settings.ladder
-        widest = ladder.percents[-1]
-        # a dry run is asked to say why not: that is the point of it
-        shape = {**self.spec.shape_fields(), "explain": True}
-        request = ReservationRequest(
-            request_id=self.request_id,
-            sender=self.address,
-            reply_to=self.address,
-            tier=widest,
-            attempt=1,
-            ttl_s=self.settings.ttl_s,
-            dry_run=True,
-            **shape,
-        )
-        self._run(lambda now: [Publish(ladder.topic(widest), request)])
 
     def collect(self, *, wait_s: float, expect_nodes: int | None = None) -> DryRunReport:
         """Wait up to ``wait_s`` for answers (less once ``expect_nodes`` have answered, or
         when the broker says no node listens) and report them."""
-        deadline = time.monotonic() + wait_s
-        with self._changed:
-            while not self._nobody:
-                if expect_nodes is not None and len(self._answers) >= expect_nodes:
-                    break
-                left_s = deadline - time.monotonic()
-                if left_s <= 0:
-                    break
-                self._changed.wait(left_s)
+        self.wait_for_answers(wait_s=wait_s, expect_nodes=expect_nodes)
         return self.report()
 
     def report(self) -> DryRunReport:
@@ -181,35 +147,33 @@ class DryRun(Driver):
             nobody=nobody,
         )
 
-    def close(self) -> None:
-        if self._closed:
-            return
-        with self._lock:
-            self._closed = True
-            self._cancel_all_timers()
-        self._let_go()
-
     def __enter__(self) -> DryRun:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    # -- driver hooks ------------------------------------------------------------------
+    # -- what is asked, what is taken ----------------------------------------------------
 
-    def _handle_message(self, message: Message, now: float) -> list[Effect]:
+    def _question(self, widest_tier: int) -> Message:
+        # a dry run is asked to say why not: that is the point of it
+        shape = {**self.spec.shape_fields(), "explain": True}
+        return ReservationRequest(
+            request_id=self.request_id,
+            sender=self.address,
+            reply_to=self.address,
+            tier=widest_tier,
+            attempt=1,
+            ttl_s=self.settings.ttl_s,
+            dry_run=True,
+            **shape,
+        )
+
+    def _take(self, message: Message) -> bool:
         if not isinstance(message, Assessment) or message.request_id != self.request_id:
-            return [Dropped("unexpected", f"a dry run does not take this {message.kind!r}")]
-        with self._changed:
-            self._answers[message.sender] = message
-            self._changed.notify_all()
-        return []
+            return False
+        self._answers[message.sender] = message
+        return True
 
-    def _handle_returned(self, message: Message, now: float) -> list[Effect]:
-        with self._changed:
-            self._nobody = True
-            self._changed.notify_all()
-        return []
-
-    def _handle_timer(self, key: Hashable, now: float) -> list[Effect]:
-        return []
+    def _nodes_answered(self) -> int:
+        return len(self._answers)

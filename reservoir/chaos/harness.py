@@ -372,6 +372,7 @@ def run_chaos(
     parts = urllib.parse.urlsplit(broker_url)
     proxy = TcpProxy(parts.port or 5672, upstream_host=parts.hostname or "127.0.0.1")
     own_dir = work_dir is None
+    result: ChaosResult | None = None
     root = Path(tempfile.mkdtemp(prefix="reservoir-chaos-")) if work_dir is None else work_dir
     root.mkdir(parents=True, exist_ok=True)
     isolation = _isolate(broker_url, run_id)
@@ -537,7 +538,7 @@ def run_chaos(
         missing = [] if len(found.nodes) == nodes else [
             f"{nodes - len(found.nodes)} node(s) did not answer the audit"
         ]  # fmt: skip
-        return ChaosResult(
+        result = ChaosResult(
             seed=seed,
             placements=verdict.placements,
             faults_injected=sum(injected.values()),
@@ -563,13 +564,24 @@ def run_chaos(
             ),
             schedule=applied,
         )
+        for orphan in result.orphans:
+            # What the callers' records say of the orphaned id: the place to start.
+            request_id = orphan.split(" of ", 1)[1].split(":", 1)[0] if " of " in orphan else ""
+            for name in worker_names:
+                for event in read_events(root / f"{name}.record.jsonl"):
+                    if request_id and event.get("id") == request_id:
+                        progress(f"chaos: {name} record of {request_id}: {event}")
+        return result
     finally:
         for proc in {**node_procs, **worker_procs}.values():
             proc.kill()
         proxy.close()
         isolation.remove(isolation.url)
-        if own_dir:
+        if own_dir and result is not None and result.ok:
             shutil.rmtree(root, ignore_errors=True)
+        else:
+            # A failed verdict (or a run that broke) keeps its evidence.
+            progress(f"chaos: kept the run's logs, records and ledgers in {root}")
 
 
 def _close_all(vhost: str) -> None:

@@ -310,9 +310,7 @@ class AmqpBroker(Broker, ABC):
         with self._lock:
             self._check_usable(endpoint)
             first = self._session.accept(Message(endpoint._token, exchange, key, body))
-            wake = first and not self._wake_pending
-            if wake:
-                self._wake_pending = True
+            wake = first and self._claim_wake()
         if wake:
             self._send_wake()
 
@@ -478,10 +476,14 @@ class AmqpBroker(Broker, ABC):
     def _request_wake(self) -> bool:
         """Whether a wake-up must be sent (one is enough until the pump runs)."""
         with self._lock:
-            if self._wake_pending:
-                return False
-            self._wake_pending = True
-            return True
+            return self._claim_wake()
+
+    def _claim_wake(self) -> bool:
+        """Under the lock: whether this caller is the one to send the wake-up."""
+        if self._wake_pending:
+            return False
+        self._wake_pending = True
+        return True
 
     def _message(
         self, token: str, exchange: str, routing_key: str, body: bytes, user_id: str | None

@@ -104,7 +104,12 @@ AUDIT_ID: Final = "audit"
 #: only nodes that may hold the id (and comes back unroutable when none can).
 LOOKUP_BUCKETS: Final = 1 << 16
 
-_CUSTOM_CLASS = re.compile(r"^CUSTOM_[A-Z0-9_]+$")
+_CUSTOM_CLASS_PATTERN = r"CUSTOM_[A-Z0-9_]+"
+_CUSTOM_CLASS = re.compile(f"^{_CUSTOM_CLASS_PATTERN}$")
+#: what is_resource_class accepts, as one pattern (for pydantic-core to check alone)
+_RESOURCE_CLASS_PATTERN = (
+    f"^({'|'.join(sorted(STANDARD_RESOURCE_CLASSES))}|{_CUSTOM_CLASS_PATTERN})$"
+)
 
 Identifier = Annotated[
     str, StringConstraints(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:@/+=-]+$")
@@ -139,13 +144,11 @@ def lookup_topic(request_id: str) -> str:
 
 
 def _check_resource_classes(resources: dict[str, int]) -> dict[str, int]:
-    # Every request, offer and answer passes here: the common case is a plain loop.
-    if all(rc in STANDARD_RESOURCE_CLASSES or _CUSTOM_CLASS.match(rc) for rc in resources):
-        return resources
-    unknown = sorted(rc for rc in resources if not is_resource_class(rc))
+    # Every request and offer passes here: one pass, sorting only for the error.
+    unknown = [rc for rc in resources if not is_resource_class(rc)]
     if unknown:
         raise ValueError(
-            f"unknown resource class {', '.join(unknown)}: use one of "
+            f"unknown resource class {', '.join(sorted(unknown))}: use one of "
             f"{', '.join(sorted(STANDARD_RESOURCE_CLASSES))} or CUSTOM_<NAME>"
         )
     return resources
@@ -157,9 +160,7 @@ def _check_resource_classes(resources: dict[str, int]) -> dict[str, int]:
 #: answer a node sends.
 Room = Annotated[
     dict[
-        Annotated[
-            str, StringConstraints(pattern=r"^(VCPU|PCPU|MEMORY_MB|DISK_GB|CUSTOM_[A-Z0-9_]+)$")
-        ],
+        Annotated[str, StringConstraints(pattern=_RESOURCE_CLASS_PATTERN)],
         Annotated[int, Field(ge=-1, le=53)],
     ],
     Field(max_length=64),

@@ -1243,6 +1243,13 @@ def _parse_latency(ctx: click.Context, param: click.Parameter, value: str) -> An
     "--seed", default=0, show_default=True, type=int, help="Seed for the nodes and workload."
 )
 @click.option(
+    "--jobs",
+    default=None,
+    type=click.IntRange(1, 256),
+    help="Runs (one per system and load) in parallel worker processes; the results do "
+    "not depend on it.  [default: the cores this process may use]",
+)
+@click.option(
     "--output",
     type=click.Path(file_okay=False, path_type=Path),
     default=None,
@@ -1268,6 +1275,7 @@ def simulate(
     lifetime_s: float,
     prefill: bool,
     seed: int,
+    jobs: int | None,
     output: Path | None,
     as_json: bool,
 ) -> None:
@@ -1320,7 +1328,9 @@ def simulate(
     ) as bar:
         task = bar.add_task("simulating", total=requests * len(loads) * len(systems))
         result = simulator.simulate(
-            config, progress=lambda label, n: bar.update(task, description=label, advance=n)
+            config,
+            progress=lambda label, n: bar.update(task, description=label, advance=n),
+            jobs=jobs if jobs is not None else simulator.default_jobs(),
         )
     if as_json:
         click.echo(json.dumps(result.as_json(), sort_keys=True))

@@ -12,13 +12,20 @@ are passed as objects, without byte serialisation.
 from __future__ import annotations
 
 from reservoir.simulator.network import LatencyModel, parse_latency_ms
-from reservoir.simulator.runner import SYSTEMS, SimulationConfig, SimulationResult, simulate
+from reservoir.simulator.runner import (
+    SYSTEMS,
+    SimulationConfig,
+    SimulationResult,
+    default_jobs,
+    simulate,
+)
 
 __all__ = [
     "SYSTEMS",
     "LatencyModel",
     "SimulationConfig",
     "SimulationResult",
+    "default_jobs",
     "parse_latency_ms",
     "simulate",
 ]

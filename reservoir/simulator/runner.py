@@ -1,14 +1,22 @@
 """One simulation: every chosen system at every offered load, on one seeded workload.
 
 This module owns :class:`SimulationConfig` (what ``reservoir simulate`` was asked),
-:func:`simulate` (the loop over loads and systems) and :class:`SimulationResult` (its rows
-and the JSON object the command prints).
+:func:`simulate` (the runs over loads and systems, one after another or in worker
+processes) and :class:`SimulationResult` (its rows and the JSON object the command prints).
+
+Every (offered load, system) pair is an independent run: it builds the cluster and the
+workload again from the seed, so a run in a worker process is the same run, event for
+event, as in this one, and the rows do not depend on ``jobs``.
 """
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import queue
 import time
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -17,9 +25,9 @@ from reservoir.simulator.engine import ReservoirRun
 from reservoir.simulator.memory import collector_paused
 from reservoir.simulator.metrics import RunResult
 from reservoir.simulator.network import LatencyModel
-from reservoir.simulator.workload import make_cluster, make_workload
+from reservoir.simulator.workload import Cluster, Workload, make_cluster, make_workload
 
-__all__ = ["SYSTEMS", "SimulationConfig", "SimulationResult", "simulate"]
+__all__ = ["SYSTEMS", "SimulationConfig", "SimulationResult", "default_jobs", "simulate"]
 
 SYSTEMS: Final = ("reservoir", *BASELINES)
 
@@ -98,61 +106,145 @@ class SimulationResult:
 Progress = Callable[[str, int], None]
 
 
-def simulate(config: SimulationConfig, progress: Progress | None = None) -> SimulationResult:
-    """Run every system of ``config`` at every offered load, on the same workload."""
-    with collector_paused():
-        return _simulate(config, progress)
+def default_jobs() -> int:
+    """The cores this process may run on: the default for ``--jobs``."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
 
 
-def _simulate(config: SimulationConfig, progress: Progress | None) -> SimulationResult:
+def simulate(
+    config: SimulationConfig, progress: Progress | None = None, *, jobs: int = 1
+) -> SimulationResult:
+    """Run every system of ``config`` at every offered load, on the same workload: in
+    this process when ``jobs`` is 1, else in up to ``jobs`` worker processes (the rows
+    are the same either way, in the same order)."""
+    if jobs < 1:
+        raise ValueError("jobs must be at least 1")
     started = time.perf_counter()
-    cluster = make_cluster(config.nodes, config.seed)
-    runs: list[RunResult] = []
-    for load in config.loads:
-        workload = make_workload(
-            cluster,
-            offered_load=load,
-            requests=config.requests,
-            seed=config.seed,
-            mean_lifetime_s=config.mean_lifetime_s,
-            prefill=config.prefill,
-        )
-        for system in config.systems:
-            label = f"{system} at load {load:g}"
-
-            def advance(n: int, label: str = label) -> None:
-                if progress is not None:
-                    progress(label, n)
-
-            advance(0)
-            if system == "reservoir":
-                runs.append(
-                    ReservoirRun(
-                        cluster,
-                        workload,
-                        latency=config.latency,
-                        loss=config.loss,
-                        requestors=config.requestors,
-                        seed=config.seed,
-                        timeout_s=config.timeout_s,
-                        progress=advance,
-                    ).run()
-                )
-            else:
-                runs.append(
-                    BaselineRun(
-                        system,  # type: ignore[arg-type]
-                        cluster,
-                        workload,
-                        latency=config.latency,
-                        loss=config.loss,
-                        schedulers=config.schedulers,
-                        refresh_s=config.refresh_s,
-                        probes=config.probes,
-                        max_attempts=config.max_attempts,
-                        seed=config.seed,
-                        settle_s=settle_s(config.timeout_s),
-                        progress=advance,
-                    ).run()
-                )
+    pairs = [(load, system) for load in config.loads for system in config.systems]
+    if jobs == 1 or len(pairs) == 1:
+        with collector_paused():
+            cluster = make_cluster(config.nodes, config.seed)
+            runs = []
+            for load in config.loads:
+                workload = _workload(config, cluster, load)
+                runs += [
+                    _run(config, cluster, workload, system, progress) for system in config.systems
+                ]
+    else:
+        runs = _in_workers(config, pairs, progress, jobs)
     return SimulationResult(config=config, runs=runs, elapsed_s=time.perf_counter() - started)
+
+
+def _workload(config: SimulationConfig, cluster: Cluster, load: float) -> Workload:
+    return make_workload(
+        cluster,
+        offered_load=load,
+        requests=config.requests,
+        seed=config.seed,
+        mean_lifetime_s=config.mean_lifetime_s,
+        prefill=config.prefill,
+    )
+
+
+def _run(
+    config: SimulationConfig,
+    cluster: Cluster,
+    workload: Workload,
+    system: str,
+    progress: Progress | None,
+) -> RunResult:
+    label = f"{system} at load {workload.offered_load:g}"
+
+    def advance(n: int) -> None:
+        if progress is not None:
+            progress(label, n)
+
+    advance(0)
+    if system == "reservoir":
+        return ReservoirRun(
+            cluster,
+            workload,
+            latency=config.latency,
+            loss=config.loss,
+            requestors=config.requestors,
+            seed=config.seed,
+            timeout_s=config.timeout_s,
+            progress=advance,
+        ).run()
+    return BaselineRun(
+        system,  # type: ignore[arg-type]
+        cluster,
+        workload,
+        latency=config.latency,
+        loss=config.loss,
+        schedulers=config.schedulers,
+        refresh_s=config.refresh_s,
+        probes=config.probes,
+        max_attempts=config.max_attempts,
+        seed=config.seed,
+        settle_s=settle_s(config.timeout_s),
+        progress=advance,
+    ).run()
+
+
+#: the dearest runs first, so the last one to finish is a short one: reservoir's runs
+#: cost tens of times a baseline's, and a higher load holds more instances
+_COST_ORDER: Final = {"reservoir": 0, "nova": 1, "sampling": 2, "omniscient": 3}
+
+#: where a worker process sends its progress: set by the pool's initializer
+_progress_queue: Any = None
+
+
+def _in_workers(
+    config: SimulationConfig,
+    pairs: list[tuple[float, str]],
+    progress: Progress | None,
+    jobs: int,
+) -> list[RunResult]:
+    # spawn, not fork: the parent may hold threads (the progress bar's) and their locks
+    context = multiprocessing.get_context("spawn")
+    progress_queue = context.Queue()
+    by_cost = sorted(pairs, key=lambda pair: (_COST_ORDER.get(pair[1], 9), -pair[0]))
+    done: dict[tuple[float, str], RunResult] = {}
+    with ProcessPoolExecutor(
+        max_workers=min(jobs, len(pairs)),
+        mp_context=context,
+        initializer=_start_worker,
+        initargs=(progress_queue,),
+    ) as pool:
+        running: dict[Future[RunResult], tuple[float, str]] = {
+            pool.submit(_worker_run, config, load, system): (load, system)
+            for load, system in by_cost
+        }
+        pending = set(running)
+        while pending:
+            finished, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+            _relay(progress_queue, progress)
+            for future in finished:
+                done[running[future]] = future.result()  # a worker's error is raised here
+        _relay(progress_queue, progress)
+    return [done[pair] for pair in pairs]
+
+
+def _relay(progress_queue: Any, progress: Progress | None) -> None:
+    while True:
+        try:
+            label, n = progress_queue.get_nowait()
+        except queue.Empty:
+            return
+        if progress is not None:
+            progress(label, n)
+
+
+def _start_worker(progress_queue: Any) -> None:
+    global _progress_queue
+    _progress_queue = progress_queue
+
+
+def _worker_run(config: SimulationConfig, load: float, system: str) -> RunResult:
+    def report(label: str, n: int) -> None:
+        _progress_queue.put((label, n))
+
+    with collector_paused():
+        cluster = make_cluster(config.nodes, config.seed)
+        return _run(config, cluster, _workload(config, cluster, load), system, report)

@@ -81,6 +81,22 @@ def test_the_same_seed_gives_identical_results() -> None:
     assert without_wall_time(other.rows()) != without_wall_time(first.rows())
 
 
+def test_runs_in_worker_processes_give_the_rows_of_runs_in_this_one() -> None:
+    config = SimulationConfig(
+        nodes=40, requests=300, loads=(0.5, 0.9), mean_lifetime_s=120.0, seed=5
+    )
+    progress: dict[str, int] = {}
+
+    def count(label: str, n: int) -> None:
+        progress[label] = progress.get(label, 0) + n
+
+    here, in_workers = simulate(config), simulate(config, count, jobs=2)
+    assert without_wall_time(in_workers.rows()) == without_wall_time(here.rows())
+    assert progress == {
+        f"{system} at load {load:g}": 300 for load in (0.5, 0.9) for system in config.systems
+    }
+
+
 def test_every_system_sees_the_same_arrivals_and_sizes() -> None:
     cluster = make_cluster(30, seed=3)
     low = make_workload(cluster, offered_load=0.5, requests=200, seed=3)

@@ -253,6 +253,9 @@ class ReservoirRun:
                     reservation_id=f"pre-{j}",
                     owner=requestor_names[j % requestors],
                     resources={"VCPU": flavour.vcpus, "MEMORY_MB": flavour.memory_mb},
+                    # like the arrivals' ids, the steady state's are the requestors' own,
+                    # so no Lookup looks for them (a node binds no lookup bucket for them)
+                    findable=False,
                 )
             )
         self._nodes: list[_Node] = []

@@ -15,13 +15,13 @@ It looks at what the *nodes* hold, independently of what requestors believe, and
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from reservoir.protocol.ledger import Allocation, Ledger, Reservation, ResourceUsage
-from reservoir.protocol.placement import Placement
 
-__all__ = ["AuditFailed", "AuditReport", "NodeSnapshot", "audit"]
+__all__ = ["AuditFailed", "AuditReport", "Claim", "NodeSnapshot", "audit"]
 
 
 @dataclass(frozen=True)
@@ -77,9 +77,25 @@ class AuditReport:
             raise AuditFailed(f"protocol invariants broken:\n  {shown}{more}")
 
 
+class ClaimedAllocation(Protocol):
+    @property
+    def allocation_id(self) -> str: ...
+
+
+class Claim(Protocol):
+    """What the audit reads of a placement a requestor returned (a
+    :class:`~reservoir.protocol.placement.Placement` is one)."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def allocations(self) -> Sequence[ClaimedAllocation]: ...
+
+
 def audit(
     snapshots: Iterable[NodeSnapshot],
-    placements: Iterable[Placement] = (),
+    placements: Iterable[Claim] = (),
     *,
     grace_s: float = 0.0,
 ) -> AuditReport:
@@ -100,8 +116,9 @@ def audit(
                     f"{snapshot.name}: reservation {reservation.reservation_id} for "
                     f"{reservation.request_id} still held {late_s:.3f}s past its deadline"
                 )
+        name = snapshot.name
         for allocation in snapshot.allocations:
-            held_by_request[allocation.request_id].append((snapshot.name, allocation))
+            held_by_request[allocation.request_id].append((name, allocation))
 
     # Problems are listed by request id, but only the problems are sorted: a simulated
     # cluster of 100,000 nodes holds millions of allocations, and nearly none is wrong.
@@ -121,17 +138,25 @@ def audit(
     duplicates = [problem for _, problem in sorted(placed_twice)]
 
     claimed: set[str] = set()
+    nothing: list[tuple[str, Allocation]] = []
     for placement in placements:
-        held_ids = {a.allocation_id for _, a in held_by_request.get(placement.request_id, ())}
-        missing = [
-            a.allocation_id for a in placement.allocations if a.allocation_id not in held_ids
-        ]
+        held = held_by_request.get(placement.request_id, nothing)
+        named = placement.allocations
+        if len(named) == 1 and len(held) == 1:  # the common case, without building sets
+            allocation_id = named[0].allocation_id
+            claimed.add(allocation_id)
+            if held[0][1].allocation_id == allocation_id:
+                continue
+            missing = [allocation_id]
+        else:
+            held_ids = {a.allocation_id for _, a in held}
+            missing = [a.allocation_id for a in named if a.allocation_id not in held_ids]
+            claimed.update(a.allocation_id for a in named)
         if missing:
             duplicates.append(
                 f"placement {placement.request_id} names allocations no node "
                 f"holds: {', '.join(missing)}"
             )
-        claimed |= {a.allocation_id for a in placement.allocations}
 
     orphaned = [
         (request_id, position, f"{node}: {allocation.allocation_id} of {request_id}")

@@ -141,6 +141,8 @@ class NodeMachine:
         self._bucket_holds: dict[str, set[str]] = {}
         self._bucket_of: dict[str, str] = {}
         self.stopping = False
+        self._last_status: NodeStatus | None = None
+        self._last_status_room: dict[str, int] | None = None
         self._sequence = 0
         self._expiry_at: float | None = None
         #: what became of reservations (``reserved``, ``awarded``, ``released``,
@@ -292,14 +294,29 @@ class NodeMachine:
         ]
 
     def _status(self, *, leaving: bool = False, answering: bool = False) -> NodeStatus:
-        return NodeStatus(
+        tier, room = self.tier(), self.ledger.room()
+        cached = self._last_status
+        # Every requestor's roll call asks the same question: while the room (a new dict
+        # whenever the allocations change) and the tier stand, the answer is the same
+        # immutable message.
+        if (
+            cached is not None
+            and self._last_status_room is room
+            and cached.tier == tier
+            and cached.leaving == leaving
+            and cached.answering == answering
+        ):
+            return cached
+        self._last_status_room = room
+        status = self._last_status = NodeStatus(
             sender=self.name,
             reply_to=self.config.address,
-            tier=self.tier(),
+            tier=tier,
             leaving=leaving,
             answering=answering,
-            room=self.ledger.room(),
+            room=room,
         )
+        return status
 
     # -- messages ----------------------------------------------------------------------
 

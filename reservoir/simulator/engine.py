@@ -38,10 +38,10 @@ import heapq
 import random
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 from brokers.routing import BindingTable
-from reservoir.audit import NodeSnapshot, audit
+from reservoir.audit import Claim, NodeSnapshot, audit
 from reservoir.protocol.effects import (
     Bind,
     CancelTimer,
@@ -106,6 +106,26 @@ def broadcasts_of(machines: Sequence[RequestorMachine], publishes_by_kind: dict[
             return publishes_by_kind.get("request", 0)
         counted += int(counters.get("exhaustive_steps", 0))
     return counted
+
+
+def _prefill_request_id(j: int) -> str:
+    """The request id of the steady state's ``j``-th instance (its reservation's too)."""
+    return f"pre-{j}"
+
+
+def _prefill_allocation_id(j: int) -> str:
+    return f"pre-{j}/0"
+
+
+class _ClaimedAllocation(NamedTuple):
+    allocation_id: str
+
+
+class _PrefillClaim(NamedTuple):
+    """A steady-state instance as the audit sees its placement (a :class:`Claim`)."""
+
+    request_id: str
+    allocations: tuple[_ClaimedAllocation, ...]
 
 
 class _Node:
@@ -248,9 +268,9 @@ class ReservoirRun:
             flavour = workload.flavours[kind]
             prefilled[where].append(
                 Allocation(
-                    allocation_id=f"pre-{j}/0",
-                    request_id=f"pre-{j}",
-                    reservation_id=f"pre-{j}",
+                    allocation_id=_prefill_allocation_id(j),
+                    request_id=_prefill_request_id(j),
+                    reservation_id=_prefill_request_id(j),
                     owner=requestor_names[j % requestors],
                     resources={"VCPU": flavour.vcpus, "MEMORY_MB": flavour.memory_mb},
                     # like the arrivals' ids, the steady state's are the requestors' own,
@@ -524,12 +544,12 @@ class ReservoirRun:
         node = self._nodes[workload.prefill_node[j]]
         flavour = workload.flavours[workload.prefill_flavour[j]]
         return Placement(
-            request_id=f"pre-{j}",
+            request_id=_prefill_request_id(j),
             allocations=(
                 PlacedAllocation(
                     node=node.name,
                     address=node.address,
-                    allocation_id=f"pre-{j}/0",
+                    allocation_id=_prefill_allocation_id(j),
                     resources={"VCPU": flavour.vcpus, "MEMORY_MB": flavour.memory_mb},
                 ),
             ),
@@ -563,9 +583,11 @@ class ReservoirRun:
                 self.free_index.fits_somewhere(flavour.vcpus, flavour.memory_mb),
                 self.free_index.allocated_fraction,
             )
-        live = list(self._live.values())
+        live: list[Claim] = list(self._live.values())
+        # The steady state's instances still running: what the audit reads of their
+        # placements, without building a Placement for each of a million of them.
         live += [
-            self._prefill_placement(j)
+            _PrefillClaim(_prefill_request_id(j), (_ClaimedAllocation(_prefill_allocation_id(j)),))
             for j in range(self._prefilled_done, len(workload.prefill_depart_s))
         ]
         report = audit(

@@ -43,9 +43,22 @@ class PluginError(RuntimeError):
     """A filter or weigher could not be found or loaded."""
 
 
+#: (group, the finder that read it) -> its entry points, sorted by name. Reading them
+#: scans every installed distribution's metadata (17 ms here), and every node agent asks
+#: twice: once per process is enough, since what is installed does not change under a
+#: running process. Keyed by the finder too, so a test that replaces ``entry_points``
+#: reads its own.
+_installed: dict[tuple[str, object], tuple[EntryPoint, ...]] = {}
+
+
 def _discovered(group: str, built_in: dict[str, type]) -> dict[str, EntryPoint | type]:
+    finder = entry_points
+    installed = _installed.get((group, finder))
+    if installed is None:
+        installed = tuple(sorted(finder(group=group), key=lambda ep: ep.name))
+        _installed[(group, finder)] = installed
     found: dict[str, EntryPoint | type] = dict(built_in)
-    for entry_point in sorted(entry_points(group=group), key=lambda ep: ep.name):
+    for entry_point in installed:
         if entry_point.name not in built_in:
             found[entry_point.name] = entry_point
     return found

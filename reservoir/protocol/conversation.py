@@ -130,6 +130,10 @@ class Conversation:
     busy_rounds: int = 0
     #: rounds over every tier in which no node answered at all (see ``_start_over``)
     unheard_rounds: int = 0
+    #: answers from nodes (offers, declines, acceptances, refusals, "already placed")
+    #: since the conversation began, and how many of them came before the current pass
+    answers: int = 0
+    answers_before_pass: int = 0
     pool: dict[str, Held] = field(default_factory=dict)
     awards: dict[str, Awarded] = field(default_factory=dict)
     placed: dict[str, PlacedAllocation] = field(default_factory=dict)
@@ -164,12 +168,20 @@ class Conversation:
     def collecting(self) -> bool:
         return self.phase in COLLECTING
 
-    def heard_from_anyone(self) -> bool:
-        """Whether any node answered this conversation: an offer, a decline, "busy", or
-        allocations placed or awarded."""
-        return bool(
-            self.offers_received or self.declines or self.busy_nodes or self.placed or self.awards
-        )
+    def heard_answer(self) -> None:
+        self.answers += 1
+
+    def start_pass(self) -> None:
+        """The request is asked anew (a retry after a pause, a gap left by an award): what
+        comes of it is judged by the answers to it alone."""
+        self.answers_before_pass = self.answers
+
+    def heard_in_pass(self) -> bool:
+        """Whether any node answered since the request was last asked anew. What nodes
+        said before is no verdict on this pass: a successor of a killed requestor heard
+        of its reservation, then an outage silenced every node, and failing then left
+        the dead one's late award allocated to nobody (found by ``reservoir chaos``)."""
+        return self.answers > self.answers_before_pass
 
     def awarded_slots(self) -> int:
         return sum(a.slots for a in self.awards.values())

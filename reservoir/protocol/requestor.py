@@ -28,7 +28,8 @@ of the nodes and their tiers from what nodes announce. A conversation:
    the spare, or broadcast again); an award with no answer is re-sent, and given up (with a
    ``Free`` to make sure nothing stays behind) once the reservation must have expired;
 5. past the last tier: retry shortly if nodes said they were only busy with others'
-   reservations, take a partial placement if ``min_count`` allows, otherwise **fail** with
+   reservations, take a partial placement if ``min_count`` allows, start over after a
+   pause if no node answered this pass (an outage is no verdict), otherwise **fail** with
    an explanation and release everything held.
 
 The machine is put together from smaller ones, a module each: a conversation's state and
@@ -337,6 +338,10 @@ class RequestorMachine:
         if isinstance(message, Offer | Decline | Accepted | Freed):
             # Every answer tells of the node's room: the roster's news at no cost.
             self.roster.note_room(message.sender, message.room)
+        if isinstance(message, Offer | Decline | Accepted | AlreadyPlaced | Refused):
+            answered = self._active.get(message.request_id)
+            if answered is not None:
+                answered.heard_answer()  # the path to the nodes works (see _widen)
         if isinstance(message, Offer):
             self._on_offer(message, now, effects)
         elif isinstance(message, Decline):
@@ -434,6 +439,7 @@ class RequestorMachine:
         elif kind is TimerKind.LOOKUP:
             self._lookup_over(c, now, effects)
         elif kind is TimerKind.RETRY and c.phase is Phase.BACKING_OFF:
+            c.start_pass()
             busy = list(c.busy_nodes.items())
             c.busy_nodes.clear()
             if busy and not c.contention.defers_to_others():
@@ -594,6 +600,7 @@ class RequestorMachine:
             for allocation_id in c.contention.adopted:
                 c.placed.pop(allocation_id, None)
             c.contention.adopted.clear()
+            c.start_pass()
             self._broadcast(c, now, effects)
         elif outcome is LookupOutcome.DECIDE:
             self._decide(c, now, effects)
@@ -735,6 +742,7 @@ class RequestorMachine:
         elif c.phase is Phase.AWARDING:
             # A refusal (or an award given up) left a gap and nothing held can fill it:
             # ask again.
+            c.start_pass()
             self._broadcast(c, now, effects)
         # BACKING_OFF, FOLLOWING: the retry timer or the lookup asks again
 
@@ -872,11 +880,15 @@ class RequestorMachine:
             c.note = c.note or "the same request id is being placed by another requestor"
             self._back_off(c, now, effects)
             return
-        if not c.heard_from_anyone() and now + self._unheard_backoff_s(c) < c.deadline:
-            # Not one node answered, not even to decline: this is no verdict on the
-            # request, the path to the nodes is down (our connection or theirs lost, the
-            # broker restarting, nodes restarting). Failing now would fail a request that
-            # fits because of a moment's outage: start over shortly, until the deadline.
+        if not c.heard_in_pass() and now + self._unheard_backoff_s(c) < c.deadline:
+            # Not one node answered this pass, not even to decline: this is no verdict on
+            # the request, the path to the nodes is down (our connection or theirs lost,
+            # the broker restarting, nodes restarting). Failing now would fail a request
+            # that fits because of a moment's outage, and would leave behind whatever
+            # became of an allocation we did not hear of (a dead predecessor's late
+            # award, adopted once the nodes are heard again): start over shortly, until
+            # the deadline. Answers to earlier passes do not count: they are no verdict
+            # on this one.
             self._start_over(c, now, effects)
             return
         self._fail(c, now, effects, timed_out=False)

@@ -10,6 +10,8 @@ from collections.abc import Callable
 
 import pytest
 
+from brokers.inprocess import Faults
+from reservoir.broker import Delivery
 from reservoir.protocol.placement import PlacementError
 from reservoir.requestor import Requestor
 from reservoir.testing.simulation import Simulation
@@ -50,6 +52,44 @@ def test_a_request_asked_again_after_its_requestor_died_is_placed_exactly_once(
     placement = sim.place(second, request_id="job-7", vcpus=1, memory_mb=512, timeout_s=30)
     assert placement.request_id == "job-7"
     assert len(placement.allocations) == 1
+    sim.finish([placement], allow_orphans=False)
+
+
+def awards_of(requestor: str) -> Callable[[Delivery], bool]:
+    def is_its_award(delivery: Delivery) -> bool:
+        return b'"kind":"award"' in delivery.body and f'"sender":"{requestor}"'.encode() in (
+            delivery.body
+        )
+
+    return is_its_award
+
+
+def test_an_outage_fails_no_request_and_the_dead_ones_late_award_is_adopted() -> None:
+    """What the chaos run's orphan was: the killed requestor's award sat in a stalled
+    network and landed after its successor had asked again; the successor heard of the
+    dead one's reservation, then the network went down, and it failed the request from
+    rounds no node answered, leaving the allocation the late award made to nobody."""
+    sim = Simulation()
+    sim.add_nodes(3, vcpus=16, memory_mb=32768)
+    first = sim.add_requestor("worker.1")
+    sim.broker.faults = Faults(delay_s=(2.0, 2.0), applies_to=awards_of("worker.1"))
+    first.submit(request_id="job-7", vcpus=1, memory_mb=512, timeout_s=30)
+    assert sim.scheduler.run_until(lambda: first.metrics.get("sent", "award") == 1, timeout_s=10)
+    kill(first)
+    second = sim.add_requestor("worker.2")
+    again = second.submit(request_id="job-7", vcpus=1, memory_mb=512, timeout_s=30)
+    # The stalled award lands: the dead one's reservation becomes its allocation.
+    assert sim.scheduler.run_until(held_anywhere(sim, "job-7", "allocation"), timeout_s=5)
+    (late,) = [a for s in sim.snapshots() for a in s.allocations]
+    assert late.owner == "worker.1"
+    # Then nothing gets through, for longer than any reservation of the id could live.
+    sim.broker.faults = Faults(loss=1.0)
+    sim.advance(15.0)
+    assert not again.done(), "a verdict from rounds that no node answered"
+    sim.broker.faults = None
+    assert sim.run_until_done([again])
+    placement = again.result(timeout=0)
+    assert [a.allocation_id for a in placement.allocations] == [late.allocation_id]
     sim.finish([placement], allow_orphans=False)
 
 

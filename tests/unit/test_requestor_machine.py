@@ -176,6 +176,24 @@ def test_when_no_node_answers_at_all_the_requestor_starts_over_until_the_deadlin
     assert machine.counters["unheard_retries"] == rounds
 
 
+def test_a_pass_no_node_answers_is_no_verdict_even_when_nodes_answered_before() -> None:
+    machine = a_requestor()
+    effects = machine.place(spec(), "r1", T0, TIMEOUT_S)
+    busy = Decline(request_id="r1", sender="n0", reply_to="addr-n0", attempt=1, busy=True)
+    machine.handle(busy, T0 + 0.01)
+    effects = walk_the_ladder(machine, effects)
+    key, retry_at = timer_at(effects, "retry")  # busy: ask n0 again after a pause
+    effects = machine.on_timer(key, retry_at)
+    assert [s.address for s in sent(effects, ReservationRequest)] == ["addr-n0"]
+    # The network goes down: n0 never answers the retry, and no tier answers either.
+    key, now = timer_at(effects, "widen")
+    effects = machine.on_timer(key, now)
+    assert not [e for e in effects if isinstance(e, Failed)]
+    key, retry_at = timer_at(effects, "retry")  # a pause, then the first tier again
+    assert published(machine.on_timer(key, retry_at))[0].tier == 10
+    assert machine.counters["unheard_retries"] == 1
+
+
 def test_a_node_answering_after_a_start_over_places_the_request() -> None:
     machine = a_requestor()
     effects = walk_the_ladder(machine, machine.place(spec(), "r1", T0, TIMEOUT_S))

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from brokers.inprocess import InProcessBroker
+from brokers.inprocess import Faults, InProcessBroker
 from reservoir import NodeAgent, Placement, PlacementError, Requestor, audit
 
 
@@ -58,10 +58,13 @@ def test_many_threads_share_one_requestor(
         audited(nodes, placements)
 
 
-def test_reserve_async_never_blocks_the_event_loop(
-    cluster: tuple[InProcessBroker, list[NodeAgent]],
-) -> None:
-    broker, nodes = cluster
+def test_reserve_async_never_blocks_the_event_loop() -> None:
+    # Every delivery takes 20 ms, so the 30 placements take a few tenths of a second in
+    # all: a loop left free ticks thousands of times meanwhile, one blocked by each call
+    # ticks once between calls (about 30). Without the delay, placements finish so fast
+    # that a busy machine gives the ticker fewer than 30 turns either way.
+    broker = InProcessBroker(faults=Faults(delay_s=(0.02, 0.02)))
+    nodes = [NodeAgent(broker, name=f"live-{i}", vcpus=16, memory_mb=32768) for i in range(6)]
 
     async def main() -> tuple[list[Placement], int]:
         ticks = 0
@@ -82,10 +85,15 @@ def test_reserve_async_never_blocks_the_event_loop(
             await beat
         return list(placements), ticks
 
-    placements, ticks = asyncio.run(main())
-    assert len(placements) == 30
-    assert ticks > 30  # the loop kept running while the placements were under way
-    audited(nodes, placements)
+    try:
+        placements, ticks = asyncio.run(main())
+        assert len(placements) == 30
+        assert ticks > 300  # the loop kept running while the placements were under way
+        audited(nodes, placements)
+    finally:
+        for node in nodes:
+            node.close()
+        broker.close()
 
 
 def test_a_retry_with_the_same_request_id_returns_the_same_placement(

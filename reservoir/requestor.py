@@ -63,7 +63,8 @@ class RequestorClosed(RuntimeError):
 
 
 class FreeIncomplete(RuntimeError):
-    """Some nodes never confirmed freeing their allocations (they may be down)."""
+    """Some nodes did not confirm freeing their allocations in time (they may be down;
+    the requestor goes on freeing there while it runs)."""
 
     def __init__(self, request_id: str, missing: tuple[str, ...]) -> None:
         super().__init__(f"request {request_id}: no confirmation from {', '.join(missing)}")
@@ -274,7 +275,8 @@ class Requestor(Driver):
         self, request_id: str, node: str, allocation_ids: Iterable[str] = ()
     ) -> concurrent.futures.Future[None]:
         """Free a request's allocations on the node called ``node``: those named, or all
-        of them. Resolves once the node confirms (``FreeIncomplete`` if it never does)."""
+        of them. Resolves once the node confirms (``FreeIncomplete`` if it does not within
+        the free attempts; the requestor goes on trying)."""
         from reservoir.node_agent import node_address
 
         address, ids = node_address(node), tuple(allocation_ids)
@@ -286,7 +288,8 @@ class Requestor(Driver):
 
     def release(self, placement: Placement, *, timeout_s: float = 30.0) -> None:
         """Free a placement's allocations on their nodes (the instances were deleted).
-        Raises :class:`FreeIncomplete` if a node never confirms."""
+        Raises :class:`FreeIncomplete` if a node does not confirm within the free
+        attempts; the requestor goes on freeing there, less often, while it runs."""
         self.release_future(placement).result(timeout=timeout_s)
 
     async def release_async(self, placement: Placement) -> None:

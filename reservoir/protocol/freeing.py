@@ -3,15 +3,22 @@
 A placement is freed when its instances are deleted (a caller waits: ``notify``), and a
 requestor tidies up after itself too, with nobody waiting: a failed all-or-nothing request,
 an award it gave up on, a surplus acceptance. Each is a :class:`FreeJob` of ``Free``
-messages, one per node, re-sent every ``retry_s`` until the node answers ``Freed``, at
-most ``attempts`` times:
+messages, one per node, re-sent until the node answers ``Freed``: every ``retry_s`` for
+the first ``attempts`` tries, then (tidying) twice as long each time, up to
+``max_retry_s``:
 
     free(targets)      -> Free to each new target; a retry timer (the first time)
     Freed from a target-> it is done; the last one done -> FreeCompleted (notify) and the
                           timer is cancelled
-    retry timer        -> Free again to every target still pending; past ``attempts``:
-                          FreeCompleted listing the nodes that never answered (notify), or
-                          a Dropped note (tidying up)
+    retry timer        -> Free again to every target still pending; at ``attempts``:
+                          FreeCompleted listing the nodes that never answered (notify),
+                          whose frees then go on as tidying; a Dropped note (tidying, once)
+
+Tidying never gives up while the requestor runs: an allocation nobody frees is capacity
+lost on its node for good (nodes expire reservations, never allocations), and a node that
+did not answer is usually only unreachable for a while (its inbox comes back with it, its
+ledger is durable). Giving up after five seconds left allocations behind after longer
+outages. The cost of a node that never comes back is one ``Free`` every ``max_retry_s``.
 """
 
 from __future__ import annotations
@@ -51,11 +58,20 @@ class FreeJob:
 class Freeing:
     """Every free job of one requestor. Not thread-safe: its requestor machine owns it."""
 
-    def __init__(self, *, sender: str, reply_to: str, retry_s: float, attempts: int) -> None:
+    def __init__(
+        self,
+        *,
+        sender: str,
+        reply_to: str,
+        retry_s: float,
+        attempts: int,
+        max_retry_s: float = 30.0,
+    ) -> None:
         self._sender = sender
         self._reply_to = reply_to
         self._retry_s = retry_s
         self._attempts = attempts
+        self._max_retry_s = max(max_retry_s, retry_s)
         #: (request id, notify) -> the frees of that request awaiting confirmation
         self._jobs: dict[tuple[str, bool], FreeJob] = {}
 
@@ -91,21 +107,33 @@ class Freeing:
         job = self._jobs.get((key.request_id, key.notify))
         if job is None:
             return
-        if job.attempts >= self._attempts:
-            del self._jobs[(job.request_id, job.notify)]
+        if job.attempts == self._attempts:
             missing = tuple(sorted({t.node for t in job.pending}))
             if job.notify:
+                # The caller hears which nodes did not confirm; their frees go on without
+                # it, as tidying.
+                del self._jobs[(job.request_id, job.notify)]
                 effects.append(FreeCompleted(job.request_id, tuple(job.freed), missing))
-            else:
-                effects.append(
-                    Dropped("free_unconfirmed", f"{job.request_id} on {', '.join(missing)}")
+                self.free(job.request_id, job.pending, now, effects)
+                return
+            effects.append(
+                Dropped(
+                    "free_unconfirmed",
+                    f"{job.request_id} on {', '.join(missing)}: still trying, less often",
                 )
-            return
+            )
         job.attempts += 1
         effects.extend(
             self._message(job.request_id, t) for t in sorted(job.pending, key=lambda t: t.address)
         )
-        effects.append(SetTimer(key, now + self._retry_s))
+        effects.append(SetTimer(key, now + self._retry_delay_s(job.attempts)))
+
+    def _retry_delay_s(self, attempts: int) -> float:
+        """``retry_s`` for the first ``attempts`` tries, then doubling, up to the cap."""
+        beyond = attempts - self._attempts
+        if beyond <= 0:
+            return self._retry_s
+        return min(self._retry_s * 2.0 ** min(beyond, 32), self._max_retry_s)
 
     def on_freed(self, freed: Freed, effects: list[Effect]) -> None:
         target_key = (freed.allocation_ids, freed.reservation_id)

@@ -152,9 +152,11 @@ class RequestorConfig:
     max_unheard_retry_s: float = 2.0
     #: offered slots kept (not released) beyond the winners until they accept
     spare_slots: int = 1
-    #: re-send an unanswered free after this long, this many times
+    #: re-send an unanswered free after this long, this many times (then a caller hears
+    #: which nodes did not confirm); tidying goes on, backing off to ``max_free_retry_s``
     free_retry_s: float = 1.0
     free_attempts: int = 5
+    max_free_retry_s: float = 30.0
     #: how many finished request ids to remember for idempotent retries
     remember_finished: int = 100_000
     #: nodes probed per instance wanted in the first round, and at least ``min_probes``
@@ -205,6 +207,7 @@ class RequestorMachine:
             reply_to=config.reply_to,
             retry_s=config.free_retry_s,
             attempts=config.free_attempts,
+            max_retry_s=config.max_free_retry_s,
         )
 
     # -- observing ---------------------------------------------------------------------

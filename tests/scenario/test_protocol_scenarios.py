@@ -12,7 +12,7 @@ import itertools
 import pytest
 
 from brokers.inprocess import Faults
-from reservoir import Inventory, PlacementError, PlacementTimeout
+from reservoir import FreeIncomplete, Inventory, PlacementError, PlacementTimeout
 from reservoir.broker import Delivery
 from reservoir.protocol.messages import ReservationRequest
 from reservoir.testing import Simulation
@@ -197,3 +197,26 @@ def test_nodes_keep_to_their_inventory_rules(reservoir_simulation: Simulation) -
     with pytest.raises(PlacementError):
         sim.place(requestor, vcpus=0, memory_mb=300, explain=True)  # not a step of 256
     sim.finish(placements)
+
+
+def is_a_free(delivery: Delivery) -> bool:
+    return b'"kind":"free"' in delivery.body
+
+
+def test_a_free_lost_for_longer_than_its_attempts_still_frees_the_instance_later(
+    reservoir_simulation: Simulation,
+) -> None:
+    sim = reservoir_simulation
+    node = sim.add_node("n1", vcpus=4)
+    requestor = sim.add_requestor()
+    placement = sim.place(requestor, vcpus=2)
+    # Every Free is lost for a minute: far longer than the caller waits for one.
+    sim.broker.faults = Faults(loss=1.0, applies_to=is_a_free)
+    release = requestor.release_future(placement)
+    sim.advance(10.0)
+    assert isinstance(release.exception(timeout=0), FreeIncomplete)  # the caller hears of it
+    sim.advance(50.0)
+    assert len(node.snapshot().allocations) == 1
+    sim.broker.faults = None
+    sim.advance(30.0)  # the longest wait between two tries
+    assert node.snapshot().allocations == ()  # nothing is left behind on the node

@@ -120,19 +120,33 @@ def test_frees_are_sent_again_until_every_node_confirms() -> None:
     assert not freeing.for_caller("r1")
 
 
-def test_a_free_nobody_confirms_ends_naming_the_silent_node() -> None:
+def test_the_caller_hears_of_the_silent_node_and_its_free_goes_on_as_tidying() -> None:
     freeing = a_freeing()
     freeing.free("r1", [FreeTarget("addr-n1", "n1")], T0, [], notify=True)
     for attempt in range(2):
         outcome: list[Effect] = []
         freeing.on_timer(FreeTimer("r1", True), T0 + attempt + 1, outcome)
     assert FreeCompleted("r1", (), ("n1",)) in outcome
+    assert not freeing.for_caller("r1")
+    assert [e.address for e in outcome if isinstance(e, Send)] == ["addr-n1"]
+    assert SetTimer(FreeTimer("r1", False), T0 + 3.0) in outcome
+    # The node comes back and confirms: nothing is left to do, nobody is told twice.
+    done: list[Effect] = []
+    freeing.on_freed(Freed(request_id="r1", sender="n1", reply_to="addr-n1", freed=("a/0",)), done)
+    assert done == [CancelTimer(FreeTimer("r1", False))]
 
 
-def test_tidying_up_after_oneself_ends_quietly() -> None:
-    freeing = a_freeing()
+def test_tidying_up_never_gives_up_but_backs_off_and_says_so_once() -> None:
+    freeing = Freeing(sender="req", reply_to="req-inbox", retry_s=1.0, attempts=2, max_retry_s=8.0)
     freeing.free("r1", [FreeTarget("addr-n1", "n1")], T0, [])
-    for attempt in range(2):
+    at, delays, notes = T0 + 1.0, [], 0
+    for _ in range(8):
         outcome: list[Effect] = []
-        freeing.on_timer(FreeTimer("r1", False), T0 + attempt + 1, outcome)
-    assert [type(e) for e in outcome] == [Dropped]
+        freeing.on_timer(FreeTimer("r1", False), at, outcome)
+        notes += sum(1 for e in outcome if isinstance(e, Dropped))
+        assert len([e for e in outcome if isinstance(e, Send)]) == 1  # the free, again
+        (timer,) = [e for e in outcome if isinstance(e, SetTimer)]
+        delays.append(timer.at - at)
+        at = timer.at
+    assert delays == [1.0, 2.0, 4.0, 8.0, 8.0, 8.0, 8.0, 8.0]
+    assert notes == 1

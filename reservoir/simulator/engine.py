@@ -308,12 +308,15 @@ class ReservoirRun:
     def _run(self) -> RunResult:
         started = time.perf_counter()
         workload = self.workload
-        for node in self._nodes:
-            self._apply(node, node.machine.start(0.0), 0.0)
+        # Requestors first: each node's first announcement, one publish on the roster
+        # topic, then reaches every requestor, where requestors starting after the nodes
+        # would each roll-call all of them (K x N answers, one by one).
         for requestor in self._requestors:
             start = getattr(requestor.machine, "start", None)
             if callable(start):
                 self._apply(requestor, start(0.0), 0.0)
+        for node in self._nodes:
+            self._apply(node, node.machine.start(0.0), 0.0)
         # start-up (roll calls, first announcements) is not what the run measures
         self._loop(workload.start_s)
         self.deliveries.clear()

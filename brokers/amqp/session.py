@@ -426,7 +426,10 @@ class Session(Generic[W]):
 
     def take_actions(self) -> list[Action[W]]:
         """Everything to carry out now, in order; publishes last, as many as may go."""
-        self._flush()
+        if self._outbox:
+            self._flush()
+        if not self._actions:
+            return []  # the common case of a confirm: nothing to do
         actions = list(self._actions)
         self._actions.clear()
         return actions
@@ -441,7 +444,9 @@ class Session(Generic[W]):
         """Accept a publish or send; raise :class:`BrokerError` past ``max_pending``.
         True when the outbox was empty: the driver wakes its IO thread for it."""
         self._check_open()
-        check_pending(self.pending, self._max_pending, connected=self.ready)
+        pending = self.pending
+        if pending >= self._max_pending:  # (``ready`` is only for the error's text)
+            check_pending(pending, self._max_pending, connected=self.ready)
         if message.exchange == self.exchange:
             self.stats.published += 1
         else:

@@ -177,6 +177,8 @@ class AmqpBroker(Broker, ABC):
         self._tokens = itertools.count(1)
         self._wake_pending = False
         self._pumping = False
+        #: an event was reported while the pump carried out actions (see _event)
+        self._reported = False
         #: callables other threads handed to the IO thread (see :meth:`call_on_io_thread`)
         self._soon: list[Callable[[], None]] = []
         self._deliveries: queue.SimpleQueue[tuple[AmqpEndpoint, Delivery] | None] = (
@@ -407,29 +409,46 @@ class AmqpBroker(Broker, ABC):
             event(self._session, *args, **kwargs)
             if self._session.state is not state:
                 self._changed.notify_all()
-        self._pump()
+            if self._pumping:
+                # Reported while an action runs (kombu's calls answer at once, py-amqp
+                # reports while it reads): the pump in progress takes what it decided.
+                self._reported = True
+                return
+            # Most events (a confirm above all, one per message) decide nothing: find that
+            # out under this lock rather than take it again in _pump.
+            actions = None if self._soon else self._take_actions()
+            if actions is not None and not actions:
+                return
+        self._pump(actions)
 
-    def _pump(self) -> None:
-        """Carry out the session's actions until it has none. Reentrant: an event reported
-        while an action runs (kombu's calls answer at once) is picked up by the outer loop."""
+    def _pump(self, actions: list[Action[Future]] | None = None) -> None:
+        """Carry out the session's actions (``actions``, taken already, first) until it has
+        none. Reentrant: an event reported while an action runs is picked up by the outer
+        loop. Messages accepted meanwhile need no second look: the take reset the wake-up
+        claim, so the first of them wakes the IO thread again."""
         if self._pumping:
             return
         self._pumping = True
         try:
             while True:
-                with self._lock:
-                    soon, self._soon = self._soon, []
-                    if not soon:  # one lock for the common case: nothing from tests
-                        actions = self._take_actions()
-                if soon:
-                    for call in soon:
-                        call()
+                if actions is None:
                     with self._lock:
-                        actions = self._take_actions()
+                        soon, self._soon = self._soon, []
+                        if not soon:  # one lock for the common case: nothing from tests
+                            actions = self._take_actions()
+                    if soon:
+                        for call in soon:
+                            call()
+                        with self._lock:
+                            actions = self._take_actions()
                 if not actions:
                     return
+                self._reported = False
                 for action in actions:
                     self._carry_out(action)
+                if not self._reported:
+                    return
+                actions = None
         finally:
             self._pumping = False
 
@@ -438,11 +457,18 @@ class AmqpBroker(Broker, ABC):
         self._wake_pending = False
         state = self._session.state
         actions = self._session.take_actions()
-        if self._session.state is not state or any(isinstance(a, Resolve) for a in actions):
+        if self._session.state is not state or (
+            actions and any(type(a) is Resolve for a in actions)
+        ):
             self._changed.notify_all()
         return actions
 
     def _carry_out(self, action: Action[Future]) -> None:
+        if type(action) is Publish:  # nearly every action: first, and one test
+            if action.channel == self._session.publish_channel:
+                self._do(action)
+            # else its channel was replaced meanwhile: the session republishes it
+            return
         if isinstance(action, Resolve):
             if not action.waiter.done():
                 if action.error is None:

@@ -94,6 +94,8 @@ class TraitFilter:
     name = "traits"
 
     def check(self, request: ReservationRequest, node: NodeView, max_slots: int) -> Verdict:
+        if not (request.required_traits or request.forbidden_traits or request.any_of_traits):
+            return Verdict(max_slots=max_slots)  # most requests ask for no trait at all
         reasons = [
             Reason(code="trait_missing", subject=trait, detail=f"the node lacks trait {trait}")
             for trait in sorted(request.required_traits - node.traits)

@@ -184,6 +184,14 @@ class Ledger:
             reserved=self._reserved[resource_class],
         )
 
+    def allocated(self, resource_class: str) -> int:
+        """Units of ``resource_class`` the allocations hold (``usage`` without the rest)."""
+        return self._allocated[resource_class]
+
+    def reserved(self, resource_class: str) -> int:
+        """Units of ``resource_class`` live reservations hold."""
+        return self._reserved[resource_class]
+
     def usages(self) -> dict[str, ResourceUsage]:
         classes = set(self.inventories) | set(self._allocated) | set(self._reserved)
         return {rc: self.usage(rc) for rc in sorted(classes)}

@@ -701,10 +701,10 @@ class NodeMachine:
 
     def _sync_buckets(self, effects: list[Effect]) -> None:
         """Bind the lookup bucket of every request id held here, unbind emptied ones."""
-        if self.stopping:
-            self.ledger.drain_touched()
+        touched = self.ledger.drain_touched()
+        if not touched or self.stopping:
             return
-        for request_id in sorted(self.ledger.drain_touched()):
+        for request_id in sorted(touched) if len(touched) > 1 else touched:
             held = self.ledger.holds_findable(request_id)
             bucket = self._bucket_of.get(request_id)
             if held and bucket is None:

@@ -478,21 +478,22 @@ class ReservoirRun:
         """Follow the node's ledger: reservations held (time-averaged) and allocations
         (for the false-failure check and the fill at the first failure)."""
         ledger = node.machine.ledger
-        usage = ledger.usage("VCPU")
-        if usage.reserved != node.reserved_vcpus:
+        reserved = ledger.reserved("VCPU")  # after nearly every message: no usage object
+        if reserved != node.reserved_vcpus:
             self._advance_reserved(now)
-            self._reserved_total += usage.reserved - node.reserved_vcpus
-            node.reserved_vcpus = usage.reserved
-        if usage.allocated != node.allocated_vcpus:
+            self._reserved_total += reserved - node.reserved_vcpus
+            node.reserved_vcpus = reserved
+        allocated = ledger.allocated("VCPU")
+        if allocated != node.allocated_vcpus:
             index = self.free_index
             i = node.index
             memory = ledger.usage("MEMORY_MB")
             index.change(
                 i,
-                node.allocated_vcpus - usage.allocated,
+                node.allocated_vcpus - allocated,
                 memory.capacity - memory.allocated - index.free_memory_mb[i],
             )
-            node.allocated_vcpus = usage.allocated
+            node.allocated_vcpus = allocated
 
     def _advance_reserved(self, now: float) -> None:
         """Add the VCPUs reserved since the last change, times how long, to the area

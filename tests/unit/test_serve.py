@@ -419,8 +419,10 @@ async def shut_down_with_a_placement_in_flight(
     app: FastAPI, monkeypatch: pytest.MonkeyPatch, *, open_gate_before_draining: bool
 ) -> tuple[httpx.Response, ReservoirService, bool]:
     """POST a placement held at a gate inside the service, shut the app down, and open
-    the gate as the drain begins (or only once it has ended). Returns the POST's answer,
-    the service, and whether the POST was still running when the shutdown began."""
+    the gate as the drain begins (or only once the drain has ended and the requestor has
+    closed: opened any earlier, the placement could finish in the moment between the two,
+    and did once). Returns the POST's answer, the service, and whether the POST was still
+    running when the shutdown began."""
     entered, gate = asyncio.Event(), asyncio.Event()
     still_running_at_shutdown = False
     transport = httpx.ASGITransport(app=app)
@@ -440,11 +442,17 @@ async def shut_down_with_a_placement_in_flight(
                 still_running_at_shutdown = not post.done()
                 if open_gate_before_draining:
                     gate.set()
-                left = await drain(timeout_s)
-                gate.set()
-                return left
+                return await drain(timeout_s)
+
+            loop = asyncio.get_running_loop()
+            close = service.requestor.close
+
+            def close_then_open_the_gate() -> None:
+                close()
+                loop.call_soon_threadsafe(gate.set)
 
             monkeypatch.setattr(service.requestor, "reserve_async", gated_reserve)
+            monkeypatch.setattr(service.requestor, "close", close_then_open_the_gate)
             monkeypatch.setattr(service, "drain", observed_drain)
             post = asyncio.create_task(
                 client.post("/v1/reservations", json={"vcpus": 1, "memory_mb": 1})

@@ -97,8 +97,6 @@ class Roster:
         #: name -> (member, position in its tier's list for its room)
         self._where: dict[str, tuple[Member, int]] = {}
         self._by_address: dict[str, str] = {}
-        #: tier percentage told of -> its index on the ladder (a handful of values)
-        self._index_of_percent: dict[int, int] = {}
 
     def __len__(self) -> int:
         return len(self._where)
@@ -118,12 +116,8 @@ class Roster:
     ) -> None:
         """Record ``name`` at ``tier_percent`` (a node's narrowest tier) with ``room``
         (None or empty: the room it told of before, if any)."""
-        # The ladder owns the rule for where a percentage falls; every status asks it.
-        index = self._index_of_percent.get(tier_percent)
-        if index is None:
-            index = self._index_of_percent[tier_percent] = self._tiers.first_index_for(
-                tier_percent / 100
-            )
+        # The ladder owns the rule for where a percentage falls.
+        index = self._tiers.index_of_percent(tier_percent)
         current = self._where.get(name)
         key = room_key(room) if room else (current[0].room if current else ())
         if current is not None:

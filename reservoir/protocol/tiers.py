@@ -24,6 +24,7 @@ class TierLadder:
 
     percents: tuple[int, ...] = DEFAULT_TIERS
     _topics_from: tuple[frozenset[str], ...] = field(init=False, repr=False, compare=False)
+    _index_of_percent: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.percents:
@@ -38,6 +39,9 @@ class TierLadder:
             for index in range(len(self.percents))
         )
         object.__setattr__(self, "_topics_from", topics)
+        # Requestors place every node status they hear by its tier percentage (1..100).
+        indexes = tuple(self.first_index_for(p / 100) for p in range(101))
+        object.__setattr__(self, "_index_of_percent", indexes)
 
     @classmethod
     def of(cls, percents: Iterable[int]) -> TierLadder:
@@ -63,6 +67,12 @@ class TierLadder:
             if percent <= bound + 1e-9:
                 return index
         return len(self.percents) - 1
+
+    def index_of_percent(self, percent: int) -> int:
+        """:meth:`first_index_for` of a whole percentage, as a node's status tells it."""
+        if 0 <= percent <= 100:
+            return self._index_of_percent[percent]
+        return self.first_index_for(percent / 100)
 
     def topics_for(self, utilisation: float) -> frozenset[str]:
         """Every tier topic a node at ``utilisation`` listens to (cumulative)."""

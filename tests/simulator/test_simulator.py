@@ -92,6 +92,7 @@ def test_runs_in_worker_processes_give_the_rows_of_runs_in_this_one() -> None:
 
     here, in_workers = simulate(config), simulate(config, count, jobs=2)
     assert without_wall_time(in_workers.rows()) == without_wall_time(here.rows())
+    assert in_workers.invariants_hold  # every reservoir run's audit, in the workers too
     assert progress == {
         f"{system} at load {load:g}": 300 for load in (0.5, 0.9) for system in config.systems
     }

@@ -60,7 +60,7 @@ from reservoir.bench_limits import (
     cpu_bound,
     measure_message_rate,
 )
-from reservoir.bench_nodes import counters_of, ledger_summary, node_inventories
+from reservoir.bench_nodes import counters_of, echo_back, ledger_summary, node_inventories
 from reservoir.broker import Broker, BrokerError, Delivery, Endpoint, UnsupportedBroker
 from reservoir.clock import SystemClock, ThreadScheduler
 from reservoir.node_agent import NodeAgent
@@ -162,6 +162,13 @@ class BenchResult:
     rtt_samples: int
     rtt_p50_ms: float
     rtt_p99_ms: float
+    #: the same round trip to an echo in a node process (through that process's shared
+    #: connection), taking turns with the one above; None when the nodes run in this process
+    rtt_to_nodes_p50_ms: float | None
+    rtt_to_nodes_p99_ms: float | None
+    #: the least ``place_p50_over_rtt`` can be: a placement's two round trips to node
+    #: processes (probe and offer, award and acceptance) with no work at either end
+    place_floor_over_rtt: float | None
     place_p50_ms: float
     place_p95_ms: float
     place_p99_ms: float
@@ -280,32 +287,46 @@ def _ratio(numerator: float, denominator: float) -> float:
     return round(numerator / denominator, 2) if denominator > 0 else 0.0
 
 
-def measure_round_trips(broker: Broker, samples: int) -> list[float]:
-    """Seconds per round trip: endpoint A sends a body to B, whose handler sends it back;
-    one at a time, after :data:`RTT_WARMUP` unmeasured ones."""
-    body = b"x" * RTT_BODY_BYTES
+def measure_round_trips(
+    broker: Broker, samples: int, echoes: Sequence[str | None] = (None,)
+) -> list[list[float]]:
+    """Seconds per round trip to each echo, one list per echo: endpoint A sends a body to
+    the echo, which sends it back to the address on the body's first line. ``None`` is an
+    echo endpoint on ``broker`` itself; an address is one elsewhere (a node process's,
+    :func:`reservoir.bench_nodes.echo_back`). One round trip at a time, taking turns
+    between the echoes so that each sees the same moments of the machine, after
+    :data:`RTT_WARMUP` unmeasured ones each."""
     replies: queue.SimpleQueue[bytes] = queue.SimpleQueue()
     back = broker.open_endpoint(lambda delivery: replies.put(delivery.body))
-    echo_endpoint: Endpoint | None = None
+    body = back.address.encode() + b"\n"
+    body += b"x" * max(0, RTT_BODY_BYTES - len(body))
+    local: Endpoint | None = None
 
     def echo(delivery: Delivery) -> None:
-        if not delivery.returned and echo_endpoint is not None:
-            echo_endpoint.send(back.address, delivery.body)
+        if local is not None:
+            echo_back(local, delivery)
 
-    echo_endpoint = broker.open_endpoint(echo)
-    seconds: list[float] = []
+    if None in echoes:
+        local = broker.open_endpoint(echo)
+    addresses = [local.address if address is None and local else address for address in echoes]
+    seconds: list[list[float]] = [[] for _ in addresses]
     try:
         for index in range(RTT_WARMUP + samples):
-            started = time.perf_counter()
-            back.send(echo_endpoint.address, body)
-            try:
-                replies.get(timeout=10.0)
-            except queue.Empty:
-                raise BenchError("a round trip through the broker took more than 10 s") from None
-            if index >= RTT_WARMUP:
-                seconds.append(time.perf_counter() - started)
+            for address, measured in zip(addresses, seconds, strict=True):
+                assert address is not None
+                started = time.perf_counter()
+                back.send(address, body)
+                try:
+                    replies.get(timeout=10.0)
+                except queue.Empty:
+                    raise BenchError(
+                        "a round trip through the broker took more than 10 s"
+                    ) from None
+                if index >= RTT_WARMUP:
+                    measured.append(time.perf_counter() - started)
     finally:
-        echo_endpoint.close()
+        if local is not None:
+            local.close()
         back.close()
     return seconds
 
@@ -328,6 +349,11 @@ class NodeHost(Protocol):
 
     def ledgers(self) -> list[dict[str, Any]]:
         """Each process's :func:`~reservoir.bench_nodes.ledger_summary`."""
+        ...
+
+    @property
+    def echoes(self) -> list[str]:
+        """The round-trip echo of each node process (none when they run in this one)."""
         ...
 
 
@@ -368,6 +394,10 @@ class InProcessNodes:
     def wait_ready(self, timeout_s: float) -> None:
         return  # started in the constructor
 
+    @property
+    def echoes(self) -> list[str]:
+        return []
+
     def sent(self) -> Counter[str]:
         return Counter(counters_of(self._agents, "sent"))
 
@@ -387,6 +417,8 @@ class _Child:
     process: subprocess.Popen[str]
     nodes: int
     events: queue.SimpleQueue[dict[str, Any]] = field(default_factory=queue.SimpleQueue)
+    #: its round-trip echo, from its ``ready`` event
+    echo: str = ""
     stderr_tail: deque[str] = field(default_factory=lambda: deque(maxlen=20))
 
     def next_event(self, event: str, timeout_s: float) -> dict[str, Any]:
@@ -475,7 +507,12 @@ class ProcessNodes:
     def wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         for child in self._children:
-            child.next_event("ready", max(0.1, deadline - time.monotonic()))
+            ready = child.next_event("ready", max(0.1, deadline - time.monotonic()))
+            child.echo = str(ready.get("echo", ""))
+
+    @property
+    def echoes(self) -> list[str]:
+        return [child.echo for child in self._children if child.echo]
 
     def sent(self) -> Counter[str]:
         for child in self._children:
@@ -809,8 +846,12 @@ def run_bench(
         _wait_for_roster(sequential_requestor, nodes, READY_TIMEOUT_S)
 
         rtt_samples = max(100, min(placements, MAX_RTT_SAMPLES))
-        progress(f"round trip: {rtt_samples} sequential {RTT_BODY_BYTES}-byte round trips")
-        rtt_s = measure_round_trips(broker, rtt_samples)
+        node_echo = host.echoes[:1]
+        progress(
+            f"round trip: {rtt_samples} sequential {RTT_BODY_BYTES}-byte round trips within "
+            "this process" + (", taking turns with as many to a node process" if node_echo else "")
+        )
+        rtt_s, *rtt_to_nodes = measure_round_trips(broker, rtt_samples, [None, *node_echo])
         progress(f"message rate: {RATE_MESSAGES} messages through the broker, pipelined")
         broker_msgs_per_s = measure_message_rate(broker, RATE_MESSAGES)
 
@@ -840,6 +881,8 @@ def run_bench(
         progress("stopping the nodes and removing the run's exchanges")
 
     rtt_p50, rtt_p99 = percentile(rtt_s, 0.50), percentile(rtt_s, 0.99)
+    to_nodes_p50 = percentile(rtt_to_nodes[0], 0.50) if rtt_to_nodes else None
+    to_nodes_p99 = percentile(rtt_to_nodes[0], 0.99) if rtt_to_nodes else None
     place_p50 = percentile(sequential.latencies_s, 0.50)
     place_p95 = percentile(sequential.latencies_s, 0.95)
     place_p99 = percentile(sequential.latencies_s, 0.99)
@@ -859,6 +902,9 @@ def run_bench(
         rtt_samples=len(rtt_s),
         rtt_p50_ms=_ms(rtt_p50),
         rtt_p99_ms=_ms(rtt_p99),
+        rtt_to_nodes_p50_ms=None if to_nodes_p50 is None else _ms(to_nodes_p50),
+        rtt_to_nodes_p99_ms=None if to_nodes_p99 is None else _ms(to_nodes_p99),
+        place_floor_over_rtt=None if to_nodes_p50 is None else _ratio(2 * to_nodes_p50, rtt_p50),
         place_p50_ms=_ms(place_p50),
         place_p95_ms=_ms(place_p95),
         place_p99_ms=_ms(place_p99),
@@ -940,13 +986,24 @@ def _print_table(result: BenchResult) -> None:
     table.add_column("value", justify="right")
     table.add_column("target")
     table.add_column("met")
+    to_nodes: list[tuple[str, str, str]] = []
+    floor: list[tuple[str, str, str]] = []
+    if r.rtt_to_nodes_p50_ms is not None and r.rtt_to_nodes_p99_ms is not None:
+        to_nodes = [
+            ("round trip to a node process p50", f"{r.rtt_to_nodes_p50_ms:.3f} ms", ""),
+            ("  p99", f"{r.rtt_to_nodes_p99_ms:.3f} ms", ""),
+        ]
+    if r.place_floor_over_rtt is not None:
+        floor = [("  least it can be: 2 trips to nodes", f"x{r.place_floor_over_rtt:.2f}", "")]
     rows: list[tuple[str, str, str]] = [
         ("round trip p50", f"{r.rtt_p50_ms:.3f} ms", ""),
         ("round trip p99", f"{r.rtt_p99_ms:.3f} ms", ""),
+        *to_nodes,
         ("placement p50", f"{r.place_p50_ms:.3f} ms", ""),
         ("placement p95", f"{r.place_p95_ms:.3f} ms", ""),
         ("placement p99", f"{r.place_p99_ms:.3f} ms", ""),
         ("placement p50 / round trip p50", f"x{r.place_p50_over_rtt:.2f}", "place_p50_over_rtt"),
+        *floor,
         ("placement p99 / round trip p99", f"x{r.place_p99_over_rtt:.2f}", "place_p99_over_rtt"),
         ("placements per second", f"{r.placements_per_s:,.0f}", "placements_per_s"),
         ("messages per placement", f"{r.messages_per_placement:.2f}", "messages_per_placement"),

@@ -4,7 +4,10 @@ connection, until told to stop.
 This module owns the host's side of its conversation with ``reservoir.bench``, one JSON
 object per line on stdout (nothing else is ever written there; logs go to stderr):
 
-- ``{"event": "ready", "nodes": N}`` once every agent has started;
+- ``{"event": "ready", "nodes": N, "echo": ADDRESS}`` once every agent has started;
+  ``ADDRESS`` is an endpoint on the same connection that sends every body back to the
+  address on its first line (:func:`echo_back`), so that the bench can time a round trip
+  to a node process beside the one within its own;
 - ``{"event": "counters", "sent": {KIND: COUNT}, "received": {...}}``, the messages its
   agents have sent and received so far, summed over the agents, each time a line
   ``counters`` arrives on stdin;
@@ -31,14 +34,16 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import Any
 
-from reservoir.broker import Broker, BrokerError
+from reservoir.broker import Broker, BrokerError, Delivery, Endpoint
 from reservoir.clock import SystemClock, ThreadScheduler
 from reservoir.node_agent import NodeAgent
 from reservoir.plugins import load_filters, load_weighers
 from reservoir.protocol.ledger import Inventory
 from reservoir.settings import Settings
 
-__all__ = ["EXIT_BROKER", "counters_of", "ledger_summary", "main", "node_inventories"]
+__all__ = [
+    "EXIT_BROKER", "counters_of", "echo_back", "ledger_summary", "main", "node_inventories",
+]  # fmt: skip
 
 EXIT_BROKER = 3
 #: how often the main thread looks up from waiting, so that signals are handled promptly
@@ -51,6 +56,14 @@ def node_inventories(vcpus: int, memory_mb: int, vcpu_ratio: float) -> dict[str,
         "VCPU": Inventory(total=vcpus, allocation_ratio=vcpu_ratio),
         "MEMORY_MB": Inventory(total=memory_mb),
     }
+
+
+def echo_back(endpoint: Endpoint, delivery: Delivery) -> None:
+    """Send a round-trip body back to the address on its first line (see
+    :func:`reservoir.bench.measure_round_trips`); anything else is dropped."""
+    reply_to, newline, _padding = delivery.body.partition(b"\n")
+    if newline and not delivery.returned:
+        endpoint.send(reply_to.decode("utf-8", "replace"), delivery.body)
 
 
 def counters_of(agents: Sequence[NodeAgent], name: str) -> dict[str, int]:
@@ -142,7 +155,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                     weighers=weighers,
                 )
             )
-        _say("ready", nodes=len(agents))
+        echo: Endpoint | None = None
+
+        def on_round_trip(delivery: Delivery) -> None:
+            if echo is not None:
+                echo_back(echo, delivery)
+
+        echo = broker.open_endpoint(on_round_trip, name=f"{args.names[0]}-echo")
+        _say("ready", nodes=len(agents), echo=echo.address)
         threading.Thread(target=read_stdin, name="bench-node-stdin", daemon=True).start()
         while True:
             try:

@@ -58,6 +58,15 @@ def assert_sane(result: dict[str, Any]) -> None:
     assert result["broker_bound_placements_per_s"] == pytest.approx(
         result["broker_msgs_per_s"] / result["messages_per_placement"], rel=0.01
     )
+    if result["node_mode"] == "processes":
+        # the round trip to a node process, and the least a placement's two of them allow
+        assert 0 < result["rtt_to_nodes_p50_ms"] <= result["rtt_to_nodes_p99_ms"]
+        assert result["place_floor_over_rtt"] == pytest.approx(
+            2 * result["rtt_to_nodes_p50_ms"] / result["rtt_p50_ms"], rel=0.01
+        )
+    else:
+        assert result["rtt_to_nodes_p50_ms"] is None  # no node process to reach
+        assert result["place_floor_over_rtt"] is None
     cpu = result["cpu_ms_per_placement"]
     assert cpu["this process"] > 0
     if result["node_mode"] == "processes":

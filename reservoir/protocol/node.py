@@ -722,13 +722,19 @@ class NodeMachine:
                     effects.append(Unbind(bucket))
 
     def _schedule_expiry(self, effects: list[Effect]) -> None:
+        """Have the expiry timer due no later than the earliest reservation deadline.
+
+        A timer already due sooner is kept, even when the reservation it was set for is
+        gone: it fires, finds nothing, and the next one is set for what is live then.
+        Most reservations end within milliseconds (awarded or released), and moving the
+        timer for each of them cost two timer operations per probe, each waking the
+        driver's timer thread; now it moves only when a reservation expires sooner than
+        any before it, and fires at most once per TTL when nothing expires."""
         deadline = self.ledger.next_deadline()
-        if deadline == self._expiry_at:
+        if deadline is None or (self._expiry_at is not None and self._expiry_at <= deadline):
             return
         self._expiry_at = deadline
-        effects.append(
-            CancelTimer(EXPIRY_TIMER) if deadline is None else SetTimer(EXPIRY_TIMER, deadline)
-        )
+        effects.append(SetTimer(EXPIRY_TIMER, deadline))
 
 
 def _grew(before: dict[str, int] | None, room: dict[str, int]) -> bool:

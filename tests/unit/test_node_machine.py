@@ -8,6 +8,7 @@ import pytest
 
 from reservoir.protocol.effects import (
     Bind,
+    CancelTimer,
     DeleteAllocation,
     Dropped,
     Effect,
@@ -158,6 +159,36 @@ def test_a_reservation_expires_at_exactly_its_ttl_and_not_before() -> None:
     node.on_timer(EXPIRY_TIMER, T0 + 5.0)
     assert node.ledger.reservations == {}
     assert node.ledger.usage("VCPU").reserved == 0
+
+
+def timer_effects(effects: list[Effect]) -> list[Effect]:
+    return [e for e in effects if isinstance(e, SetTimer | CancelTimer)]
+
+
+def test_reservations_that_end_early_leave_the_expiry_timer_where_it_is() -> None:
+    node = a_node()
+    first = the_offer(node.handle(a_request("r1"), T0))
+    released = node.handle(
+        Release(request_id="r1", sender=REQUESTOR, reservation_id=first.reservation_id), T0
+    )
+    assert timer_effects(released) == []  # not cancelled: it fires once and finds nothing
+    later = node.handle(a_request("r2"), T0 + 1.0)
+    assert timer_effects(later) == []  # due at T0 + 6, after the timer: found when it fires
+    fired = node.on_timer(EXPIRY_TIMER, T0 + 5.0)
+    assert [r.request_id for r in node.ledger.reservations.values()] == ["r2"]
+    assert timer_effects(fired) == [SetTimer(EXPIRY_TIMER, T0 + 6.0)]
+    node.handle(award(the_offer(later)), T0 + 5.5)
+    assert timer_effects(node.on_timer(EXPIRY_TIMER, T0 + 6.0)) == []  # nothing left to time
+
+
+def test_a_reservation_due_sooner_than_the_expiry_timer_moves_it() -> None:
+    node = a_node()
+    node.handle(a_request("r1"), T0)
+    sooner = node.handle(a_request("r2", ttl_s=1.0), T0 + 0.5)
+    assert timer_effects(sooner) == [SetTimer(EXPIRY_TIMER, T0 + 1.5)]
+    fired = node.on_timer(EXPIRY_TIMER, T0 + 1.5)
+    assert [r.request_id for r in node.ledger.reservations.values()] == ["r1"]
+    assert timer_effects(fired) == [SetTimer(EXPIRY_TIMER, T0 + 5.0)]
 
 
 def test_any_event_after_the_deadline_expires_the_reservation_even_without_the_timer() -> None:

@@ -33,15 +33,12 @@ from enum import Enum
 from typing import Final
 
 from reservoir.protocol.contention import IdContention
+from reservoir.protocol.errors import ProtocolBug
 from reservoir.protocol.messages import Decline, Offer
 from reservoir.protocol.placement import PlacedAllocation, PlacementRequest
 from reservoir.protocol.policies import Candidate
 
 __all__ = ["TRANSITIONS", "Awarded", "Conversation", "Event", "Held", "Phase", "ProtocolBug"]
-
-
-class ProtocolBug(RuntimeError):
-    """The requestor machine tried a transition its table does not allow."""
 
 
 class Phase(Enum):

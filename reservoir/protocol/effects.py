@@ -10,13 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from reservoir.protocol.ledger import Allocation
 from reservoir.protocol.messages import Message
-
-if TYPE_CHECKING:
-    from reservoir.protocol.ledger import Allocation
-    from reservoir.protocol.placement import Placement, PlacementError
+from reservoir.protocol.placement import Placement, PlacementError
 
 __all__ = [
     "Bind",

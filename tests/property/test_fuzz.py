@@ -137,7 +137,7 @@ ANY_MESSAGE = st.one_of(REQUESTOR_SENT, NODE_SENT)
 STEPS = st.floats(0.0, 3.0)
 TIMER_KEYS: st.SearchStrategy[Hashable] = st.one_of(
     st.builds(ConversationTimer, IDS, st.sampled_from(list(TimerKind)), st.integers(0, 6)),
-    st.builds(FreeTimer, IDS, ADDRESSES),
+    st.builds(FreeTimer, IDS, st.booleans()),
     st.just("expire-reservations"),
     st.text(max_size=5),
 )

@@ -162,6 +162,10 @@ class BenchResult:
     rtt_samples: int
     rtt_p50_ms: float
     rtt_p99_ms: float
+    #: the round trip's p50 in each half of its samples: before the sequential run and
+    #: after it (the figures above pool both)
+    rtt_p50_before_ms: float
+    rtt_p50_after_ms: float
     #: the same round trip to an echo in a node process (through that process's shared
     #: connection), taking turns with the one above; None when the nodes run in this process
     rtt_to_nodes_p50_ms: float | None
@@ -285,6 +289,22 @@ def _ms(seconds: float) -> float:
 
 def _ratio(numerator: float, denominator: float) -> float:
     return round(numerator / denominator, 2) if denominator > 0 else 0.0
+
+
+#: a baseline whose p50 moved more than this between its two halves gets a note
+BASELINE_MOVED_RATIO: Final = 1.25
+
+
+def _baseline_moved(before_s: Sequence[float], after_s: Sequence[float]) -> str | None:
+    """A note when the baseline's p50 moved much between its two halves, else None."""
+    before, after = percentile(before_s, 0.50), percentile(after_s, 0.50)
+    if min(before, after) <= 0 or max(before, after) / min(before, after) <= BASELINE_MOVED_RATIO:
+        return None
+    return (
+        f"the round trip's p50 moved from {_ms(before)} ms before the sequential run to "
+        f"{_ms(after)} ms after it (the machine's load changed): the ratios pool both; "
+        "compare them across several runs"
+    )
 
 
 def measure_round_trips(
@@ -845,18 +865,27 @@ def run_bench(
         sequential_requestor = open_requestor(broker, "sequential", settings)
         _wait_for_roster(sequential_requestor, nodes, READY_TIMEOUT_S)
 
-        rtt_samples = max(100, min(placements, MAX_RTT_SAMPLES))
+        rtt_samples = max(100, min(placements, MAX_RTT_SAMPLES)) // 2
         node_echo = host.echoes[:1]
         progress(
             f"round trip: {rtt_samples} sequential {RTT_BODY_BYTES}-byte round trips within "
             "this process" + (", taking turns with as many to a node process" if node_echo else "")
         )
-        rtt_s, *rtt_to_nodes = measure_round_trips(broker, rtt_samples, [None, *node_echo])
+        rtt_before = measure_round_trips(broker, rtt_samples, [None, *node_echo])
         progress(f"message rate: {RATE_MESSAGES} messages through the broker, pipelined")
         broker_msgs_per_s = measure_message_rate(broker, RATE_MESSAGES)
 
         progress(f"sequential: {placements} placements, one at a time")
         sequential = _run_sequential(sequential_requestor, host, placements)
+        # The baseline again, so that a moment's load on a shared machine on either side of
+        # the sequential run does not decide the ratios alone: they use both, pooled.
+        progress(f"round trip again: {rtt_samples} more, after the sequential run")
+        rtt_after = measure_round_trips(broker, rtt_samples, [None, *node_echo])
+        rtt_s = rtt_before[0] + rtt_after[0]
+        rtt_to_nodes = [b + a for b, a in zip(rtt_before[1:], rtt_after[1:], strict=True)]
+        moved = _baseline_moved(rtt_before[0], rtt_after[0])
+        if moved:
+            notes.append(moved)
 
         progress(f"throughput: {placements} placements by {requestors} requestors (threads)")
         concurrent_requestors = [
@@ -902,6 +931,8 @@ def run_bench(
         rtt_samples=len(rtt_s),
         rtt_p50_ms=_ms(rtt_p50),
         rtt_p99_ms=_ms(rtt_p99),
+        rtt_p50_before_ms=_ms(percentile(rtt_before[0], 0.50)),
+        rtt_p50_after_ms=_ms(percentile(rtt_after[0], 0.50)),
         rtt_to_nodes_p50_ms=None if to_nodes_p50 is None else _ms(to_nodes_p50),
         rtt_to_nodes_p99_ms=None if to_nodes_p99 is None else _ms(to_nodes_p99),
         place_floor_over_rtt=None if to_nodes_p50 is None else _ratio(2 * to_nodes_p50, rtt_p50),
@@ -997,6 +1028,11 @@ def _print_table(result: BenchResult) -> None:
         floor = [("  least it can be: 2 trips to nodes", f"x{r.place_floor_over_rtt:.2f}", "")]
     rows: list[tuple[str, str, str]] = [
         ("round trip p50", f"{r.rtt_p50_ms:.3f} ms", ""),
+        (
+            "  before, after the sequential run",
+            f"{r.rtt_p50_before_ms:.3f}, {r.rtt_p50_after_ms:.3f} ms",
+            "",
+        ),
         ("round trip p99", f"{r.rtt_p99_ms:.3f} ms", ""),
         *to_nodes,
         ("placement p50", f"{r.place_p50_ms:.3f} ms", ""),

@@ -14,7 +14,7 @@ import pika.exceptions
 import pytest
 from click.testing import CliRunner
 
-from reservoir.bench import audit_ledgers, bench, run_exchanges, with_exchange
+from reservoir.bench import _baseline_moved, audit_ledgers, bench, run_exchanges, with_exchange
 
 REQUIRED_KEYS = (
     "rtt_p50_ms", "rtt_p99_ms", "place_p50_ms", "place_p95_ms", "place_p99_ms",
@@ -45,6 +45,10 @@ def assert_sane(result: dict[str, Any]) -> None:
                 "time_to_failure_ms", "time_to_failure_explain_ms"):  # fmt: skip
         assert result[key] > 0, key
     assert result["rtt_p50_ms"] <= result["rtt_p99_ms"]
+    # the baseline is taken before and after the sequential run, and the ratios pool both
+    halves = (result["rtt_p50_before_ms"], result["rtt_p50_after_ms"])
+    assert min(halves) > 0
+    assert min(halves) - 0.002 <= result["rtt_p50_ms"] <= max(halves) + 0.002
     assert result["place_p50_ms"] <= result["place_p95_ms"] <= result["place_p99_ms"]
     assert result["messages_per_placement"] > 0
     assert result["sequential_failed"] == result["throughput_failed"] == 0
@@ -189,3 +193,11 @@ def test_the_audit_counts_what_breaks_an_invariant() -> None:
     assert audit_ledgers(summaries) == {
         "overcommitted": 1, "leaked_reservations": 1, "duplicate_placements": 1,
     }  # fmt: skip
+
+
+def test_a_baseline_that_moved_between_its_halves_gets_a_note_and_a_steady_one_none() -> None:
+    steady, doubled = [0.001] * 10, [0.002] * 10
+    assert _baseline_moved(steady, [0.0011] * 10) is None
+    note = _baseline_moved(steady, doubled)
+    assert note is not None
+    assert "from 1.0 ms" in note and "to 2.0 ms" in note

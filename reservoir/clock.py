@@ -150,7 +150,8 @@ def _run(timer: Timer) -> None:
 
 class ThreadScheduler(Scheduler):
     """A daemon thread that runs callbacks at real-clock times. Event-driven: it sleeps on a
-    condition until the next timer is due or a new one arrives; it never polls."""
+    condition until the earliest timer it knew of is due, or one due sooner arrives; it
+    never polls. A timer cancelled while it slept still wakes it once, at its time."""
 
     def __init__(self, clock: Clock | None = None, *, name: str = "reservoir-scheduler") -> None:
         self.clock = clock if clock is not None else SystemClock()

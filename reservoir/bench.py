@@ -295,9 +295,8 @@ def _ratio(numerator: float, denominator: float) -> float:
 BASELINE_MOVED_RATIO: Final = 1.25
 
 
-def _baseline_moved(before_s: Sequence[float], after_s: Sequence[float]) -> str | None:
-    """A note when the baseline's p50 moved much between its two halves, else None."""
-    before, after = percentile(before_s, 0.50), percentile(after_s, 0.50)
+def _baseline_moved(before: float, after: float) -> str | None:
+    """A note when the baseline's p50 (seconds) moved much between its halves, else None."""
     if min(before, after) <= 0 or max(before, after) / min(before, after) <= BASELINE_MOVED_RATIO:
         return None
     return (
@@ -308,14 +307,14 @@ def _baseline_moved(before_s: Sequence[float], after_s: Sequence[float]) -> str 
 
 
 def measure_round_trips(
-    broker: Broker, samples: int, echoes: Sequence[str | None] = (None,)
+    broker: Broker, samples: int, elsewhere: Sequence[str] = ()
 ) -> list[list[float]]:
-    """Seconds per round trip to each echo, one list per echo: endpoint A sends a body to
-    the echo, which sends it back to the address on the body's first line. ``None`` is an
-    echo endpoint on ``broker`` itself; an address is one elsewhere (a node process's,
-    :func:`reservoir.bench_nodes.echo_back`). One round trip at a time, taking turns
-    between the echoes so that each sees the same moments of the machine, after
-    :data:`RTT_WARMUP` unmeasured ones each."""
+    """Seconds per round trip to each echo, one list per echo: first an echo endpoint on
+    ``broker`` itself, then each address in ``elsewhere`` (a node process's,
+    :func:`reservoir.bench_nodes.echo_back`). Endpoint A sends a body to the echo, which
+    sends it back to the address on the body's first line. One round trip at a time,
+    taking turns between the echoes so that each sees the same moments of the machine,
+    after :data:`RTT_WARMUP` unmeasured ones each."""
     replies: queue.SimpleQueue[bytes] = queue.SimpleQueue()
     back = broker.open_endpoint(lambda delivery: replies.put(delivery.body))
     body = back.address.encode() + b"\n"
@@ -326,14 +325,12 @@ def measure_round_trips(
         if local is not None:
             echo_back(local, delivery)
 
-    if None in echoes:
-        local = broker.open_endpoint(echo)
-    addresses = [local.address if address is None and local else address for address in echoes]
+    local = broker.open_endpoint(echo)
+    addresses = [local.address, *elsewhere]
     seconds: list[list[float]] = [[] for _ in addresses]
     try:
         for index in range(RTT_WARMUP + samples):
             for address, measured in zip(addresses, seconds, strict=True):
-                assert address is not None
                 started = time.perf_counter()
                 back.send(address, body)
                 try:
@@ -345,8 +342,7 @@ def measure_round_trips(
                 if index >= RTT_WARMUP:
                     measured.append(time.perf_counter() - started)
     finally:
-        if local is not None:
-            local.close()
+        local.close()
         back.close()
     return seconds
 
@@ -871,7 +867,7 @@ def run_bench(
             f"round trip: {rtt_samples} sequential {RTT_BODY_BYTES}-byte round trips within "
             "this process" + (", taking turns with as many to a node process" if node_echo else "")
         )
-        rtt_before = measure_round_trips(broker, rtt_samples, [None, *node_echo])
+        rtt_before = measure_round_trips(broker, rtt_samples, node_echo)
         progress(f"message rate: {RATE_MESSAGES} messages through the broker, pipelined")
         broker_msgs_per_s = measure_message_rate(broker, RATE_MESSAGES)
 
@@ -880,10 +876,12 @@ def run_bench(
         # The baseline again, so that a moment's load on a shared machine on either side of
         # the sequential run does not decide the ratios alone: they use both, pooled.
         progress(f"round trip again: {rtt_samples} more, after the sequential run")
-        rtt_after = measure_round_trips(broker, rtt_samples, [None, *node_echo])
+        rtt_after = measure_round_trips(broker, rtt_samples, node_echo)
         rtt_s = rtt_before[0] + rtt_after[0]
         rtt_to_nodes = [b + a for b, a in zip(rtt_before[1:], rtt_after[1:], strict=True)]
-        moved = _baseline_moved(rtt_before[0], rtt_after[0])
+        rtt_p50_before = percentile(rtt_before[0], 0.50)
+        rtt_p50_after = percentile(rtt_after[0], 0.50)
+        moved = _baseline_moved(rtt_p50_before, rtt_p50_after)
         if moved:
             notes.append(moved)
 
@@ -931,8 +929,8 @@ def run_bench(
         rtt_samples=len(rtt_s),
         rtt_p50_ms=_ms(rtt_p50),
         rtt_p99_ms=_ms(rtt_p99),
-        rtt_p50_before_ms=_ms(percentile(rtt_before[0], 0.50)),
-        rtt_p50_after_ms=_ms(percentile(rtt_after[0], 0.50)),
+        rtt_p50_before_ms=_ms(rtt_p50_before),
+        rtt_p50_after_ms=_ms(rtt_p50_after),
         rtt_to_nodes_p50_ms=None if to_nodes_p50 is None else _ms(to_nodes_p50),
         rtt_to_nodes_p99_ms=None if to_nodes_p99 is None else _ms(to_nodes_p99),
         place_floor_over_rtt=None if to_nodes_p50 is None else _ratio(2 * to_nodes_p50, rtt_p50),

@@ -165,6 +165,15 @@ def timer_effects(effects: list[Effect]) -> list[Effect]:
     return [e for e in effects if isinstance(e, SetTimer | CancelTimer)]
 
 
+def assert_invariants(node: NodeMachine, now: float) -> None:
+    """No overcommit, no reservation past its deadline, and each request id held once
+    (the tests using it ask for one instance each)."""
+    assert node.ledger.violations() == []
+    assert all(r.deadline > now for r in node.ledger.reservations.values())
+    held = [a.request_id for a in node.ledger.allocations.values()]
+    assert len(held) == len(set(held))
+
+
 def test_reservations_that_end_early_leave_the_expiry_timer_where_it_is() -> None:
     node = a_node()
     first = the_offer(node.handle(a_request("r1"), T0))
@@ -179,6 +188,7 @@ def test_reservations_that_end_early_leave_the_expiry_timer_where_it_is() -> Non
     assert timer_effects(fired) == [SetTimer(EXPIRY_TIMER, T0 + 6.0)]
     node.handle(award(the_offer(later)), T0 + 5.5)
     assert timer_effects(node.on_timer(EXPIRY_TIMER, T0 + 6.0)) == []  # nothing left to time
+    assert_invariants(node, T0 + 6.0)
 
 
 def test_a_reservation_due_sooner_than_the_expiry_timer_moves_it() -> None:
@@ -189,6 +199,7 @@ def test_a_reservation_due_sooner_than_the_expiry_timer_moves_it() -> None:
     fired = node.on_timer(EXPIRY_TIMER, T0 + 1.5)
     assert [r.request_id for r in node.ledger.reservations.values()] == ["r1"]
     assert timer_effects(fired) == [SetTimer(EXPIRY_TIMER, T0 + 5.0)]
+    assert_invariants(node, T0 + 1.5)
 
 
 def test_any_event_after_the_deadline_expires_the_reservation_even_without_the_timer() -> None:

@@ -28,12 +28,14 @@ application (the measuring loop) runs on the main thread in both, so both pay th
 to the IO thread: raw pika queues publishes in a list and wakes the loop once per batch
 (``add_callback_threadsafe``, which alone would wake it once per message), as the adapters
 do. Raw pika's handlers run where pika calls them, on the IO thread, and B's reply is
-published right there: that is the least a pika program must do. The adapters run handlers
-on a dispatcher thread (their contract: a handler may call the blocking ``bind``), so a
-reply crosses two more threads. To show what that design costs by itself, a fourth client,
-"raw pika + handler thread", is raw pika with its handlers moved to a dispatcher thread
-and its replies handed back to the IO thread; it is reported beside the others but the
-targets are against plain raw pika.
+published right there: that is the least a pika program must do. The adapters' endpoints
+are opened ``inline``, as reservoir's driver opens them: their handlers run on the IO thread
+too, and what they send goes out when they return. An endpoint opened without it has its
+handlers run on a dispatcher thread (where a handler may call the blocking ``bind``), and a
+reply crosses two more threads: "pika adapter, dispatched" measures that, and so does "raw
+pika + handler thread", raw pika with its handlers moved to a dispatcher thread and its
+replies handed back to the IO thread. Both are reported beside the others; the targets are
+against plain raw pika.
 
 Clients alternate (the order rotates every repeat) over ``--repeats`` repeats, so the
 machine's drift hits each alike; the medians over repeats are reported, with the ratios
@@ -87,6 +89,7 @@ RAW = "raw pika"
 RAW_THREAD = "raw pika + handler thread"
 RAW_AMQP = "raw py-amqp"
 PIKA = "pika adapter"
+PIKA_DISPATCHED = "pika adapter, dispatched"
 KOMBU = "kombu adapter"
 
 
@@ -148,9 +151,10 @@ def _wait_until(done: Callable[[], bool], what: str) -> None:
 
 
 class AdapterClient:
-    """Two endpoints of one ``brokers.connect(url)`` broker."""
+    """Two endpoints of one ``brokers.connect(url)`` broker; ``inline``: as reservoir's
+    driver opens them, handlers on the IO thread."""
 
-    def __init__(self, url: BrokerUrl, roles: Roles) -> None:
+    def __init__(self, url: BrokerUrl, roles: Roles, *, inline: bool = True) -> None:
         self._roles = roles
         broker = brokers.connect(url)
         if not isinstance(broker, AmqpBroker):
@@ -158,8 +162,12 @@ class AdapterClient:
             raise TypeError(f"not a RabbitMQ adapter: {broker!r}")
         self._broker = broker
         try:
-            self._a = broker.open_endpoint(self._on_a, name=f"adapterbench.{uuid.uuid4().hex}.a")
-            self._b = broker.open_endpoint(self._on_b, name=f"adapterbench.{uuid.uuid4().hex}.b")
+            self._a = broker.open_endpoint(
+                self._on_a, name=f"adapterbench.{uuid.uuid4().hex}.a", inline=inline
+            )
+            self._b = broker.open_endpoint(
+                self._on_b, name=f"adapterbench.{uuid.uuid4().hex}.b", inline=inline
+            )
         except BaseException:
             broker.close()
             raise
@@ -577,6 +585,7 @@ def main() -> int:
         RAW: lambda roles: RawPikaClient(pika_url, roles, handler_thread=False),
         PIKA: lambda roles: AdapterClient(pika_url, roles),
         RAW_THREAD: lambda roles: RawPikaClient(pika_url, roles, handler_thread=True),
+        PIKA_DISPATCHED: lambda roles: AdapterClient(pika_url, roles, inline=False),
         KOMBU: lambda roles: AdapterClient(kombu_url, roles),
         RAW_AMQP: lambda roles: RawPyAmqpClient(kombu_url, roles),
     }
@@ -617,7 +626,7 @@ def main() -> int:
             "rate_ratio": medians[name].rate_per_s / raw.rate_per_s,
             "rate_met": medians[name].rate_per_s / raw.rate_per_s >= TARGET_RATE,
         }
-        for name in (PIKA, KOMBU, RAW_THREAD, RAW_AMQP)
+        for name in (PIKA, KOMBU, PIKA_DISPATCHED, RAW_THREAD, RAW_AMQP)
     }
     # The kombu adapter against its own client library: what py-amqp allows on this machine.
     raw_amqp = medians[RAW_AMQP]

@@ -196,7 +196,11 @@ class InProcessBroker(Broker):
         with self._lock:
             return frozenset(self._endpoints)
 
-    def open_endpoint(self, handler: Handler, *, name: str | None = None) -> InProcessEndpoint:
+    def open_endpoint(
+        self, handler: Handler, *, name: str | None = None, inline: bool = False
+    ) -> InProcessEndpoint:
+        # inline is moot: deliveries already run on the one thread that carries them, and
+        # nothing here waits for an answer.
         check_handler(handler)
         if name is not None:
             check_endpoint_name(name)

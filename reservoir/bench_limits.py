@@ -46,8 +46,8 @@ def measure_message_rate(broker: Broker, messages: int, body_bytes: int = 300) -
         if received >= messages:
             done.set()
 
-    sink = broker.open_endpoint(count)
-    source = broker.open_endpoint(lambda delivery: None)
+    sink = broker.open_endpoint(count, inline=True)
+    source = broker.open_endpoint(lambda delivery: None, inline=True)
     body = b"x" * body_bytes
     try:
         started = time.perf_counter()

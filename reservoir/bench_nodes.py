@@ -161,7 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if echo is not None:
                 echo_back(echo, delivery)
 
-        echo = broker.open_endpoint(on_round_trip, name=f"{args.names[0]}-echo")
+        echo = broker.open_endpoint(on_round_trip, name=f"{args.names[0]}-echo", inline=True)
         _say("ready", nodes=len(agents), echo=echo.address)
         threading.Thread(target=read_stdin, name="bench-node-stdin", daemon=True).start()
         while True:

@@ -8,6 +8,15 @@ publishes and sends. Topics route like a RabbitMQ topic exchange: words separate
 Bodies are bytes: the runtime serialises every message before it reaches a broker, so every
 adapter, the in-process one included, carries exactly what goes over the wire.
 
+A handler runs on a thread the broker owns. A RabbitMQ adapter has two: its IO thread, which
+talks to the socket, and a dispatcher thread that runs handlers. An endpoint opened with
+``inline=True`` has its handler run on the IO thread itself, saving a hand-over between
+threads on every message it receives and on every message it sends from the handler (the
+IO thread carries those out as soon as the handler returns). Such a handler must not block
+on the broker: ``bind`` and ``unbind`` wait for the broker's answer, which the IO thread
+itself would have to read, so there they raise. :meth:`Endpoint.blocking_allowed` says
+whether the calling thread may make them. A broker without an IO thread ignores ``inline``.
+
 A publish or send that reaches no queue is handed back to the sender's handler as a
 :class:`Delivery` with ``returned=True``: that is how a requestor learns at once that no
 node is bound to a tier (RabbitMQ's ``mandatory`` flag and ``basic.return``).
@@ -90,6 +99,11 @@ class Endpoint(ABC):
     def close(self) -> None:
         """Delete the inbox and its bindings. Idempotent."""
 
+    def blocking_allowed(self) -> bool:
+        """Whether the calling thread may make the calls that wait for the broker (``bind``,
+        ``unbind``): False on a broker's IO thread, where an ``inline`` handler runs."""
+        return True
+
     def __enter__(self) -> Endpoint:
         return self
 
@@ -104,8 +118,12 @@ class Broker(ABC):
     url: str
 
     @abstractmethod
-    def open_endpoint(self, handler: Handler, *, name: str | None = None) -> Endpoint:
-        """Create an exclusive inbox. ``name`` becomes part of its address when given."""
+    def open_endpoint(
+        self, handler: Handler, *, name: str | None = None, inline: bool = False
+    ) -> Endpoint:
+        """Create an exclusive inbox. ``name`` becomes part of its address when given.
+        ``inline``: run ``handler`` on the broker's IO thread, where it has one (see the
+        module's docstring: it must not call ``bind`` or ``unbind`` there)."""
 
     @abstractmethod
     def close(self) -> None:

@@ -12,6 +12,13 @@ ever holds up the machine, and a node still binds a lookup bucket before it send
 offer that follows. Outcome callbacks run last, so a caller's callback can call straight
 back in.
 
+Deliveries run on the broker's IO thread where it has one (the endpoint is ``inline``, see
+:mod:`reservoir.broker`): a message is decoded, handled and answered there with no hand-over
+between threads. That thread must not wait for the broker, so a bind or unbind it finds at
+the head of the outbox goes, with everything queued after it, to a thread of the driver's
+own (``<name>:binds``, started the first time), and the IO thread carries on. Binds are
+rare (a node's tier changes, a lookup bucket for a caller-chosen id); sends are not.
+
 The decode path is here too: a delivery is decoded with the codec of the driver's role,
 checked against where it arrived (its routing key, or our address), and dropped and
 counted when refused; a drop for a signature reason also logs one rate-limited warning
@@ -20,6 +27,7 @@ naming the reason and the sender.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 from collections import deque
@@ -93,6 +101,8 @@ class Driver:
         #: what the machine asked to send, bind or unbind, in order, not yet transmitted
         self._outbox: deque[Send | Publish | Bind | Unbind] = deque()
         self._transmit_lock = threading.Lock()
+        #: where the outbox goes from a bind on, when the thread that met it may not wait
+        self._binder: concurrent.futures.ThreadPoolExecutor | None = None
         #: key -> (timer, generation); a firing whose generation is stale is ignored
         self._timers: dict[Hashable, tuple[Timer, int]] = {}
         self._timer_generation = 0
@@ -107,7 +117,9 @@ class Driver:
             scheduler = self._owned_scheduler = ThreadScheduler(name=endpoint_name)
         self.scheduler = scheduler
         try:
-            self.endpoint: Endpoint = broker.open_endpoint(self._on_delivery, name=endpoint_name)
+            self.endpoint: Endpoint = broker.open_endpoint(
+                self._on_delivery, name=endpoint_name, inline=True
+            )
             #: the broker the endpoint is on (its ``connected`` is the participant's health)
             self.broker: Broker = broker
         except BaseException:
@@ -123,6 +135,9 @@ class Driver:
     def _let_go(self) -> None:
         """Close the endpoint, and the scheduler and broker if they are ours."""
         self.endpoint.close()
+        if self._binder is not None:
+            # Not waited for: a bind in progress fails at once on the closed endpoint.
+            self._binder.shutdown(wait=False)
         self._let_go_of_owned()
 
     def _let_go_of_owned(self) -> None:
@@ -274,21 +289,47 @@ class Driver:
         self._deliver(outcomes)
 
     def _flush_outbox(self) -> None:
-        # Whoever holds the transmit lock drains the queue, ours included, in order.
-        with self._transmit_lock:
-            while self._outbox:
-                effect = self._outbox.popleft()
-                try:
-                    self._transmit(effect, self.scheduler.clock.wall())
-                except BrokerClosed:
-                    log.debug("%s closed before it could send its last messages", self.address)
-                except BrokerError as error:
-                    # The transport gave up on this one (its buffer is full, a bind timed
-                    # out during an outage). The protocol survives a lost message, and the
-                    # messages after it must still go.
-                    what = effect.message.kind if isinstance(effect, Send | Publish) else "bind"
-                    self.metrics.inc("transport_errors", what)
-                    log.warning("%s could not %s: %s", self.address, what, error)
+        # Whoever holds the transmit lock drains the queue, ours included, in order. A
+        # thread that may not wait (the broker's IO thread) does not wait for the lock
+        # either: its holder drains what it queued, since it looks again after letting go.
+        may_block = self.endpoint.blocking_allowed()
+        outbox = self._outbox
+        while outbox:
+            if not self._transmit_lock.acquire(blocking=may_block):
+                return
+            try:
+                while outbox:
+                    effect = outbox[0]
+                    if not may_block and isinstance(effect, Bind | Unbind):
+                        self._hand_to_binder()
+                        return
+                    outbox.popleft()
+                    self._transmit_one(effect)
+            finally:
+                self._transmit_lock.release()
+
+    def _hand_to_binder(self) -> None:
+        if self._binder is None:
+            self._binder = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix=f"{self._endpoint_name}:binds"
+            )
+        try:
+            self._binder.submit(self._flush_outbox)
+        except RuntimeError:  # shut down: we are closing, and what is left goes nowhere
+            log.debug("%s closed before it could bind", self.address)
+
+    def _transmit_one(self, effect: Send | Publish | Bind | Unbind) -> None:
+        try:
+            self._transmit(effect, self.scheduler.clock.wall())
+        except BrokerClosed:
+            log.debug("%s closed before it could send its last messages", self.address)
+        except BrokerError as error:
+            # The transport gave up on this one (its buffer is full, a bind timed out
+            # during an outage). The protocol survives a lost message, and the messages
+            # after it must still go.
+            what = effect.message.kind if isinstance(effect, Send | Publish) else "bind"
+            self.metrics.inc("transport_errors", what)
+            log.warning("%s could not %s: %s", self.address, what, error)
 
     def _transmit(self, effect: Send | Publish | Bind | Unbind, wall_s: float) -> None:
         if isinstance(effect, Send):

@@ -167,6 +167,12 @@ class Collector:
                 )
             return list(self._deliveries)
 
+    def arrives(self, predicate: Callable[[list[Delivery]], bool], timeout_s: float = 0.1) -> bool:
+        """Whether ``predicate(all deliveries so far)`` comes to hold within ``timeout_s``
+        (for a test that retries; it does not fail the test)."""
+        with self._condition:
+            return self._condition.wait_for(lambda: predicate(self._deliveries), timeout_s)
+
     def wait_for_count(self, count: int, timeout_s: float = WAIT_S) -> list[Delivery]:
         """Wait for ``count`` deliveries from others; return them."""
         self.wait_until(

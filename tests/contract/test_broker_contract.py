@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from brokers.amqp.threaded import AmqpBroker
 from reservoir.broker import Broker, BrokerClosed, BrokerError, Delivery, Endpoint
 
 if TYPE_CHECKING:
@@ -342,9 +343,13 @@ def test_endpoint_is_a_context_manager(
 
 # -- handlers ---------------------------------------------------------------------------------
 
+#: every handler test runs on the dispatcher thread and inline, on the IO thread
+on_either_thread = pytest.mark.parametrize("inline", [False, True], ids=["dispatched", "inline"])
 
+
+@on_either_thread
 def test_handler_exception_does_not_stop_delivery(
-    broker: Broker, inbox: Inbox, new_collector: NewCollector, ns: str
+    broker: Broker, inbox: Inbox, new_collector: NewCollector, ns: str, inline: bool
 ) -> None:
     seen = new_collector()
 
@@ -353,7 +358,7 @@ def test_handler_exception_does_not_stop_delivery(
         if delivery.body == b"boom":
             raise RuntimeError("handler bug")
 
-    failing = broker.open_endpoint(failing_first)
+    failing = broker.open_endpoint(failing_first, inline=inline)
     try:
         failing.bind(f"{ns}.t")
         healthy = inbox(bind=[f"{ns}.t"])
@@ -368,7 +373,10 @@ def test_handler_exception_does_not_stop_delivery(
         failing.close()
 
 
-def test_handler_can_reply_from_inside_the_handler(broker: Broker, inbox: Inbox, ns: str) -> None:
+@on_either_thread
+def test_handler_can_reply_from_inside_the_handler(
+    broker: Broker, inbox: Inbox, ns: str, inline: bool
+) -> None:
     # A node answers a broadcast with a direct send from within its handler.
     node_ref: list[Endpoint] = []
 
@@ -376,7 +384,7 @@ def test_handler_can_reply_from_inside_the_handler(broker: Broker, inbox: Inbox,
         requestor_address = delivery.body.decode()
         node_ref[0].send(requestor_address, b"offer")
 
-    node = broker.open_endpoint(answer, name=f"{ns}-node")
+    node = broker.open_endpoint(answer, name=f"{ns}-node", inline=inline)
     node_ref.append(node)
     try:
         node.bind(f"{ns}.tier.#")
@@ -387,7 +395,10 @@ def test_handler_can_reply_from_inside_the_handler(broker: Broker, inbox: Inbox,
         node.close()
 
 
-def test_handler_can_close_its_own_endpoint(broker: Broker, inbox: Inbox, ns: str) -> None:
+@on_either_thread
+def test_handler_can_close_its_own_endpoint(
+    broker: Broker, inbox: Inbox, ns: str, inline: bool
+) -> None:
     closed = threading.Event()
     holder: list[Endpoint] = []
 
@@ -395,13 +406,98 @@ def test_handler_can_close_its_own_endpoint(broker: Broker, inbox: Inbox, ns: st
         holder[0].close()
         closed.set()
 
-    endpoint = broker.open_endpoint(close_self, name=f"{ns}-self-closing")
+    endpoint = broker.open_endpoint(close_self, name=f"{ns}-self-closing", inline=inline)
     holder.append(endpoint)
     sender = inbox()
     sender.ep.send(f"{ns}-self-closing", b"close yourself")
     assert closed.wait(10)
-    sender.ep.send(f"{ns}-self-closing", b"after close")
-    sender.wait_for_return(b"after close")
+    with pytest.raises(BrokerClosed):
+        endpoint.send(sender.address, b"from a closed endpoint")
+    if not inline or not isinstance(broker, AmqpBroker):
+        sender.ep.send(f"{ns}-self-closing", b"after close")
+        sender.wait_for_return(b"after close")
+        return
+    # On the IO thread close() cannot wait for RabbitMQ to delete the queue; it is gone soon
+    # after, and then what is sent to its address comes back.
+    for attempt in range(100):
+        body = f"after close {attempt}".encode()
+        sender.ep.send(f"{ns}-self-closing", body)
+        if sender.arrives(lambda ds, body=body: any(d.returned and d.body == body for d in ds)):
+            return
+    pytest.fail("nothing sent to the closed endpoint's address came back")
+
+
+@on_either_thread
+def test_what_a_handler_sends_keeps_its_order(
+    broker: Broker, inbox: Inbox, ns: str, inline: bool
+) -> None:
+    # Each request is answered with three sends; 50 requests must come back as 150 answers
+    # in the order they were asked and sent.
+    holder: list[Endpoint] = []
+
+    def answer_thrice(delivery: Delivery) -> None:
+        for part in (b"a", b"b", b"c"):
+            holder[0].send(f"{ns}-asker", delivery.body + part)
+
+    answering = broker.open_endpoint(answer_thrice, name=f"{ns}-answering", inline=inline)
+    holder.append(answering)
+    try:
+        asker = inbox(name=f"{ns}-asker")
+        for number in range(50):
+            asker.ep.send(f"{ns}-answering", str(number).encode())
+        answers = asker.wait_for_count(150)
+        assert [d.body for d in answers] == [
+            str(n).encode() + part for n in range(50) for part in (b"a", b"b", b"c")
+        ]
+    finally:
+        answering.close()
+
+
+def test_a_handler_knows_whether_it_may_wait_for_the_broker(
+    broker: Broker, inbox: Inbox, ns: str
+) -> None:
+    # An inline handler on a broker with an IO thread must not make a call that waits for
+    # that thread: blocking_allowed() says so, and such a call raises rather than hang.
+    # Elsewhere (the test's thread, any dispatched handler) waiting is allowed.
+    seen: list[tuple[bool, bool, str | None]] = []
+    done = threading.Event()
+    holders: dict[bool, Endpoint] = {}
+
+    def probe(inline: bool) -> Callable[[Delivery], None]:
+        def handler(delivery: Delivery) -> None:
+            endpoint = holders[inline]
+            allowed = endpoint.blocking_allowed()
+            refusal = None
+            if not allowed:
+                try:
+                    endpoint.bind(f"{ns}.refused")
+                except RuntimeError as error:
+                    refusal = str(error)
+            seen.append((inline, allowed, refusal))
+            if len(seen) == 2:
+                done.set()
+
+        return handler
+
+    for inline in (False, True):
+        holders[inline] = broker.open_endpoint(probe(inline), name=f"{ns}-{inline}", inline=inline)
+    try:
+        assert all(endpoint.blocking_allowed() for endpoint in holders.values())
+        sender = inbox()
+        for inline in (False, True):
+            sender.ep.send(f"{ns}-{inline}", b"may you wait?")
+        assert done.wait(10)
+        by_kind = {inline: (allowed, refusal) for inline, allowed, refusal in seen}
+        assert by_kind[False] == (True, None)
+        allowed, refusal = by_kind[True]
+        if isinstance(broker, AmqpBroker):
+            assert not allowed
+            assert refusal is not None and "would hang" in refusal
+        else:  # no IO thread (the in-process broker): inline is moot
+            assert (allowed, refusal) == (True, None)
+    finally:
+        for endpoint in holders.values():
+            endpoint.close()
 
 
 # -- bodies -----------------------------------------------------------------------------------

@@ -336,12 +336,14 @@ class Recording(Broker):
         self.url = inner.url
         self._record = record
 
-    def open_endpoint(self, handler: Handler, *, name: str | None = None) -> Endpoint:
+    def open_endpoint(
+        self, handler: Handler, *, name: str | None = None, inline: bool = False
+    ) -> Endpoint:
         def recorded(delivery: Delivery) -> None:
             self._record(name, delivery)
             handler(delivery)
 
-        return self.inner.open_endpoint(recorded, name=name)
+        return self.inner.open_endpoint(recorded, name=name, inline=inline)
 
     def close(self) -> None:
         self.inner.close()

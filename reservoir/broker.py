@@ -14,8 +14,10 @@ talks to the socket, and a dispatcher thread that runs handlers. An endpoint ope
 threads on every message it receives and on every message it sends from the handler (the
 IO thread carries those out as soon as the handler returns). Such a handler must not block
 on the broker: ``bind`` and ``unbind`` wait for the broker's answer, which the IO thread
-itself would have to read, so there they raise. :meth:`Endpoint.blocking_allowed` says
-whether the calling thread may make them. A broker without an IO thread ignores ``inline``.
+itself would have to read, so there they raise (``RuntimeError``: a bug in the caller, not
+a transport failure), and ``close`` returns before the broker has deleted the inbox (what is
+sent to it meanwhile is dropped rather than returned). :meth:`Endpoint.blocking_allowed` says
+whether the calling thread may wait. A broker without an IO thread ignores ``inline``.
 
 A publish or send that reaches no queue is handed back to the sender's handler as a
 :class:`Delivery` with ``returned=True``: that is how a requestor learns at once that no

@@ -176,7 +176,12 @@ class Requestor(Driver):
         request_id: str | None = None,
     ) -> concurrent.futures.Future[Placement]:
         """Start placing; the future resolves to a :class:`Placement` or raises
-        :class:`PlacementError` (:class:`~reservoir.PlacementTimeout` when out of time)."""
+        :class:`PlacementError` (:class:`~reservoir.PlacementTimeout` when out of time).
+
+        Callbacks added to the future run on the thread that resolves it, which on RabbitMQ
+        is the broker's IO thread: keep them short, and never wait in one for another
+        placement (``reserve``, ``result()``), whose answer that thread would have to read.
+        Calling ``submit`` from a callback is fine."""
         given = {
             "resources": resources,
             "count": count,

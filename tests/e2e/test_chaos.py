@@ -33,6 +33,9 @@ def test_a_short_chaos_run_meets_every_fault_and_every_count_is_zero(
 
 
 @pytest.mark.slow
+# Placing stops after at most 600 s (the harness's default), then reservations must expire
+# and the audits run: 390-440 s when measured, past the suite's default of 300.
+@pytest.mark.timeout(900)
 def test_the_acceptance_chaos_run(reservoir_amqp_url: str) -> None:
     result = run_chaos(broker_url=reservoir_amqp_url, progress=print)
     summary = result.as_json()

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from brokers.amqp.threaded import AmqpBroker
+from brokers.inprocess import InProcessBroker
 from reservoir.broker import Broker, BrokerClosed, BrokerError, Delivery, Endpoint
 
 if TYPE_CHECKING:
@@ -369,6 +370,8 @@ def test_handler_exception_does_not_stop_delivery(
         healthy.wait_for_body(b"after")
         assert seen.bodies == [b"boom", b"after"]
         assert healthy.bodies == [b"boom", b"after"]
+        assert isinstance(broker, InProcessBroker | AmqpBroker)
+        assert broker.stats.handler_errors == 1  # counted where it runs, either thread
     finally:
         failing.close()
 

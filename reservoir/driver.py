@@ -292,8 +292,10 @@ class Driver:
         # Whoever holds the transmit lock drains the queue, ours included, in order. A
         # thread that may not wait (the broker's IO thread) does not wait for the lock
         # either: its holder drains what it queued, since it looks again after letting go.
-        may_block = self.endpoint.blocking_allowed()
         outbox = self._outbox
+        if not outbox:
+            return
+        may_block = self.endpoint.blocking_allowed()
         while outbox:
             if not self._transmit_lock.acquire(blocking=may_block):
                 return

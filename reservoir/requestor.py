@@ -180,8 +180,8 @@ class Requestor(Driver):
 
         Callbacks added to the future run on the thread that resolves it, which on RabbitMQ
         is the broker's IO thread: keep them short, and never wait in one for another
-        placement (``reserve``, ``result()``), whose answer that thread would have to read.
-        Calling ``submit`` from a callback is fine."""
+        placement (``reserve``, ``result()``), whose answer that thread would have to read,
+        nor open or close a participant there. Calling ``submit`` from a callback is fine."""
         given = {
             "resources": resources,
             "count": count,

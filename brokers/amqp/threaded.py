@@ -279,6 +279,9 @@ class AmqpBroker(Broker, ABC):
         check_handler(handler)
         if name is not None:
             check_no_wildcards(check_endpoint_name(name))
+        if self._on_io_thread():
+            # It waits for RabbitMQ's answers, which only this thread could read.
+            raise RuntimeError("open_endpoint on the broker's IO thread would hang")
         address = name if name is not None else f"inbox.{uuid.uuid4().hex}"
         future: Future = concurrent.futures.Future()
         with self._lock:
@@ -423,6 +426,8 @@ class AmqpBroker(Broker, ABC):
                 if isinstance(action, Resolve | Deliver):
                     self._carry_out(action)
         finally:
+            # A thread started later may get the same id: it is not the IO thread.
+            self._io_ident = None
             with self._lock:
                 self._changed.notify_all()
 

@@ -32,6 +32,8 @@ class LoopbackBroker(AmqpBroker):
         self._queues: dict[str, str | None] = {}
         #: (exchange, queue, pattern) bindings, in binding order
         self._bindings: list[tuple[str, str, str]] = []
+        #: wake-ups of the IO thread asked for so far
+        self.wakes_sent = 0
         super().__init__("amqp://loopback@localhost/?exchange=loopback", **options)
 
     def _io_main(self) -> None:
@@ -39,6 +41,7 @@ class LoopbackBroker(AmqpBroker):
             self._calls.get()()
 
     def _send_wake(self) -> None:
+        self.wakes_sent += 1
         self._calls.put(self._pump)
 
     def _do(self, action: Action[Future]) -> None:

@@ -316,9 +316,16 @@ class Driver:
                 max_workers=1, thread_name_prefix=f"{self._endpoint_name}:binds"
             )
         try:
-            self._binder.submit(self._flush_outbox)
+            self._binder.submit(self._flush_on_binder)
         except RuntimeError:  # shut down: we are closing, and what is left goes nowhere
             log.debug("%s closed before it could bind", self.address)
+
+    def _flush_on_binder(self) -> None:
+        # The executor keeps an exception in a future nobody reads: say it here.
+        try:
+            self._flush_outbox()
+        except Exception:
+            log.exception("%s: transmitting from the binder thread failed", self.address)
 
     def _transmit_one(self, effect: Send | Publish | Bind | Unbind) -> None:
         try:

@@ -7,8 +7,11 @@ and says waiting is not allowed on one thread, the test's stand-in for a broker'
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
+
+import pytest
 
 from reservoir.broker import Broker, Endpoint, Handler
 from reservoir.clock import FakeClock, VirtualScheduler
@@ -165,3 +168,23 @@ def test_a_thread_that_may_wait_binds_itself() -> None:
     assert broker.endpoint.calls == [("bind", "tier.10", here), ("send", "requestor-1", here)]
     assert driver._binder is None
     driver._let_go()
+
+
+def test_a_failure_on_the_binder_thread_is_logged_not_lost(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    broker = FakeBroker()
+    driver = driver_on(broker)
+    endpoint = broker.endpoint
+    assert endpoint is not None
+
+    def broken_bind(pattern: str) -> None:
+        raise ValueError(f"a bug binding {pattern}")
+
+    endpoint.bind = broken_bind  # type: ignore[method-assign]
+    with caplog.at_level(logging.ERROR, logger="reservoir.driver"):
+        run_on_io_thread(broker, lambda: driver._run(lambda now: [Bind("lookup.7")]))
+        assert driver._binder is not None
+        driver._binder.shutdown(wait=True)  # the flush has run
+    assert any("binder thread failed" in r.message for r in caplog.records)
+    assert "a bug binding lookup.7" in caplog.text

@@ -46,6 +46,7 @@ __all__ = [
     "mask_password",
     "missing_exchange",
     "refused_target",
+    "run_handler",
     "run_handlers",
     "topic_of",
 ]
@@ -241,10 +242,23 @@ def run_handlers(
         item = deliveries.get()
         if item is None:
             return
-        endpoint, delivery = item
-        if endpoint._closed:
-            if dropped is not None:
-                dropped()
-            continue
-        if not call_handler(endpoint, delivery, log) and failed is not None:
-            failed()
+        run_handler(*item, log, dropped=dropped, failed=failed)
+
+
+def run_handler(
+    endpoint: Receiver,
+    delivery: Delivery,
+    log: logging.Logger,
+    *,
+    dropped: Callable[[], None] | None = None,
+    failed: Callable[[], None] | None = None,
+) -> None:
+    """One delivery, as :func:`run_handlers` runs each (and an adapter's IO thread an
+    inline endpoint's): dropped and counted if its endpoint closed meanwhile, the handler's
+    failure logged and counted."""
+    if endpoint._closed:
+        if dropped is not None:
+            dropped()
+        return
+    if not call_handler(endpoint, delivery, log) and failed is not None:
+        failed()

@@ -42,7 +42,6 @@ from dataclasses import replace
 from typing import Any, ParamSpec
 
 from brokers._rules import (
-    call_handler,
     check_body,
     check_endpoint_name,
     check_exchange,
@@ -50,6 +49,7 @@ from brokers._rules import (
     check_key,
     check_limits,
     check_no_wildcards,
+    run_handler,
     run_handlers,
 )
 from brokers.admin import RabbitAdmin
@@ -340,7 +340,7 @@ class AmqpBroker(Broker, ABC):
             self._check_usable(endpoint)
             first = self._session.accept(Message(endpoint._token, exchange, key, body))
             wake = first and self._claim_wake()
-        if self._in_handler and threading.get_ident() == self._io_ident:
+        if self._in_handler and self._on_io_thread():
             # An inline handler's: carried out when it returns (see _hand_to), with no
             # wake-up through the client library.
             self._sent_from_handler = True
@@ -400,15 +400,15 @@ class AmqpBroker(Broker, ABC):
     # -- the dispatcher thread -------------------------------------------------------------
 
     def _dispatch_main(self) -> None:
-        def dropped() -> None:
-            with self._lock:
-                self._session.stats.dropped += 1
+        run_handlers(self._deliveries, log, dropped=self._count_dropped, failed=self._count_failed)
 
-        def failed() -> None:
-            with self._lock:
-                self._session.stats.handler_errors += 1
+    def _count_dropped(self) -> None:
+        with self._lock:
+            self._session.stats.dropped += 1
 
-        run_handlers(self._deliveries, log, dropped=dropped, failed=failed)
+    def _count_failed(self) -> None:
+        with self._lock:
+            self._session.stats.handler_errors += 1
 
     # -- the IO thread ---------------------------------------------------------------------
 
@@ -573,18 +573,13 @@ class AmqpBroker(Broker, ABC):
         if not endpoint.inline:
             self._deliveries.put((endpoint, delivery))
             return
-        if endpoint._closed:
-            with self._lock:
-                self._session.stats.dropped += 1
-            return
         self._in_handler = True
         try:
-            handled = call_handler(endpoint, delivery, log)
+            run_handler(
+                endpoint, delivery, log, dropped=self._count_dropped, failed=self._count_failed
+            )
         finally:
             self._in_handler = False
-        if not handled:
-            with self._lock:
-                self._session.stats.handler_errors += 1
         if self._sent_from_handler:
             self._sent_from_handler = False
             if self._pumping:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import queue
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -203,7 +202,9 @@ def _in_workers(
 ) -> list[RunResult]:
     # spawn, not fork: the parent may hold threads (the progress bar's) and their locks
     context = multiprocessing.get_context("spawn")
-    progress_queue = context.Queue()
+    # a SimpleQueue's put writes to the pipe before it returns, so every report a worker
+    # made is readable once its future is done; a Queue's feeder thread may still hold some
+    progress_queue = context.SimpleQueue()
     by_cost = sorted(pairs, key=lambda pair: (_COST_ORDER.get(pair[1], 9), -pair[0]))
     done: dict[tuple[float, str], RunResult] = {}
     with ProcessPoolExecutor(
@@ -227,11 +228,8 @@ def _in_workers(
 
 
 def _relay(progress_queue: Any, progress: Progress | None) -> None:
-    while True:
-        try:
-            label, n = progress_queue.get_nowait()
-        except queue.Empty:
-            return
+    while not progress_queue.empty():
+        label, n = progress_queue.get()
         if progress is not None:
             progress(label, n)
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from typing import Annotated, Final, Literal
+from typing import Annotated, Final, Literal, get_args
 
 from pydantic import (
     BaseModel,
@@ -50,6 +50,7 @@ from pydantic import (
 __all__ = [
     "AUDIT_ID",
     "LOOKUP_BUCKETS",
+    "MESSAGE_CLASSES",
     "NODE_KINDS",
     "PROTOCOL_VERSION",
     "REQUESTOR_KINDS",
@@ -552,6 +553,10 @@ Message = Annotated[
     | LedgerReport,
     Field(discriminator="kind"),
 ]
+
+#: Every message class: a machine takes an event of exactly one of these (they are final),
+#: and drops anything else before it dispatches on ``kind``
+MESSAGE_CLASSES: Final[frozenset[type]] = frozenset(get_args(get_args(Message)[0]))
 
 #: The kinds only a requestor sends, and the kinds only a node sends.
 REQUESTOR_KINDS: Final = frozenset(

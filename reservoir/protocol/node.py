@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Final
 
 from reservoir.protocol.dry_run import assess
@@ -63,6 +63,7 @@ from reservoir.protocol.filters import (
 )
 from reservoir.protocol.ledger import Allocation, Inventory, Ledger, Reservation
 from reservoir.protocol.messages import (
+    MESSAGE_CLASSES,
     ROSTER_TOPIC,
     Accepted,
     AlreadyPlaced,
@@ -83,12 +84,11 @@ from reservoir.protocol.messages import (
     Release,
     ReservationRequest,
     ResourceTally,
-    RollCall,
     lookup_topic,
 )
 from reservoir.protocol.numa import NumaTopology
 from reservoir.protocol.room import NOTHING_FREE
-from reservoir.protocol.tiers import TierLadder
+from reservoir.protocol.tiers import DEFAULT_LADDER, TierLadder
 
 __all__ = ["EXPIRY_TIMER", "IN_FLIGHT_ELSEWHERE", "NodeConfig", "NodeMachine"]
 
@@ -114,7 +114,7 @@ class NodeConfig:
     address: str
     inventories: Mapping[str, Inventory]
     traits: frozenset[str] = frozenset()
-    tiers: TierLadder = field(default_factory=TierLadder)
+    tiers: TierLadder = DEFAULT_LADDER
     #: unique per start of the node's process, so ids never repeat across restarts
     incarnation: str = "0"
     filters: Sequence[Filter] = DEFAULT_FILTERS
@@ -202,20 +202,25 @@ class NodeMachine:
     def handle(self, message: Message, now: float) -> list[Effect]:
         effects: list[Effect] = []
         self._expire(now, effects)
-        if isinstance(message, ReservationRequest):
+        # Dispatched on the wire's discriminator, not isinstance: see RequestorMachine.handle
+        if type(message) not in MESSAGE_CLASSES:
+            effects.append(
+                Dropped("unexpected", f"a node does not take a {type(message).__name__}")
+            )
+        elif message.kind == "request":
             self._on_request(message, now, effects)
-        elif isinstance(message, Lookup):
-            self._on_lookup(message, effects)
-        elif isinstance(message, Award):
+        elif message.kind == "award":
             self._on_award(message, effects)
-        elif isinstance(message, Release):
+        elif message.kind == "release":
             self._on_release(message, effects)
-        elif isinstance(message, Free):
+        elif message.kind == "free":
             self._on_free(message, effects)
-        elif isinstance(message, RollCall):
+        elif message.kind == "lookup":
+            self._on_lookup(message, effects)
+        elif message.kind == "roll_call":
             if not self.stopping:
                 effects.append(Send(message.reply_to, self._status(answering=True)))
-        elif isinstance(message, LedgerQuery):
+        elif message.kind == "ledger_query":
             effects.extend(Send(message.reply_to, r) for r in self.ledger_report(message, now))
         else:
             effects.append(Dropped("unexpected", f"a node does not take {message.kind!r}"))

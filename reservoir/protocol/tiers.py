@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Final
 
-__all__ = ["DEFAULT_TIERS", "TOPIC_PREFIX", "TierLadder"]
+__all__ = ["DEFAULT_LADDER", "DEFAULT_TIERS", "TOPIC_PREFIX", "TierLadder"]
 
 DEFAULT_TIERS: Final = (10, 25, 50, 75, 100)
 TOPIC_PREFIX: Final = "tier"
@@ -81,3 +81,8 @@ class TierLadder:
     def tier_for(self, utilisation: float) -> int:
         """The narrowest tier, as a percentage, that a node at ``utilisation`` belongs to."""
         return self.percents[self.first_index_for(utilisation)]
+
+
+#: the default ladder, shared: it is frozen, and building one works out every topic set
+#: and every percentage's tier (a simulation of 100,000 nodes built 100,000 of them)
+DEFAULT_LADDER: Final = TierLadder()

@@ -1247,7 +1247,9 @@ def _parse_latency(ctx: click.Context, param: click.Parameter, value: str) -> An
     default=None,
     type=click.IntRange(1, 256),
     help="Runs (one per system and load) in parallel worker processes; the results do "
-    "not depend on it.  [default: the cores this process may use]",
+    "not depend on it.  [default: the cores this process may use, or one worker per "
+    "reservoir run and one for the baselines when there are more of those and memory "
+    "allows]",
 )
 @click.option(
     "--output",
@@ -1330,7 +1332,7 @@ def simulate(
         result = simulator.simulate(
             config,
             progress=lambda label, n: bar.update(task, description=label, advance=n),
-            jobs=jobs if jobs is not None else simulator.default_jobs(),
+            jobs=jobs if jobs is not None else simulator.default_jobs(config),
         )
     if as_json:
         click.echo(json.dumps(result.as_json(), sort_keys=True))

@@ -105,9 +105,46 @@ class SimulationResult:
 Progress = Callable[[str, int], None]
 
 
-def default_jobs() -> int:
-    """The cores this process may run on: the default for ``--jobs``."""
+#: resident memory a reservoir run takes per simulated node, rounded up from 4.9 GB at
+#: 100,000 nodes and 95 % load (1.75 million steady-state instances and a million arrivals)
+RUN_BYTES_PER_NODE: Final = 64 * 1024
+
+
+def cores() -> int:
+    """The cores this process may run on."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+
+
+def default_jobs(config: SimulationConfig | None = None) -> int:
+    """The default for ``--jobs``: the cores; or, when reservoir's runs outnumber them,
+    a worker for each of those and one for the baselines, as far as memory allows.
+
+    Reservoir's runs take tens of times a baseline's. With two cores and three of them,
+    two workers run two, then the third alone, the other core idle after the baselines:
+    about twice one run. A worker each shares the cores between them until they all end,
+    which takes about half the CPU of all the runs (a third less, measured at 100,000
+    nodes)."""
+    jobs = cores()
+    if config is None or "reservoir" not in config.systems:
+        return jobs
+    long_runs = len(config.loads)
+    wanted = long_runs + (1 if len(config.systems) > 1 else 0)
+    if wanted <= jobs:
+        return jobs
+    affordable = available_memory_bytes() // (RUN_BYTES_PER_NODE * config.nodes)
+    return max(jobs, min(wanted, affordable))
+
+
+def available_memory_bytes() -> int:
+    """What the kernel says can be allocated without swapping (``MemAvailable``)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 def simulate(

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 
 from reservoir.audit import AuditReport
 from reservoir.cli import main
-from reservoir.simulator import SimulationConfig, parse_latency_ms, simulate
+from reservoir.simulator import SimulationConfig, parse_latency_ms, runner, simulate
 from reservoir.simulator.baselines import BaselineRun
 from reservoir.simulator.capacity import FreeIndex
 from reservoir.simulator.engine import ReservoirRun
@@ -221,3 +221,31 @@ def test_a_broken_invariant_makes_the_command_fail(monkeypatch: pytest.MonkeyPat
                          "--loads", "0.5", "--systems", "reservoir", "--json")  # fmt: skip
     assert status == 2
     assert json.loads(out)["rows"][0]["overcommitted"] == 1
+
+
+@pytest.mark.parametrize(
+    ("cores", "memory_gib", "config", "expected"),
+    [
+        # three long runs on two cores: a worker each, and one for the baselines
+        (2, 64, SimulationConfig(nodes=1000), 4),
+        # ... as far as memory holds them (6.1 GiB a run at 100,000 nodes)
+        (2, 20, SimulationConfig(nodes=100_000), 3),
+        # never fewer than the cores
+        (2, 1, SimulationConfig(nodes=100_000), 2),
+        # no more long runs than cores: the cores
+        (8, 64, SimulationConfig(nodes=1000), 8),
+        # the baselines alone are short: the cores
+        (2, 64, SimulationConfig(systems=("nova", "sampling")), 2),
+        (2, 64, SimulationConfig(systems=("reservoir",)), 3),
+    ],
+)
+def test_the_default_jobs_give_each_long_run_a_worker_as_memory_allows(
+    monkeypatch: pytest.MonkeyPatch,
+    cores: int,
+    memory_gib: int,
+    config: SimulationConfig,
+    expected: int,
+) -> None:
+    monkeypatch.setattr(runner, "cores", lambda: cores)
+    monkeypatch.setattr(runner, "available_memory_bytes", lambda: memory_gib * 2**30)
+    assert runner.default_jobs(config) == expected

@@ -56,6 +56,21 @@ class Verdict:
     numa: tuple[NumaPlacement, ...] | None = None
 
 
+#: the pass-through verdicts, shared (they are frozen): most filters let most requests
+#: through, and a verdict built for each cost a node a frozen dataclass per filter per probe
+_ALLOWING: dict[int, Verdict] = {}
+
+
+def allowing(max_slots: int) -> Verdict:
+    """The verdict that allows ``max_slots`` instances and has nothing to say."""
+    verdict = _ALLOWING.get(max_slots)
+    if verdict is None:
+        verdict = Verdict(max_slots=max_slots)
+        if max_slots <= 64:  # the common counts; a larger one is built each time
+            _ALLOWING[max_slots] = verdict
+    return verdict
+
+
 @runtime_checkable
 class Filter(Protocol):
     """A check that runs on the node with the full request."""
@@ -84,8 +99,10 @@ class ResourceFilter:
 
     def check(self, request: ReservationRequest, node: NodeView, max_slots: int) -> Verdict:
         fit = node.ledger.fit(request.resources, max_slots)
-        busy = fit.slots == 0 and fit.slots_without_reservations > 0
-        return Verdict(max_slots=fit.slots, reasons=fit.reasons, busy=busy)
+        if fit.slots > 0:
+            return allowing(fit.slots)
+        busy = fit.slots_without_reservations > 0
+        return Verdict(max_slots=0, reasons=fit.reasons, busy=busy)
 
 
 class TraitFilter:
@@ -95,7 +112,7 @@ class TraitFilter:
 
     def check(self, request: ReservationRequest, node: NodeView, max_slots: int) -> Verdict:
         if not (request.required_traits or request.forbidden_traits or request.any_of_traits):
-            return Verdict(max_slots=max_slots)  # most requests ask for no trait at all
+            return allowing(max_slots)  # most requests ask for no trait at all
         reasons = [
             Reason(code="trait_missing", subject=trait, detail=f"the node lacks trait {trait}")
             for trait in sorted(request.required_traits - node.traits)
@@ -127,7 +144,7 @@ class GroupFilter:
     def check(self, request: ReservationRequest, node: NodeView, max_slots: int) -> Verdict:
         group = request.group
         if group is None or not group.is_hard:
-            return Verdict(max_slots=max_slots)
+            return allowing(max_slots)
         members = node.ledger.group_members(group.name)
         if group.policy == "anti-affinity":
             if members:
@@ -146,7 +163,7 @@ class GroupFilter:
                     ),
                     busy=allocated == 0,
                 )
-            return Verdict(max_slots=min(max_slots, 1))
+            return allowing(min(max_slots, 1))
         # hard affinity
         if members == 0 and max_slots < request.wanted_slots:
             return Verdict(
@@ -160,7 +177,7 @@ class GroupFilter:
                     ),
                 ),
             )
-        return Verdict(max_slots=max_slots)
+        return allowing(max_slots)
 
 
 class NumaFilter:
@@ -171,7 +188,7 @@ class NumaFilter:
 
     def check(self, request: ReservationRequest, node: NodeView, max_slots: int) -> Verdict:
         if request.numa is None:
-            return Verdict(max_slots=max_slots)
+            return allowing(max_slots)
         if node.numa is None:
             return Verdict(
                 max_slots=0,

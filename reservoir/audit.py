@@ -14,7 +14,6 @@ It looks at what the *nodes* hold, independently of what requestors believe, and
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -106,7 +105,12 @@ def audit(
     """
     overcommitted: list[str] = []
     leaked: list[str] = []
-    held_by_request: defaultdict[str, list[tuple[str, Allocation]]] = defaultdict(list)
+    # A simulated cluster of 100,000 nodes holds millions of allocations, nearly every one
+    # the only one of its request and named by exactly one placement: that case takes no
+    # list, no set and no second pass. ``first`` holds each request id's first allocation
+    # (and the node), ``more`` every allocation of the ids that have several.
+    first: dict[str, tuple[str, Allocation]] = {}
+    more: dict[str, list[tuple[str, Allocation]]] = {}
     for snapshot in snapshots:
         overcommitted += [f"{snapshot.name}: {v}" for v in snapshot.violations]
         for reservation in snapshot.reservations:
@@ -118,14 +122,17 @@ def audit(
                 )
         name = snapshot.name
         for allocation in snapshot.allocations:
-            held_by_request[allocation.request_id].append((name, allocation))
-
-    # Problems are listed by request id, but only the problems are sorted: a simulated
-    # cluster of 100,000 nodes holds millions of allocations, and nearly none is wrong.
+            request_id = allocation.request_id
+            earlier = first.get(request_id)
+            if earlier is None:
+                first[request_id] = (name, allocation)
+            elif request_id in more:
+                more[request_id].append((name, allocation))
+            else:
+                more[request_id] = [earlier, (name, allocation)]
+    # Problems are listed by request id, but only the problems are sorted.
     placed_twice: list[tuple[str, str]] = []
-    for request_id, held in held_by_request.items():
-        if len(held) == 1:
-            continue  # the common case: one allocation, nothing to compare
+    for request_id, held in more.items():
         count = max(a.request_count for _, a in held)
         if len(held) > count:
             where = ", ".join(sorted(f"{node}:{a.allocation_id}" for node, a in held))
@@ -136,19 +143,22 @@ def audit(
                 )
             )
     duplicates = [problem for _, problem in sorted(placed_twice)]
-
+    # the single allocations no placement has named yet, and the ids of the others named
+    unclaimed = dict(first)
     claimed: set[str] = set()
-    nothing: list[tuple[str, Allocation]] = []
     for placement in placements:
-        held = held_by_request.get(placement.request_id, nothing)
+        request_id = placement.request_id
         named = placement.allocations
-        if len(named) == 1 and len(held) == 1:  # the common case, without building sets
+        if len(named) == 1 and request_id not in more:  # the common case
             allocation_id = named[0].allocation_id
-            claimed.add(allocation_id)
-            if held[0][1].allocation_id == allocation_id:
+            single = first.get(request_id)
+            if single is not None and single[1].allocation_id == allocation_id:
+                unclaimed.pop(request_id, None)
                 continue
+            claimed.add(allocation_id)
             missing = [allocation_id]
         else:
+            held = more.get(request_id) or ([first[request_id]] if request_id in first else [])
             held_ids = {a.allocation_id for _, a in held}
             missing = [a.allocation_id for a in named if a.allocation_id not in held_ids]
             claimed.update(a.allocation_id for a in named)
@@ -157,10 +167,14 @@ def audit(
                 f"placement {placement.request_id} names allocations no node "
                 f"holds: {', '.join(missing)}"
             )
-
     orphaned = [
+        (request_id, 0, f"{node}: {allocation.allocation_id} of {request_id}")
+        for request_id, (node, allocation) in unclaimed.items()
+        if request_id not in more and allocation.allocation_id not in claimed
+    ]
+    orphaned += [
         (request_id, position, f"{node}: {allocation.allocation_id} of {request_id}")
-        for request_id, held in held_by_request.items()
+        for request_id, held in more.items()
         for position, (node, allocation) in enumerate(held)
         if allocation.allocation_id not in claimed
     ]

@@ -253,19 +253,25 @@ class Ledger:
                 reasons.append(Reason(code=code, subject=rc, detail=f"{rc}: {detail}"))
                 slots = slots_without = 0
                 continue
-            usage = self.usage(rc)
-            fits = max(usage.free, 0) // amount
-            fits_without = max(usage.capacity - usage.allocated, 0) // amount
-            slots = min(slots, fits)
-            slots_without = min(slots_without, fits_without)
+            # the counters read directly: a ResourceUsage per class per probe showed
+            capacity = inventory.capacity
+            allocated = self._allocated[rc]
+            reserved = self._reserved[rc]
+            free = max(capacity - allocated - reserved, 0)
+            fits = free // amount
+            fits_without = max(capacity - allocated, 0) // amount
+            if fits < slots:
+                slots = fits
+            if fits_without < slots_without:
+                slots_without = fits_without
             if fits == 0:
                 reasons.append(
                     Reason(
                         code="insufficient",
                         subject=rc,
-                        shortfall=amount - max(usage.free, 0),
-                        detail=f"{rc}: need {amount}, free {max(usage.free, 0)} of "
-                        f"{usage.capacity} ({usage.reserved} reserved by others)",
+                        shortfall=amount - free,
+                        detail=f"{rc}: need {amount}, free {free} of "
+                        f"{capacity} ({reserved} reserved by others)",
                     )
                 )
         if slots > 0:
@@ -293,7 +299,8 @@ class Ledger:
         reservation = self.reservation_for(request_id)
         if reservation is not None and reservation.findable:
             return True
-        return any(a.findable for a in self.allocations_for(request_id))
+        held = self._allocations_by_request.get(request_id)
+        return held is not None and any(self.allocations[a].findable for a in held)
 
     def drain_touched(self) -> set[str]:
         """The request ids whose holdings changed since the last call (and forget them)."""
@@ -337,7 +344,7 @@ class Ledger:
         if reservation.request_id in self._reservation_by_request:
             raise ValueError(f"request {reservation.request_id} already holds a reservation")
         self.reservations[reservation.reservation_id] = reservation
-        self._reserved.update(reservation.holds())
+        _add(self._reserved, reservation.holds(), 1)
         self._utilisation = None
         self._reservation_by_request[reservation.request_id] = reservation.reservation_id
         self._touched.add(reservation.request_id)
@@ -348,7 +355,7 @@ class Ledger:
         reservation = self.reservations.pop(reservation_id, None)
         if reservation is None:
             return None
-        self._reserved.subtract(reservation.holds())
+        _add(self._reserved, reservation.holds(), -1)
         self._utilisation = None
         del self._reservation_by_request[reservation.request_id]
         self._touched.add(reservation.request_id)
@@ -360,7 +367,7 @@ class Ledger:
         if allocation.allocation_id in self.allocations:
             raise ValueError(f"allocation {allocation.allocation_id} exists")
         self.allocations[allocation.allocation_id] = allocation
-        self._allocated.update(allocation.resources)
+        _add(self._allocated, allocation.resources, 1)
         self._utilisation = self._allocated_share = self._room = None
         self._allocations_by_request[allocation.request_id].add(allocation.allocation_id)
         self._allocations_by_reservation[allocation.reservation_id].add(allocation.allocation_id)
@@ -372,7 +379,7 @@ class Ledger:
         allocation = self.allocations.pop(allocation_id, None)
         if allocation is None:
             return None
-        self._allocated.subtract(allocation.resources)
+        _add(self._allocated, allocation.resources, -1)
         self._utilisation = self._allocated_share = self._room = None
         _discard(self._allocations_by_request, allocation.request_id, allocation_id)
         _discard(self._allocations_by_reservation, allocation.reservation_id, allocation_id)
@@ -380,6 +387,13 @@ class Ledger:
         if allocation.group is not None:
             self._group_members[allocation.group] -= 1
         return allocation
+
+
+def _add(totals: Counter[str], amounts: Mapping[str, int], sign: int) -> None:
+    """``totals`` plus (or minus) ``amounts``: ``Counter.update`` first asks whether its
+    argument is a Mapping, an ABC check dearer than the two or three additions."""
+    for resource_class, amount in amounts.items():
+        totals[resource_class] += sign * amount
 
 
 def _discard(index: defaultdict[str, set[str]], key: str, value: str) -> None:

@@ -33,12 +33,12 @@ def reference(snapshots: list[NodeSnapshot], placements: list[Claimed]) -> Audit
             held[allocation.request_id].append((snapshot.name, allocation))
     duplicates = []
     for request_id in sorted(held):
-        wanted = max(a.request_count for _, a in held[request_id])
-        if len(held[request_id]) > wanted:
-            where = ", ".join(sorted(f"{n}:{a.allocation_id}" for n, a in held[request_id]))
+        entries = held[request_id]
+        wanted = max(a.request_count for _, a in entries)
+        if len(entries) > wanted:
+            where = ", ".join(sorted(f"{n}:{a.allocation_id}" for n, a in entries))
             duplicates.append(
-                f"request {request_id} wanted {wanted}, nodes hold {len(held[request_id])}: "
-                f"{where}"
+                f"request {request_id} wanted {wanted}, nodes hold {len(entries)}: {where}"
             )
     claimed = set()
     for placement in placements:

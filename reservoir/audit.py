@@ -149,17 +149,20 @@ def audit(
     for placement in placements:
         request_id = placement.request_id
         named = placement.allocations
+        single = first.get(request_id)
         if len(named) == 1 and request_id not in more:  # the common case
             allocation_id = named[0].allocation_id
-            single = first.get(request_id)
             if single is not None and single[1].allocation_id == allocation_id:
                 unclaimed.pop(request_id, None)
                 continue
             claimed.add(allocation_id)
             missing = [allocation_id]
         else:
-            held = more.get(request_id) or ([first[request_id]] if request_id in first else [])
-            held_ids = {a.allocation_id for _, a in held}
+            several = more.get(request_id)
+            if several is not None:
+                held_ids = {a.allocation_id for _, a in several}
+            else:
+                held_ids = set() if single is None else {single[1].allocation_id}
             missing = [a.allocation_id for a in named if a.allocation_id not in held_ids]
             claimed.update(a.allocation_id for a in named)
         if missing:

@@ -253,7 +253,7 @@ class Ledger:
                 reasons.append(Reason(code=code, subject=rc, detail=f"{rc}: {detail}"))
                 slots = slots_without = 0
                 continue
-            # the counters read directly: a ResourceUsage per class per probe showed
+            # the counters, read directly: a ResourceUsage per class per probe cost more
             capacity = inventory.capacity
             allocated = self._allocated[rc]
             reserved = self._reserved[rc]

@@ -37,6 +37,7 @@ from reservoir.protocol.errors import ProtocolBug
 from reservoir.protocol.messages import Decline, Offer
 from reservoir.protocol.placement import PlacedAllocation, PlacementRequest
 from reservoir.protocol.policies import Candidate
+from reservoir.protocol.timers import ConversationTimer, TimerKind
 
 __all__ = ["TRANSITIONS", "Awarded", "Conversation", "Event", "Held", "Phase", "ProtocolBug"]
 
@@ -155,6 +156,8 @@ class Conversation:
     expected: set[str] = field(default_factory=set)
     #: the caller's trace context (W3C traceparent), carried on requests and awards
     traceparent: str | None = None
+    #: the timers set and not yet fired or cancelled, by kind (the latest of each kind)
+    armed: dict[TimerKind, ConversationTimer] = field(default_factory=dict)
 
     def enter(self, event: Event) -> None:
         if event not in TRANSITIONS[self.phase]:

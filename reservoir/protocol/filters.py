@@ -222,7 +222,7 @@ DEFAULT_FILTERS: tuple[Filter, ...] = (TraitFilter(), ResourceFilter(), GroupFil
 DEFAULT_WEIGHERS: tuple[Weigher, ...] = (SoftGroupWeigher(),)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Evaluation:
     """What the node's filters and weighers make of a request."""
 

@@ -132,7 +132,7 @@ class ResourceUsage:
         return self.capacity - self.allocated - self.reserved
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class SlotFit:
     """How many instances of a shape fit, and when none do, why."""
 
@@ -304,7 +304,9 @@ class Ledger:
 
     def drain_touched(self) -> set[str]:
         """The request ids whose holdings changed since the last call (and forget them)."""
-        touched, self._touched = self._touched, set()
+        touched = self._touched
+        if touched:  # most calls find nothing: keep the empty set rather than make one
+            self._touched = set()
         return touched
 
     def group_members(self, group: str) -> int:

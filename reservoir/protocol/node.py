@@ -683,6 +683,11 @@ class NodeMachine:
         if self.stopping:
             return
         room, before = self.ledger.room(), self._room_before
+        if room is before:
+            # The ledger builds a new room whenever the allocations change, and only
+            # then: the same one means the same allocations, so the same tier and topics.
+            # Most messages (probes, releases) change no allocation.
+            return
         self._room_before = room
         wanted = self.config.tiers.topics_for(self.ledger.allocated_share())
         if wanted == self.bound_topics:
@@ -691,7 +696,7 @@ class NodeMachine:
             # news to all of them, or they would only find it in an exhaustive step.
             # Room shrinking is not announced: the decline of the one probe that finds it
             # out tells that requestor. Below the last tier the tier itself says enough.
-            if room is not before and _grew(before, room) and self._in_last_tier():
+            if _grew(before, room) and self._in_last_tier():
                 effects.append(Publish(ROSTER_TOPIC, self._status()))
             return
         # Bind before unbinding so the node is never deaf to every tier at once.

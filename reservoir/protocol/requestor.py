@@ -284,8 +284,7 @@ class RequestorMachine:
         else:
             conversation.sampling = self.config.probe_rounds > 0
         self._active[request_id] = conversation
-        deadline = ConversationTimer(request_id, TimerKind.DEADLINE)
-        effects.append(SetTimer(deadline, conversation.deadline))
+        self._set_timer(conversation, TimerKind.DEADLINE, conversation.deadline, effects)
         self._broadcast(conversation, now, effects)
         return effects
 
@@ -444,9 +443,13 @@ class RequestorMachine:
         if not isinstance(key, ConversationTimer):
             return effects
         c = self._active.get(key.request_id)
-        if c is None or (key.kind in PER_ATTEMPT and key.attempt != c.attempt):
-            return effects  # over, or an earlier attempt's
+        if c is None:
+            return effects  # over
         kind = key.kind
+        if c.armed.get(kind) == key:
+            del c.armed[kind]  # fired: nothing left to cancel
+        if kind in PER_ATTEMPT and key.attempt != c.attempt:
+            return effects  # an earlier attempt's
         if kind is TimerKind.DEADLINE:
             c.note = f"timed out; {c.note}" if c.note else "timed out"
             self._fail(c, now, effects, timed_out=True)
@@ -539,10 +542,18 @@ class RequestorMachine:
     def _set_timer(
         self, c: Conversation, kind: TimerKind, at: float, effects: list[Effect]
     ) -> None:
-        effects.append(SetTimer(self._timer(c, kind), at))
+        key = c.armed[kind] = self._timer(c, kind)
+        effects.append(SetTimer(key, at))
 
-    def _cancel_timer(self, c: Conversation, kind: TimerKind, effects: list[Effect]) -> None:
-        effects.append(CancelTimer(self._timer(c, kind)))
+    @staticmethod
+    def _cancel_timer(c: Conversation, kind: TimerKind, effects: list[Effect]) -> None:
+        """Cancel the conversation's timer of ``kind``, if one is armed. Only armed timers
+        are cancelled: a conversation cancels its collect and widen timers at every
+        attempt and all six kinds when it ends, and a cancel for a timer never set was
+        an effect (and a driver operation) for nothing, ten of them per placement."""
+        key = c.armed.pop(kind, None)
+        if key is not None:
+            effects.append(CancelTimer(key))
 
     @staticmethod
     def _timer(c: Conversation, kind: TimerKind) -> ConversationTimer:
@@ -1098,8 +1109,8 @@ class RequestorMachine:
 
     def _finish(self, c: Conversation, outcome: Placement | None, effects: list[Effect]) -> None:
         del self._active[c.request_id]
-        for kind in TimerKind:
-            self._cancel_timer(c, kind, effects)
+        effects.extend(CancelTimer(key) for key in c.armed.values())
+        c.armed.clear()
         self._finished[c.request_id] = outcome
         self._finished.move_to_end(c.request_id)
         while len(self._finished) > self.config.remember_finished:

@@ -23,8 +23,7 @@ import bisect
 import hashlib
 import itertools
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
-from typing import Final, TypeVar
+from typing import Final, NamedTuple, TypeVar
 
 from reservoir.protocol.room import RoomKey, may_fit, room_key
 from reservoir.protocol.tiers import TierLadder
@@ -33,6 +32,8 @@ __all__ = ["Member", "Roster", "Sampler"]
 
 _T = TypeVar("_T")
 _MASK64: Final = (1 << 64) - 1
+#: how many (room, shape) verdicts a roster keeps before it starts afresh
+_FITS_KEPT: Final = 4096
 
 
 class Sampler:
@@ -70,9 +71,9 @@ class Sampler:
             items[index], items[other] = items[other], items[index]
 
 
-@dataclass(frozen=True, slots=True)
-class Member:
-    """A node as the roster knows it."""
+class Member(NamedTuple):
+    """A node as the roster knows it (a named tuple: a roster makes one for every status
+    that moves a node, several per placement, and a frozen dataclass costs 3x to build)."""
 
     name: str
     address: str
@@ -97,6 +98,9 @@ class Roster:
         #: name -> (member, position in its tier's list for its room)
         self._where: dict[str, tuple[Member, int]] = {}
         self._by_address: dict[str, str] = {}
+        #: (room, one instance's needs) -> may it fit: rooms and shapes are few, and every
+        #: sample asked it of every room of every tier
+        self._fits: dict[tuple[RoomKey, tuple[tuple[str, int], ...]], bool] = {}
 
     def __len__(self) -> int:
         return len(self._where)
@@ -178,15 +182,18 @@ class Roster:
         in ``exclude`` and, given ``needs`` (one instance's resources), none whose room
         rules it out: as many as possible from the emptiest tier, then the next."""
         chosen: list[Member] = []
+        shape = None if needs is None else tuple(needs.items())
         for index in range(min(up_to_tier_index, len(self._by_tier) - 1) + 1):
             missing = wanted - len(chosen)
             if missing <= 0:
                 break
-            groups = [
-                members
-                for room, members in self._by_tier[index].items()
-                if needs is None or may_fit(dict(room), needs)
-            ]
+            rooms = self._by_tier[index]
+            if not rooms:
+                continue
+            if shape is None:
+                groups = list(rooms.values())
+            else:
+                groups = [members for room, members in rooms.items() if self._may_fit(room, shape)]
             population = sum(map(len, groups))
             if not population:
                 continue
@@ -207,3 +214,11 @@ class Roster:
                     if len(chosen) == wanted:
                         break
         return chosen
+
+    def _may_fit(self, room: RoomKey, shape: tuple[tuple[str, int], ...]) -> bool:
+        fits = self._fits.get((room, shape))
+        if fits is None:
+            if len(self._fits) >= _FITS_KEPT:
+                self._fits.clear()  # shapes are the callers' to choose: keep it bounded
+            fits = self._fits[room, shape] = may_fit(dict(room), dict(shape))
+        return fits

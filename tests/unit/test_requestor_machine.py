@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from reservoir.protocol.effects import (
+    CancelTimer,
     Effect,
     Failed,
     Placed,
@@ -246,6 +247,50 @@ def test_the_best_offer_wins_and_the_others_are_released() -> None:
     assert placed.placement.nodes == ("empty-node",)
     assert [s.address for s in sent(done, Release)] == ["addr-half-node"]
     assert effects  # the broadcast happened
+
+
+class LiveTimers:
+    """The timers a driver would hold, following a machine's effects and firings."""
+
+    def __init__(self) -> None:
+        self.live: dict[Hashable, float] = {}
+
+    def follow(self, effects: list[Effect]) -> list[Effect]:
+        for effect in effects:
+            if isinstance(effect, SetTimer):
+                self.live[effect.key] = effect.at
+            elif isinstance(effect, CancelTimer):
+                assert effect.key in self.live, f"cancelled {effect.key}, which was never set"
+                del self.live[effect.key]
+        return effects
+
+    def fire(self, machine: RequestorMachine, key: Hashable) -> list[Effect]:
+        at = self.live.pop(key)
+        return self.follow(machine.on_timer(key, at))
+
+
+def test_a_placement_cancels_only_timers_it_set_and_leaves_none_behind() -> None:
+    machine = a_requestor()
+    timers = LiveTimers()
+    timers.follow(machine.place(spec(), "r1", T0, TIMEOUT_S))
+    first = timers.follow(machine.handle(offer("n1"), T0 + 0.01))
+    timers.follow(machine.handle(offer("n2"), T0 + 0.011))
+    key, _ = timer_at(first, "collect")
+    timers.fire(machine, key)
+    placed = outcome(timers.follow(machine.handle(accepted("n1"), T0 + 0.02)))
+    assert isinstance(placed, Placed)
+    assert timers.live == {}
+
+
+def test_a_failed_request_leaves_no_timer_of_its_conversation_behind() -> None:
+    machine = a_requestor()
+    timers = LiveTimers()
+    timers.follow(machine.place(spec(), "r1", T0, TIMEOUT_S))
+    failed = None
+    while failed is None:  # every tier's wait runs out, then the deadline
+        key = min(timers.live, key=timers.live.__getitem__)
+        failed = next((e for e in timers.fire(machine, key) if isinstance(e, Failed)), None)
+    assert timers.live == {}
 
 
 def test_the_collect_window_follows_the_first_offers_latency() -> None:

@@ -162,7 +162,9 @@ class Ledger:
     _utilisation: float | None = None
     _allocated_share: float | None = None
     _room: dict[str, int] | None = None
-    #: request ids whose reservation or allocations came or went since the last drain
+    #: request ids whose findable reservation or allocations came or went since the last
+    #: drain (only those can change what a lookup bucket must hold; most ids are the
+    #: requestors' own, which no Lookup looks for)
     _touched: set[str] = field(default_factory=set)
 
     @classmethod
@@ -281,9 +283,10 @@ class Ledger:
         )
 
     def allocations_for(self, request_id: str) -> list[Allocation]:
-        return [
-            self.allocations[a] for a in sorted(self._allocations_by_request.get(request_id, ()))
-        ]
+        ids = self._allocations_by_request.get(request_id)
+        if not ids:  # every probe asks, and nearly always of an id not placed here
+            return []
+        return [self.allocations[a] for a in sorted(ids)]
 
     def allocations_from(self, reservation_id: str) -> list[Allocation]:
         ids = self._allocations_by_reservation.get(reservation_id, ())
@@ -303,7 +306,8 @@ class Ledger:
         return held is not None and any(self.allocations[a].findable for a in held)
 
     def drain_touched(self) -> set[str]:
-        """The request ids whose holdings changed since the last call (and forget them)."""
+        """The request ids whose findable holdings changed since the last call (and forget
+        them)."""
         touched = self._touched
         if touched:  # most calls find nothing: keep the empty set rather than make one
             self._touched = set()
@@ -349,7 +353,8 @@ class Ledger:
         _add(self._reserved, reservation.holds(), 1)
         self._utilisation = None
         self._reservation_by_request[reservation.request_id] = reservation.reservation_id
-        self._touched.add(reservation.request_id)
+        if reservation.findable:
+            self._touched.add(reservation.request_id)
         if reservation.group is not None:
             self._group_members[reservation.group] += reservation.slots
 
@@ -360,7 +365,8 @@ class Ledger:
         _add(self._reserved, reservation.holds(), -1)
         self._utilisation = None
         del self._reservation_by_request[reservation.request_id]
-        self._touched.add(reservation.request_id)
+        if reservation.findable:
+            self._touched.add(reservation.request_id)
         if reservation.group is not None:
             self._group_members[reservation.group] -= reservation.slots
         return reservation
@@ -373,7 +379,8 @@ class Ledger:
         self._utilisation = self._allocated_share = self._room = None
         self._allocations_by_request[allocation.request_id].add(allocation.allocation_id)
         self._allocations_by_reservation[allocation.reservation_id].add(allocation.allocation_id)
-        self._touched.add(allocation.request_id)
+        if allocation.findable:
+            self._touched.add(allocation.request_id)
         if allocation.group is not None:
             self._group_members[allocation.group] += 1
 
@@ -385,7 +392,8 @@ class Ledger:
         self._utilisation = self._allocated_share = self._room = None
         _discard(self._allocations_by_request, allocation.request_id, allocation_id)
         _discard(self._allocations_by_reservation, allocation.reservation_id, allocation_id)
-        self._touched.add(allocation.request_id)
+        if allocation.findable:
+            self._touched.add(allocation.request_id)
         if allocation.group is not None:
             self._group_members[allocation.group] -= 1
         return allocation

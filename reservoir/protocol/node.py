@@ -464,6 +464,8 @@ class NodeMachine:
         members_before = self._group_members(request)
         self.ledger.add_reservation(reservation)
         self.counters["reserved"] += 1
+        if self._expiry_at is not None:
+            self._expire_by(reservation.deadline, effects)
         # Findable by a Lookup for the id before anyone hears of the offer.
         self._sync_buckets(effects)
         effects.append(
@@ -740,11 +742,19 @@ class NodeMachine:
         timer for each of them cost two timer operations per probe, each waking the
         driver's timer thread; now it moves only when a reservation expires sooner than
         any before it, and fires at most once per TTL when nothing expires."""
-        deadline = self.ledger.next_deadline()
-        if deadline is None or (self._expiry_at is not None and self._expiry_at <= deadline):
+        if self._expiry_at is not None:
+            # Due no later than every deadline: a reservation made since moved it already,
+            # if it had to (``_expire_by``), and the others' deadlines never move.
             return
-        self._expiry_at = deadline
-        effects.append(SetTimer(EXPIRY_TIMER, deadline))
+        deadline = self.ledger.next_deadline()
+        if deadline is not None:
+            self._expire_by(deadline, effects)
+
+    def _expire_by(self, deadline: float, effects: list[Effect]) -> None:
+        """Have the expiry timer due by ``deadline``, a reservation's."""
+        if self._expiry_at is None or deadline < self._expiry_at:
+            self._expiry_at = deadline
+            effects.append(SetTimer(EXPIRY_TIMER, deadline))
 
 
 def _grew(before: dict[str, int] | None, room: dict[str, int]) -> bool:

@@ -126,7 +126,9 @@ class Roster:
         key = room_key(room) if room else (current[0].room if current else ())
         if current is not None:
             member = current[0]
-            if member.tier_index == index and member.address == address and member.room == key:
+            if member.tier_index == index and member.address == address:
+                if member.room != key:
+                    self._move(current, key)
                 return
             self.remove(name)
         self._add(Member(name, address, index, key))
@@ -136,11 +138,26 @@ class Roster:
         current = self._where.get(name)
         if current is None or not room:
             return
-        member = current[0]
         key = room_key(room)
-        if member.room != key:
-            self.remove(name)
-            self._add(Member(member.name, member.address, member.tier_index, key))
+        if current[0].room != key:
+            self._move(current, key)
+
+    def _move(self, current: tuple[Member, int], room: RoomKey) -> None:
+        """Move a member to another room's list of its tier (the news of most statuses and
+        answers: the node and its tier stay, its room changed)."""
+        member, position = current
+        rooms = self._by_tier[member.tier_index]
+        members = rooms[member.room]
+        last = members.pop()
+        if last.name != member.name:
+            members[position] = last
+            self._where[last.name] = (last, position)
+        if not members:
+            del rooms[member.room]
+        moved = member._replace(room=room)
+        target = rooms.setdefault(room, [])
+        self._where[member.name] = (moved, len(target))
+        target.append(moved)
 
     def _add(self, member: Member) -> None:
         members = self._by_tier[member.tier_index].setdefault(member.room, [])

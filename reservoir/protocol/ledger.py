@@ -73,9 +73,11 @@ class Inventory:
         return None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Allocation:
-    """One instance placed on this node. Durable: it survives the node agent's restart."""
+    """One instance placed on this node. Durable: it survives the node agent's restart.
+
+    Slotted: a simulated cloud of 100,000 nodes holds 1.75 million of them per run."""
 
     allocation_id: str
     request_id: str

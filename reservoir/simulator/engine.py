@@ -262,17 +262,21 @@ class ReservoirRun:
         ]
         requestor_names = [f"requestor-{k}" for k in range(requestors)]
         prefilled: list[list[Allocation]] = [[] for _ in range(cluster.nodes)]
+        # One resources mapping per flavour, shared by its steady-state instances (nothing
+        # changes an allocation's resources): 1.75 million dicts fewer at 100,000 nodes.
+        shared_resources = [
+            {"VCPU": flavour.vcpus, "MEMORY_MB": flavour.memory_mb} for flavour in workload.flavours
+        ]
         for j, (where, kind) in enumerate(
             zip(workload.prefill_node, workload.prefill_flavour, strict=True)
         ):
-            flavour = workload.flavours[kind]
             prefilled[where].append(
                 Allocation(
                     allocation_id=_prefill_allocation_id(j),
                     request_id=_prefill_request_id(j),
                     reservation_id=_prefill_request_id(j),
                     owner=requestor_names[j % requestors],
-                    resources={"VCPU": flavour.vcpus, "MEMORY_MB": flavour.memory_mb},
+                    resources=shared_resources[kind],
                     # like the arrivals' ids, the steady state's are the requestors' own,
                     # so no Lookup looks for them (a node binds no lookup bucket for them)
                     findable=False,

@@ -158,6 +158,8 @@ class Roster:
         target = rooms.setdefault(room, [])
         self._where[member.name] = (moved, len(target))
         target.append(moved)
+        # As when it is added: the member that last told of an address owns it.
+        self._by_address[member.address] = member.name
 
     def _add(self, member: Member) -> None:
         members = self._by_tier[member.tier_index].setdefault(member.room, [])

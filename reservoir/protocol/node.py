@@ -464,8 +464,7 @@ class NodeMachine:
         members_before = self._group_members(request)
         self.ledger.add_reservation(reservation)
         self.counters["reserved"] += 1
-        if self._expiry_at is not None:
-            self._expire_by(reservation.deadline, effects)
+        self._expire_by(reservation.deadline, effects)
         # Findable by a Lookup for the id before anyone hears of the offer.
         self._sync_buckets(effects)
         effects.append(
@@ -743,8 +742,9 @@ class NodeMachine:
         driver's timer thread; now it moves only when a reservation expires sooner than
         any before it, and fires at most once per TTL when nothing expires."""
         if self._expiry_at is not None:
-            # Due no later than every deadline: a reservation made since moved it already,
-            # if it had to (``_expire_by``), and the others' deadlines never move.
+            # Due no later than every deadline: each reservation moves it as it is made
+            # (``_expire_by``), and deadlines never move. Unset, no reservation is live but
+            # after the timer fired: then this finds the next deadline.
             return
         deadline = self.ledger.next_deadline()
         if deadline is not None:

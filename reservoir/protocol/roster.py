@@ -145,7 +145,17 @@ class Roster:
     def _move(self, current: tuple[Member, int], room: RoomKey) -> None:
         """Move a member to another room's list of its tier (the news of most statuses and
         answers: the node and its tier stay, its room changed)."""
-        member, position = current
+        self._unlist(*current)
+        self._add(current[0]._replace(room=room))
+
+    def _add(self, member: Member) -> None:
+        members = self._by_tier[member.tier_index].setdefault(member.room, [])
+        self._where[member.name] = (member, len(members))
+        members.append(member)
+        self._by_address[member.address] = member.name
+
+    def _unlist(self, member: Member, position: int) -> None:
+        """Take ``member`` out of its (tier, room) list: the last one takes its place."""
         rooms = self._by_tier[member.tier_index]
         members = rooms[member.room]
         last = members.pop()
@@ -154,32 +164,13 @@ class Roster:
             self._where[last.name] = (last, position)
         if not members:
             del rooms[member.room]
-        moved = member._replace(room=room)
-        target = rooms.setdefault(room, [])
-        self._where[member.name] = (moved, len(target))
-        target.append(moved)
-        # As when it is added: the member that last told of an address owns it.
-        self._by_address[member.address] = member.name
-
-    def _add(self, member: Member) -> None:
-        members = self._by_tier[member.tier_index].setdefault(member.room, [])
-        self._where[member.name] = (member, len(members))
-        members.append(member)
-        self._by_address[member.address] = member.name
 
     def remove(self, name: str) -> bool:
         current = self._where.pop(name, None)
         if current is None:
             return False
-        member, position = current
-        rooms = self._by_tier[member.tier_index]
-        members = rooms[member.room]
-        last = members.pop()
-        if last.name != name:
-            members[position] = last
-            self._where[last.name] = (last, position)
-        if not members:
-            del rooms[member.room]
+        member = current[0]
+        self._unlist(*current)
         if self._by_address.get(member.address) == name:
             del self._by_address[member.address]
         return True

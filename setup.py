@@ -39,8 +39,8 @@ COMPILED = [
 #: every module of reservoir/protocol and reservoir/simulator is in one list or the other)
 INTERPRETED = {
     "reservoir/protocol/__init__.py": "re-exports only",
-    "reservoir/protocol/messages.py": "pydantic models: pydantic reads the class at run time",
-    "reservoir/protocol/placement.py": "PlacementRequest is a pydantic model",
+    "reservoir/protocol/messages.py": "msgspec structs, which a compiled class cannot be",
+    "reservoir/protocol/placement.py": "PlacementRequest is a msgspec struct",
     "reservoir/protocol/filters.py": "Filter and Weigher are runtime_checkable protocols "
     "(plugins are checked against them), which a compiled class cannot be",
     "reservoir/protocol/errors.py": "a subclass of a built-in exception",

@@ -68,8 +68,8 @@ from reservoir import (
     RequestorClosed,
     Settings,
 )
-from reservoir.protocol.messages import GroupPolicy, Identifier
-from reservoir.serve import Problem, ReservoirService, reservoir_lifespan
+from reservoir.protocol.messages import GroupPolicy
+from reservoir.serve import Identifier, Problem, ReservoirService, reservoir_lifespan
 
 __all__ = [
     "AllocationOut",

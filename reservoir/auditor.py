@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec.structs
+
 from reservoir.asking import AskEveryNode
 from reservoir.audit import AuditReport, NodeSnapshot, audit
 from reservoir.broker import Broker
@@ -284,7 +286,7 @@ def placement_record(placement: Placement) -> dict[str, Any]:
                 "node": a.node,
                 "allocation_id": a.allocation_id,
                 "resources": dict(a.resources),
-                **({"numa": a.numa.model_dump()} if a.numa else {}),
+                **({"numa": msgspec.structs.asdict(a.numa)} if a.numa else {}),
             }
             for a in placement.allocations
         ],

@@ -15,17 +15,18 @@ import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, cast
 
 import click
+import msgspec.structs
 from pydantic import ValidationError
 
 from brokers.admin import ExchangeInUse
 from reservoir.broker import BrokerError
 from reservoir.protocol.ledger import Inventory
-from reservoir.protocol.messages import GroupSpec, NumaSpec
+from reservoir.protocol.messages import GroupPolicy, GroupSpec, NumaSpec
 from reservoir.protocol.numa import NumaTopology
-from reservoir.protocol.placement import PlacementError, PlacementRequest
+from reservoir.protocol.placement import PlacementError, PlacementRequest, checked_request
 from reservoir.settings import Settings
 
 EXIT_NOT_PLACED = 1
@@ -685,15 +686,14 @@ def request(
             min_count=min_count,
             required_traits=frozenset(t.upper() for t in required),
             forbidden_traits=frozenset(t.upper() for t in forbidden),
-            group=GroupSpec.model_validate({"name": group, "policy": group_policy})
-            if group
-            else None,
+            group=GroupSpec(name=group, policy=cast(GroupPolicy, group_policy)) if group else None,
             numa=NumaSpec(nodes=numa_nodes, dedicated_cpus=pinned) if numa_nodes else None,
             explain=explain,
             hints=dict(_parse_pairs(hints, "KEY=VALUE")) if hints else {},
             request_id=request_id,
         )
-    except ValidationError as error:
+        spec = checked_request(spec)
+    except ValueError as error:
         raise click.UsageError(f"not a valid request: {error}") from None
     if dry_run:
         _dry_run(spec, broker_url, min(timeout_s, DRY_RUN_WAIT_S), as_json)
@@ -915,7 +915,7 @@ def inspect(state_dir: Path, name: str, as_json: bool) -> None:
                             "request_id": a.request_id,
                             "resources": dict(a.resources),
                             "group": a.group,
-                            **({"numa": a.numa.model_dump()} if a.numa else {}),
+                            **({"numa": msgspec.structs.asdict(a.numa)} if a.numa else {}),
                         }
                         for a in allocations
                     ],

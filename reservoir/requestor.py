@@ -40,6 +40,7 @@ from reservoir.protocol.placement import (
     Placement,
     PlacementError,
     PlacementRequest,
+    checked_request,
 )
 from reservoir.protocol.policies import Policy, policy_named
 from reservoir.protocol.requestor import RequestorConfig, RequestorMachine
@@ -83,10 +84,10 @@ def _shape(
     if request is not None:
         if fields or any(v is not None for v in shorthand.values()):
             raise TypeError("pass either a PlacementRequest or keyword fields, not both")
-        return request
+        return checked_request(request)
     resources = dict(fields.pop("resources", None) or {})
     resources.update({rc: amount for rc, amount in shorthand.items() if amount is not None})
-    return PlacementRequest(resources=resources, **fields)
+    return checked_request(PlacementRequest(resources=resources, **fields))
 
 
 class Requestor(Driver):

@@ -36,18 +36,26 @@ from types import FrameType
 from typing import TYPE_CHECKING, Annotated, Any, Protocol, TypeVar
 
 import click
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from reservoir import tracing
 from reservoir.audit import NodeSnapshot
 from reservoir.auditor import LedgerCollector
 from reservoir.broker import Broker, BrokerError
-from reservoir.protocol.messages import GroupPolicy, GroupSpec, Identifier, Trait
+from reservoir.protocol.messages import (
+    IDENTIFIER_MAX_LENGTH,
+    IDENTIFIER_PATTERN,
+    TRAIT_MAX_LENGTH,
+    TRAIT_PATTERN,
+    GroupPolicy,
+    GroupSpec,
+)
 from reservoir.protocol.placement import (
     Placement,
     PlacementError,
     PlacementRequest,
     PlacementTimeout,
+    checked_request,
 )
 from reservoir.requestor import FreeIncomplete, Requestor, RequestorClosed
 from reservoir.settings import Settings
@@ -59,11 +67,13 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AllocationOut",
+    "Identifier",
     "NodeOut",
     "PlacementOut",
     "Problem",
     "ReservationIn",
     "ReservoirService",
+    "Trait",
     "create_app",
     "reservoir_lifespan",
     "serve",
@@ -90,6 +100,17 @@ DEFAULT_NODES_WAIT_S = 1.0
 
 
 # -- the HTTP shapes -------------------------------------------------------------------
+
+#: The protocol's rules for an id and a trait (:mod:`reservoir.protocol.messages`), as
+#: pydantic checks them in the HTTP shapes: a bad field is a 422 that names it, and the
+#: OpenAPI schema shows the rule.
+Identifier = Annotated[
+    str,
+    StringConstraints(min_length=1, max_length=IDENTIFIER_MAX_LENGTH, pattern=IDENTIFIER_PATTERN),
+]
+Trait = Annotated[
+    str, StringConstraints(min_length=1, max_length=TRAIT_MAX_LENGTH, pattern=TRAIT_PATTERN)
+]
 
 
 class ReservationIn(BaseModel):
@@ -129,8 +150,10 @@ class ReservationIn(BaseModel):
         return hashlib.sha256(canonical.encode()).hexdigest()
 
     def to_placement_request(self, request_id: str | None, explain: bool) -> PlacementRequest:
-        """The protocol's request; raises :class:`pydantic.ValidationError` for a shape the
-        protocol refuses (no positive amount, min_count > count, an unknown class)."""
+        """The protocol's request; raises :class:`ValueError` (an
+        :class:`~reservoir.protocol.placement.InvalidRequest` naming the field, when it is
+        one field) for a shape the protocol refuses (no positive amount, min_count > count,
+        an unknown class)."""
         resources = dict(self.resources)
         for name, amount in (
             ("VCPU", self.vcpus),
@@ -142,15 +165,17 @@ class ReservationIn(BaseModel):
         group = None
         if self.group is not None:
             group = GroupSpec(name=self.group, policy=self.policy or "anti-affinity")
-        return PlacementRequest(
-            resources=resources,
-            count=self.count,
-            min_count=self.min_count,
-            group=group,
-            required_traits=frozenset(self.required_traits),
-            forbidden_traits=frozenset(self.forbidden_traits),
-            explain=explain,
-            request_id=request_id,
+        return checked_request(
+            PlacementRequest(
+                resources=resources,
+                count=self.count,
+                min_count=self.min_count,
+                group=group,
+                required_traits=frozenset(self.required_traits),
+                forbidden_traits=frozenset(self.forbidden_traits),
+                explain=explain,
+                request_id=request_id,
+            )
         )
 
 
@@ -674,14 +699,13 @@ def create_app(
             )
         try:
             spec = body.to_placement_request(key, service.explain)
-        except ValidationError as error:
-            errors = []
-            for item in error.errors():
-                loc: tuple[int | str, ...] = ("body", *item["loc"])
-                if idempotency_key is not None and loc == ("body", "request_id"):
-                    loc = ("header", "Idempotency-Key")  # name the key where it came from
-                errors.append({**item, "loc": loc})
-            raise Problem.of_validation_error(errors) from None
+        except ValueError as error:  # InvalidRequest, or how the fields fit together
+            field = getattr(error, "field", "")
+            loc: tuple[str, ...] = ("body", *field.split(".")) if field else ("body",)
+            if idempotency_key is not None and loc == ("body", "request_id"):
+                loc = ("header", "Idempotency-Key")  # name the key where it came from
+            message = getattr(error, "problem", str(error))
+            raise Problem.of_validation_error([{"loc": loc, "msg": message}]) from None
         if key is not None:
             service.claim_key(key, body.fingerprint())
             if key in service.freeing:

@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 from typing import Final, Protocol
 
-from pydantic import ValidationError
+import msgspec
 
 from reservoir.protocol.ledger import Allocation
 from reservoir.protocol.messages import NumaPlacement
@@ -146,7 +146,7 @@ class SqliteStore:
                 resources = json.loads(row[4])
                 if not isinstance(resources, dict):
                     raise ValueError("resources is not an object")
-                numa = NumaPlacement.model_validate_json(row[7]) if row[7] else None
+                numa = msgspec.json.decode(row[7], type=NumaPlacement) if row[7] else None
                 allocations.append(
                     Allocation(
                         allocation_id=row[0],
@@ -159,7 +159,7 @@ class SqliteStore:
                         numa=numa,
                     )
                 )
-            except (ValueError, TypeError, ValidationError) as error:
+            except (ValueError, TypeError) as error:  # msgspec.ValidationError is a ValueError
                 raise StateError(
                     f"{self.path}: allocation {row[0]!r} is corrupt: {error}"
                 ) from None
@@ -177,7 +177,7 @@ class SqliteStore:
                     json.dumps(dict(allocation.resources), sort_keys=True),
                     allocation.request_count,
                     allocation.group,
-                    allocation.numa.model_dump_json() if allocation.numa else None,
+                    msgspec.json.encode(allocation.numa).decode() if allocation.numa else None,
                 ),
             )
 

@@ -32,10 +32,15 @@ import threading
 from collections import OrderedDict, deque
 from typing import Final
 
-from pydantic import ValidationError
+import msgspec
 
 from reservoir.keys import ROLES, Keyring, Role, kinds_of, role_of
-from reservoir.protocol.messages import Message, message_adapter
+from reservoir.protocol.messages import (
+    Message,
+    decode_message,
+    encode_message,
+    validation_error_at,
+)
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
@@ -134,7 +139,7 @@ class Codec:
     def encode(self, message: Message, wall_s: float, *, destination: str) -> bytes:
         """``destination`` is the routing key it is published with, or the address it is
         sent to: the receiver checks it is where the message was meant to go."""
-        body = message.model_dump_json().encode()
+        body = encode_message(message)
         if self.keys is None:
             return body
         role = role_of(message.kind)
@@ -174,14 +179,11 @@ class Codec:
         elif body.startswith(_MAGIC + b" ") or body.startswith(b"RSV1."):
             raise DecodeError("unexpected_signature", "signed message but no keys configured")
         try:
-            message = message_adapter.validate_json(body)
-        except ValidationError as error:
-            kinds = {e["type"] for e in error.errors()}
-            if kinds & {"json_invalid", "json_type", "dict_type"}:
-                raise DecodeError("malformed", "not a JSON object", sender) from None
-            if kinds & {"union_tag_invalid", "union_tag_not_found"}:
-                raise DecodeError("unknown_kind", _first_error(error), sender) from None
-            raise DecodeError("invalid", _first_error(error), sender) from None
+            message = decode_message(body)
+        except msgspec.ValidationError as error:
+            raise DecodeError(*_refusal(error), sender) from None
+        except msgspec.DecodeError:
+            raise DecodeError("malformed", "not a JSON object", sender) from None
         if signed_role is not None and message.kind not in kinds_of(signed_role):
             raise DecodeError(
                 "wrong_role",
@@ -349,7 +351,12 @@ def _claimed_sender(body: bytes) -> str | None:
     return sender[:200] if isinstance(sender, str) else None
 
 
-def _first_error(error: ValidationError) -> str:
-    first = error.errors()[0]
-    where = ".".join(str(part) for part in first["loc"]) or "message"
-    return f"{where}: {first['msg']}"
+def _refusal(error: msgspec.ValidationError) -> tuple[str, str]:
+    """The reason and detail of a body that is JSON but no valid message: the detail names
+    the field, ``allocations[0].slots: Expected `int` >= 1``."""
+    where, what = validation_error_at(error)
+    if not where and what.startswith("Expected `object`"):
+        return "malformed", "not a JSON object"
+    if where == "kind" or what == "Object missing required field `kind`":
+        return "unknown_kind", f"kind: {what}"
+    return "invalid", f"{where or 'message'}: {what}"

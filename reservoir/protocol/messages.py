@@ -1,8 +1,13 @@
 """The protocol's messages: what crosses the broker, and nothing else.
 
-Every message is a frozen pydantic model that forbids unknown fields and carries the
+Every message is a frozen msgspec struct that forbids unknown fields and carries the
 protocol version, the ``request_id`` of the conversation it belongs to and the id of its
-sender. They form one union discriminated on ``kind``. A request carries the *whole*
+sender. They form one union tagged by ``kind``. Decoding (:func:`decode_message`) checks
+every constraint written in the annotations; building one checks only what its
+``__post_init__`` checks, since the machines build them from values they hold (a caller's
+request is checked in full before it is placed: :func:`~reservoir.protocol.placement.
+checked_request`). msgspec rather than pydantic because it builds, encodes and decodes
+these messages several times faster (``benchmarks/codec.py``). A request carries the *whole*
 request (resources, traits, NUMA shape, server group, hints): whatever a node needs to
 decide, it finds there, so the node runs the one and only copy of the placement logic.
 
@@ -34,21 +39,16 @@ from __future__ import annotations
 
 import hashlib
 import re
-from typing import Annotated, Final, Literal, get_args
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Final, Literal, get_args
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    JsonValue,
-    StringConstraints,
-    TypeAdapter,
-    field_validator,
-    model_validator,
-)
+import msgspec
+from msgspec import Meta, field
 
 __all__ = [
     "AUDIT_ID",
+    "IDENTIFIER_MAX_LENGTH",
+    "IDENTIFIER_PATTERN",
     "LOOKUP_BUCKETS",
     "MESSAGE_CLASSES",
     "NODE_KINDS",
@@ -57,6 +57,8 @@ __all__ = [
     "ROSTER_ID",
     "ROSTER_TOPIC",
     "STANDARD_RESOURCE_CLASSES",
+    "TRAIT_MAX_LENGTH",
+    "TRAIT_PATTERN",
     "Accepted",
     "AllocationInfo",
     "AlreadyPlaced",
@@ -84,9 +86,12 @@ __all__ = [
     "ReservationRequest",
     "ResourceTally",
     "RollCall",
+    "decode_message",
+    "encode_message",
     "is_resource_class",
     "lookup_topic",
-    "message_adapter",
+    "message_from_fields",
+    "validation_error_at",
 ]
 
 PROTOCOL_VERSION: Final = 1
@@ -107,27 +112,26 @@ LOOKUP_BUCKETS: Final = 1 << 16
 
 _CUSTOM_CLASS_PATTERN = r"CUSTOM_[A-Z0-9_]+"
 _CUSTOM_CLASS = re.compile(f"^{_CUSTOM_CLASS_PATTERN}$")
-#: what is_resource_class accepts, as one pattern (for pydantic-core to check alone)
+#: what is_resource_class accepts, as one pattern (for msgspec to check alone)
 _RESOURCE_CLASS_PATTERN = (
     f"^({'|'.join(sorted(STANDARD_RESOURCE_CLASSES))}|{_CUSTOM_CLASS_PATTERN})$"
 )
 
+#: what an id (a request, a node, an address...) may be: the pattern and the longest
+IDENTIFIER_PATTERN: Final = r"^[A-Za-z0-9._:@/+=-]+$"
+IDENTIFIER_MAX_LENGTH: Final = 200
+#: what a trait may be
+TRAIT_PATTERN: Final = r"^[A-Z0-9_]+$"
+TRAIT_MAX_LENGTH: Final = 255
+
 Identifier = Annotated[
-    str, StringConstraints(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:@/+=-]+$")
+    str, Meta(min_length=1, max_length=IDENTIFIER_MAX_LENGTH, pattern=IDENTIFIER_PATTERN)
 ]
-Trait = Annotated[str, StringConstraints(min_length=1, max_length=255, pattern=r"^[A-Z0-9_]+$")]
-Amount = Annotated[int, Field(ge=0, le=2**53)]
+Trait = Annotated[str, Meta(min_length=1, max_length=TRAIT_MAX_LENGTH, pattern=TRAIT_PATTERN)]
+Amount = Annotated[int, Meta(ge=0, le=2**53)]
 #: a W3C ``traceparent`` (version-trace id-parent id-flags), carried so that a node's spans
 #: join the requestor's trace; absent unless the requestor traces
-TraceParent = Annotated[
-    str, StringConstraints(pattern=r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
-]
-
-
-def _absent(value: object) -> bool:
-    # Optional fields left out of the JSON when unset: a message that uses none of them is
-    # byte for byte what it was before they existed.
-    return value is None or value is False
+TraceParent = Annotated[str, Meta(pattern=r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")]
 
 
 def is_resource_class(name: str) -> bool:
@@ -144,36 +148,51 @@ def lookup_topic(request_id: str) -> str:
     return f"lookup.{int.from_bytes(digest, 'big') % LOOKUP_BUCKETS:04x}"
 
 
-def _check_resource_classes(resources: dict[str, int]) -> dict[str, int]:
-    # Every request and offer passes here: one pass, sorting only for the error.
+def _check_resource_classes(resources: Mapping[str, int]) -> None:
+    # Every request passes here: one pass, sorting only for the error.
     unknown = [rc for rc in resources if not is_resource_class(rc)]
     if unknown:
         raise ValueError(
             f"unknown resource class {', '.join(sorted(unknown))}: use one of "
             f"{', '.join(sorted(STANDARD_RESOURCE_CLASSES))} or CUSTOM_<NAME>"
         )
-    return resources
 
 
 #: A node's room (:mod:`reservoir.protocol.room`): per resource class, floor(log2) of what
 #: its allocations leave free, -1 when nothing is; empty when the sender does not say.
-#: Checked by pydantic-core alone (a pattern, not a Python validator): it rides on every
-#: answer a node sends.
+#: Checked by msgspec alone (a pattern, not a Python check): it rides on every answer a
+#: node sends.
 Room = Annotated[
     dict[
-        Annotated[str, StringConstraints(pattern=_RESOURCE_CLASS_PATTERN)],
-        Annotated[int, Field(ge=-1, le=53)],
+        Annotated[str, Meta(pattern=_RESOURCE_CLASS_PATTERN)],
+        Annotated[int, Meta(ge=-1, le=53)],
     ],
-    Field(max_length=64),
+    Meta(max_length=64),
 ]
 
 
-class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+# Every message and part of one is a frozen msgspec struct that refuses unknown fields.
+# Constructing one checks nothing but what ``__post_init__`` checks (the machines build
+# them from values they hold); decoding checks every constraint in the annotations, and
+# ``__post_init__`` too, so nothing malformed reaches a machine. Fields equal to their
+# default are left out of the JSON: a message that uses none of the optional fields is
+# byte for byte what it was before they existed.
+class _Frozen(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True,
+              omit_defaults=True):  # fmt: skip
+    pass
 
 
-class _Message(_Frozen):
-    version: Literal[1] = PROTOCOL_VERSION
+def _protocol_version() -> Literal[1]:
+    # A factory rather than a plain default, so that the version is always on the wire
+    # (omit_defaults leaves out plain defaults only): a receiver of another version can
+    # tell the difference.
+    return PROTOCOL_VERSION
+
+
+class _Message(_Frozen, tag_field="kind", frozen=True, kw_only=True):
+    #: the message's kind, as the JSON's ``kind`` field carries it
+    kind: ClassVar[str]
+    version: Literal[1] = field(default_factory=_protocol_version)
     request_id: Identifier
     sender: Identifier
 
@@ -181,7 +200,7 @@ class _Message(_Frozen):
 GroupPolicy = Literal["affinity", "anti-affinity", "soft-affinity", "soft-anti-affinity"]
 
 
-class GroupSpec(_Frozen):
+class GroupSpec(_Frozen, frozen=True, kw_only=True):
     """A server group the requested instances join, with its placement policy."""
 
     name: Identifier
@@ -192,16 +211,16 @@ class GroupSpec(_Frozen):
         return not self.policy.startswith("soft-")
 
 
-class NumaSpec(_Frozen):
+class NumaSpec(_Frozen, frozen=True, kw_only=True):
     """The NUMA shape of each instance: split across ``nodes`` cells, optionally with
     dedicated (pinned) CPUs and memory backed by huge pages of ``hugepage_kb``."""
 
-    nodes: int = Field(default=1, ge=1, le=16)
+    nodes: Annotated[int, Meta(ge=1, le=16)] = 1
     dedicated_cpus: bool = False
-    hugepage_kb: int | None = Field(default=None, gt=0)
+    hugepage_kb: Annotated[int, Meta(gt=0)] | None = None
 
 
-class NumaPlacement(_Frozen):
+class NumaPlacement(_Frozen, frozen=True, kw_only=True):
     """Where on the node's NUMA topology one instance landed: its cells, its pinned host
     CPUs (dedicated only), and what it takes from each cell."""
 
@@ -212,7 +231,7 @@ class NumaPlacement(_Frozen):
     hugepage_kb: int | None = None
 
 
-class AllocationInfo(_Frozen):
+class AllocationInfo(_Frozen, frozen=True, kw_only=True):
     """One instance's allocation on a node, as the node reports it."""
 
     allocation_id: Identifier
@@ -220,24 +239,30 @@ class AllocationInfo(_Frozen):
     numa: NumaPlacement | None = None
 
 
-class Reason(_Frozen):
+class Reason(_Frozen, frozen=True, kw_only=True):
     """Why a node cannot take a request: which check said no, and by how much."""
 
     #: which check said no, e.g. ``insufficient``, ``trait_missing``, ``anti_affinity``
-    code: Annotated[str, StringConstraints(min_length=1, max_length=64)]
+    code: Annotated[str, Meta(min_length=1, max_length=64)]
     #: what it is about: a resource class, a trait, a server group
-    subject: Annotated[str, StringConstraints(max_length=255)] | None = None
+    subject: Annotated[str, Meta(max_length=255)] | None = None
     #: for a resource: how much more the node would need
     shortfall: int | None = None
-    detail: Annotated[str, StringConstraints(max_length=500)] = ""
+    detail: Annotated[str, Meta(max_length=500)] = ""
 
 
-class InstanceShape(_Frozen):
-    """What each instance needs and where it may go: the part of a request a caller writes."""
+class InstanceShape(_Frozen, frozen=True, kw_only=True):
+    """What each instance needs and where it may go: the part of a request a caller writes.
 
-    count: int = Field(default=1, ge=1, le=10_000)
+    Constructing one checks how its fields fit together (a positive amount of something,
+    ``min_count`` within ``count``, known resource classes, no trait both required and
+    forbidden); the constraints on each field are checked when it is decoded, and before a
+    requestor places it
+    (:func:`~reservoir.protocol.placement.checked_request`)."""
+
+    count: Annotated[int, Meta(ge=1, le=10_000)] = 1
     #: accept a partial placement of at least this many instances (default: all or nothing)
-    min_count: int | None = Field(default=None, ge=1)
+    min_count: Annotated[int, Meta(ge=1)] | None = None
     #: amount of each resource class per instance
     resources: dict[str, Amount]
     required_traits: frozenset[Trait] = frozenset()
@@ -248,38 +273,41 @@ class InstanceShape(_Frozen):
     group: GroupSpec | None = None
     #: ask nodes that cannot take the request to say why
     explain: bool = False
-    #: free-form data for operators' node-side filters and weighers
-    hints: dict[str, JsonValue] = Field(default_factory=dict)
+    #: free-form JSON for operators' node-side filters and weighers
+    hints: dict[str, Any] = field(default_factory=dict)
 
-    _resource_classes = field_validator("resources")(_check_resource_classes)
-
-    @model_validator(mode="after")
-    def _coherent(self) -> InstanceShape:
+    def __post_init__(self) -> None:
+        _check_resource_classes(self.resources)
         if not any(self.resources.values()):
             raise ValueError("a request must ask for a positive amount of some resource")
         if self.min_count is not None and self.min_count > self.count:
             raise ValueError("min_count cannot exceed count")
         if self.required_traits & self.forbidden_traits:
             raise ValueError("a trait cannot be both required and forbidden")
-        return self
 
     @property
     def wanted_slots(self) -> int:
         """How many instances would satisfy the request at the least."""
         return self.count if self.min_count is None else self.min_count
 
-    def shape_fields(self) -> dict[str, object]:
-        return {name: getattr(self, name) for name in InstanceShape.model_fields}
+    def shape_fields(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in InstanceShape.__struct_fields__}
 
 
-class ReservationRequest(_Message, InstanceShape):
-    """Broadcast on a tier topic: reserve room for ``count`` instances of this shape."""
+class ReservationRequest(InstanceShape, tag_field="kind", tag="request", frozen=True, kw_only=True):
+    """Broadcast on a tier topic: reserve room for ``count`` instances of this shape.
 
-    kind: Literal["request"] = "request"
+    (The shape's fields come first; the envelope's are those of every message: msgspec
+    lets a struct inherit the fields of one base only.)"""
+
+    kind: ClassVar[Literal["request"]] = "request"
+    version: Literal[1] = field(default_factory=_protocol_version)
+    request_id: Identifier
+    sender: Identifier
     reply_to: Identifier
-    tier: int = Field(ge=1, le=100)
-    attempt: int = Field(ge=1)
-    ttl_s: float = Field(gt=0, le=3600)
+    tier: Annotated[int, Meta(ge=1, le=100)]
+    attempt: Annotated[int, Meta(ge=1)]
+    ttl_s: Annotated[float, Meta(gt=0, le=3600)]
     #: set when the request is a probe: sent to this node alone, one of a few sampled
     #: from the requestor's roster, rather than broadcast. A probed node answers even
     #: when it cannot take the request (a compact Decline), so the requestor decides the
@@ -294,187 +322,187 @@ class ReservationRequest(_Message, InstanceShape):
     #: probed node does: set by the exhaustive step, after sampling the roster found too
     #: little, so that a full cluster is told apart from one where nobody listens and the
     #: request fails at once rather than waiting for nodes that might still be starting
-    declines_wanted: bool = Field(default=False, exclude_if=_absent)
+    declines_wanted: bool = False
     #: only ask: the node evaluates the request and answers with an Assessment (whether
     #: and how much it could take, and why not), reserving nothing
-    dry_run: bool = Field(default=False, exclude_if=_absent)
-    traceparent: TraceParent | None = Field(default=None, exclude_if=_absent)
+    dry_run: bool = False
+    traceparent: TraceParent | None = None
 
 
-class Lookup(_Message):
+class Lookup(_Message, tag="lookup", frozen=True, kw_only=True):
     """Published on the id's lookup bucket (:func:`lookup_topic`) when the caller chose
     the request id: "does anyone already hold allocations for this id?" Only holders
     answer (``AlreadyPlaced``); a node holding a reservation of the id for another
     requestor tells both (``in_flight_elsewhere``). Tiers cannot do this job: the node
     holding a placement may sit in any tier."""
 
-    kind: Literal["lookup"] = "lookup"
+    kind: ClassVar[Literal["lookup"]] = "lookup"
     reply_to: Identifier
     #: the sender only waits for another requestor's placement to complete: it contends
     #: for nothing, so nodes tell it what is placed and nothing else
     following: bool = False
 
 
-class Offer(_Message):
+class Offer(_Message, tag="offer", frozen=True, kw_only=True):
     """A node reserved room for ``slots`` instances until its reservation expires."""
 
-    kind: Literal["offer"] = "offer"
+    kind: ClassVar[Literal["offer"]] = "offer"
     reply_to: Identifier
     reservation_id: Identifier
-    attempt: int = Field(ge=1)
-    slots: int = Field(ge=1)
+    attempt: Annotated[int, Meta(ge=1)]
+    slots: Annotated[int, Meta(ge=1)]
     #: the node's dominant share with this reservation included, 0..1
-    utilisation: float = Field(ge=0)
+    utilisation: Annotated[float, Meta(ge=0)]
     #: what the node's weighers make of hosting this request; higher is better
     score: float = 0.0
-    ttl_s: float = Field(gt=0)
+    ttl_s: Annotated[float, Meta(gt=0)]
     #: members of the request's server group the node already hosts or holds
-    group_members: int = Field(default=0, ge=0)
+    group_members: Annotated[int, Meta(ge=0)] = 0
     #: the node's room, for the requestor's roster
-    room: Room = Field(default_factory=dict)
+    room: Room = field(default_factory=dict)
 
 
-class Decline(_Message):
+class Decline(_Message, tag="decline", frozen=True, kw_only=True):
     """A node cannot take the request. Sent when the request asks for an explanation, or
     when the only obstacle is other requests' live reservations (``busy``): then the
     requestor knows that waiting briefly may help."""
 
-    kind: Literal["decline"] = "decline"
+    kind: ClassVar[Literal["decline"]] = "decline"
     reply_to: Identifier
-    attempt: int = Field(ge=1)
+    attempt: Annotated[int, Meta(ge=1)]
     busy: bool = False
     reasons: tuple[Reason, ...] = ()
-    group_members: int = Field(default=0, ge=0)
-    room: Room = Field(default_factory=dict)
+    group_members: Annotated[int, Meta(ge=0)] = 0
+    room: Room = field(default_factory=dict)
 
 
-class AlreadyPlaced(_Message):
+class AlreadyPlaced(_Message, tag="already_placed", frozen=True, kw_only=True):
     """The node already holds allocations for this request id: the request was placed."""
 
-    kind: Literal["already_placed"] = "already_placed"
+    kind: ClassVar[Literal["already_placed"]] = "already_placed"
     reply_to: Identifier
     allocations: tuple[AllocationInfo, ...]
     #: the requestor that was awarded them: the one that finishes the request
     owner: Identifier | None = None
 
 
-class Award(_Message):
+class Award(_Message, tag="award", frozen=True, kw_only=True):
     """Turn ``slots`` of the reservation into allocations (the rest is released)."""
 
-    kind: Literal["award"] = "award"
+    kind: ClassVar[Literal["award"]] = "award"
     reply_to: Identifier
     reservation_id: Identifier
-    slots: int = Field(ge=1)
-    traceparent: TraceParent | None = Field(default=None, exclude_if=_absent)
+    slots: Annotated[int, Meta(ge=1)]
+    traceparent: TraceParent | None = None
 
 
-class Assessment(_Message):
+class Assessment(_Message, tag="assessment", frozen=True, kw_only=True):
     """A node's answer to a dry run: how many instances it could take now (0: none, and
     ``reasons`` say why when the request asks to explain), reserving nothing."""
 
-    kind: Literal["assessment"] = "assessment"
+    kind: ClassVar[Literal["assessment"]] = "assessment"
     reply_to: Identifier
-    slots: int = Field(ge=0)
+    slots: Annotated[int, Meta(ge=0)]
     #: the node's dominant share now, 0..1
-    utilisation: float = Field(ge=0)
+    utilisation: Annotated[float, Meta(ge=0)]
     #: what the node's weighers make of hosting the request; higher is better
     score: float = 0.0
     #: the narrowest tier the node belongs to, as a percentage
-    tier: int = Field(ge=1, le=100)
+    tier: Annotated[int, Meta(ge=1, le=100)]
     #: only other requests' live reservations stand in the way
     busy: bool = False
     reasons: tuple[Reason, ...] = ()
 
 
-class Release(_Message):
+class Release(_Message, tag="release", frozen=True, kw_only=True):
     """Drop the reservation: another node won, or the request is over."""
 
-    kind: Literal["release"] = "release"
+    kind: ClassVar[Literal["release"]] = "release"
     reservation_id: Identifier
 
 
-class Accepted(_Message):
+class Accepted(_Message, tag="accepted", frozen=True, kw_only=True):
     """The node turned its reservation into allocations."""
 
-    kind: Literal["accepted"] = "accepted"
+    kind: ClassVar[Literal["accepted"]] = "accepted"
     reply_to: Identifier
     reservation_id: Identifier
     allocations: tuple[AllocationInfo, ...]
-    room: Room = Field(default_factory=dict)
+    room: Room = field(default_factory=dict)
 
 
-class Refused(_Message):
+class Refused(_Message, tag="refused", frozen=True, kw_only=True):
     """The node cannot honour an award (or withdraws an offer): the reservation is gone."""
 
-    kind: Literal["refused"] = "refused"
+    kind: ClassVar[Literal["refused"]] = "refused"
     reply_to: Identifier
     reservation_id: Identifier
-    reason: Annotated[str, StringConstraints(max_length=500)]
+    reason: Annotated[str, Meta(max_length=500)]
 
 
-class Free(_Message):
+class Free(_Message, tag="free", frozen=True, kw_only=True):
     """Free allocations of the request: the ones named; else those that came of
     ``reservation_id`` (and the reservation itself); else everything the request holds
     on the node, reservation included."""
 
-    kind: Literal["free"] = "free"
+    kind: ClassVar[Literal["free"]] = "free"
     reply_to: Identifier
     allocation_ids: tuple[Identifier, ...] = ()
     reservation_id: Identifier | None = None
 
 
-class Freed(_Message):
+class Freed(_Message, tag="freed", frozen=True, kw_only=True):
     """The node no longer holds what the ``Free`` named (whether or not it ever did).
     ``allocation_ids`` and ``reservation_id`` echo the Free; ``freed`` lists what went."""
 
-    kind: Literal["freed"] = "freed"
+    kind: ClassVar[Literal["freed"]] = "freed"
     reply_to: Identifier
     allocation_ids: tuple[Identifier, ...] = ()
     reservation_id: Identifier | None = None
     freed: tuple[Identifier, ...] = ()
-    room: Room = Field(default_factory=dict)
+    room: Room = field(default_factory=dict)
 
 
-class NodeStatus(_Message):
+class NodeStatus(_Message, tag="status", frozen=True, kw_only=True):
     """A node's place on the tier ladder and its room, for requestors' rosters. Published
     on :data:`ROSTER_TOPIC` when the node starts, whenever it moves to another tier, and
     (``leaving``) when it stops; sent to a requestor that asks with a :class:`RollCall`.
     (Its room also rides on every answer the node sends a requestor.)"""
 
-    kind: Literal["status"] = "status"
+    kind: ClassVar[Literal["status"]] = "status"
     request_id: Identifier = ROSTER_ID
     #: the node's address: where probes go
     reply_to: Identifier
     #: the narrowest tier the node belongs to, as a percentage
-    tier: int = Field(ge=1, le=100)
+    tier: Annotated[int, Meta(ge=1, le=100)]
     leaving: bool = False
     #: an answer to a RollCall (the requestor times it: its first latency samples)
     answering: bool = False
-    room: Room = Field(default_factory=dict)
+    room: Room = field(default_factory=dict)
 
 
-class RollCall(_Message):
+class RollCall(_Message, tag="roll_call", frozen=True, kw_only=True):
     """Published on the widest tier's topic by a requestor whose roster is empty (it just
     started): every node answers with its :class:`NodeStatus`."""
 
-    kind: Literal["roll_call"] = "roll_call"
+    kind: ClassVar[Literal["roll_call"]] = "roll_call"
     request_id: Identifier = ROSTER_ID
     reply_to: Identifier
 
 
-class LedgerQuery(_Message):
+class LedgerQuery(_Message, tag="ledger_query", frozen=True, kw_only=True):
     """Published on the widest tier's topic by an auditor: every node answers with its
     whole ledger (:class:`LedgerReport`), so the invariants can be checked across the
     cluster from what the nodes hold rather than what requestors believe."""
 
-    kind: Literal["ledger_query"] = "ledger_query"
+    kind: ClassVar[Literal["ledger_query"]] = "ledger_query"
     request_id: Identifier = AUDIT_ID
     reply_to: Identifier
     #: names this audit, so an auditor tells its answers from a previous audit's
     audit_id: Identifier
 
 
-class ResourceTally(_Frozen):
+class ResourceTally(_Frozen, frozen=True, kw_only=True):
     """One resource class of a node: usable capacity, allocated and reserved amounts."""
 
     capacity: int
@@ -482,7 +510,7 @@ class ResourceTally(_Frozen):
     reserved: Amount
 
 
-class HeldAllocation(_Frozen):
+class HeldAllocation(_Frozen, frozen=True, kw_only=True):
     """One allocation in a node's ledger, as a ledger report carries it."""
 
     allocation_id: Identifier
@@ -492,49 +520,47 @@ class HeldAllocation(_Frozen):
     owner: Identifier
     resources: dict[str, Amount]
     #: instances the request asked for in all (the audit's "placed at most once" bound)
-    request_count: int = Field(ge=1)
+    request_count: Annotated[int, Meta(ge=1)]
 
 
-class HeldReservation(_Frozen):
+class HeldReservation(_Frozen, frozen=True, kw_only=True):
     """One live reservation in a node's ledger. ``expires_in_s`` is measured on the
     node's own clock when it answered (negative: the deadline has passed)."""
 
     reservation_id: Identifier
     request_id: Identifier
     owner: Identifier
-    slots: int = Field(ge=0)
+    slots: Annotated[int, Meta(ge=0)]
     #: what each of the ``slots`` instances holds
     per_instance: dict[str, Amount]
     expires_in_s: float
 
 
-class LedgerReport(_Message):
+class LedgerReport(_Message, tag="ledger_report", frozen=True, kw_only=True):
     """A node's ledger, in answer to a :class:`LedgerQuery`. A ledger too large for one
     message comes in ``parts`` messages numbered from 0; each carries the tallies."""
 
-    kind: Literal["ledger_report"] = "ledger_report"
+    kind: ClassVar[Literal["ledger_report"]] = "ledger_report"
     request_id: Identifier = AUDIT_ID
     reply_to: Identifier
     audit_id: Identifier
     #: unique per start of the node's process: parts of two incarnations never mix
     incarnation: Identifier
-    part: int = Field(ge=0)
-    parts: int = Field(ge=1)
-    tier: int = Field(ge=1, le=100)
+    part: Annotated[int, Meta(ge=0)]
+    parts: Annotated[int, Meta(ge=1)]
+    tier: Annotated[int, Meta(ge=1, le=100)]
     tallies: dict[str, ResourceTally]
     allocations: tuple[HeldAllocation, ...] = ()
     reservations: tuple[HeldReservation, ...] = ()
     #: what the node's own ledger says is wrong with it (overcommit)
-    violations: tuple[Annotated[str, StringConstraints(max_length=500)], ...] = ()
+    violations: tuple[Annotated[str, Meta(max_length=500)], ...] = ()
 
-    @model_validator(mode="after")
-    def _part_within_parts(self) -> LedgerReport:
+    def __post_init__(self) -> None:
         if self.part >= self.parts:
             raise ValueError(f"part {self.part} of {self.parts}: parts are numbered from 0")
-        return self
 
 
-Message = Annotated[
+Message = (
     ReservationRequest
     | Lookup
     | Offer
@@ -550,13 +576,12 @@ Message = Annotated[
     | NodeStatus
     | RollCall
     | LedgerQuery
-    | LedgerReport,
-    Field(discriminator="kind"),
-]
+    | LedgerReport
+)
 
 #: Every message class: a machine takes an event of exactly one of these (they are final),
 #: and drops anything else before it dispatches on ``kind``
-MESSAGE_CLASSES: Final[frozenset[type]] = frozenset(get_args(get_args(Message)[0]))
+MESSAGE_CLASSES: Final[frozenset[type]] = frozenset(get_args(Message))
 
 #: The kinds only a requestor sends, and the kinds only a node sends.
 REQUESTOR_KINDS: Final = frozenset(
@@ -576,5 +601,34 @@ NODE_KINDS: Final = frozenset(
     }
 )
 
-#: Validates and serialises any :data:`Message`.
-message_adapter: TypeAdapter[Message] = TypeAdapter(Message)
+_DECODER: Final = msgspec.json.Decoder(Message)
+_ENCODER: Final = msgspec.json.Encoder()
+
+
+def decode_message(body: bytes) -> Message:
+    """Parse and validate one message from its JSON; raises :class:`msgspec.DecodeError`
+    for bytes that are not JSON and :class:`msgspec.ValidationError` (a subclass) for JSON
+    that is not a valid message."""
+    return _DECODER.decode(body)
+
+
+def encode_message(message: Message) -> bytes:
+    """The message's JSON (fields left at their default are left out)."""
+    return _ENCODER.encode(message)
+
+
+def message_from_fields(fields: Mapping[str, object]) -> Message:
+    """Build and validate a message from JSON-like fields (``kind`` included), checking
+    every constraint as decoding does; raises :class:`msgspec.ValidationError`."""
+    message: Message = msgspec.convert(fields, Message)
+    return message
+
+
+def validation_error_at(error: msgspec.ValidationError) -> tuple[str, str]:
+    """Where in the message msgspec's ``error`` is, and what it says: "Expected `int` >= 1
+    - at `$.allocations[0].slots`" is ``("allocations[0].slots", "Expected `int` >= 1")``;
+    the place is empty for the message as a whole."""
+    what, at, where = str(error).rpartition(" - at `$")
+    if not at:
+        return "", str(error)
+    return where.rstrip("`").lstrip("."), what

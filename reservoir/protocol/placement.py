@@ -8,24 +8,60 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from reservoir.protocol.messages import Identifier, InstanceShape, NumaPlacement, Reason
+import msgspec
+
+from reservoir.protocol.messages import (
+    Identifier,
+    InstanceShape,
+    NumaPlacement,
+    Reason,
+    validation_error_at,
+)
 
 __all__ = [
     "Explanation",
+    "InvalidRequest",
     "PlacedAllocation",
     "Placement",
     "PlacementError",
     "PlacementRequest",
     "PlacementTimeout",
+    "checked_request",
     "reason_label",
 ]
 
 
-class PlacementRequest(InstanceShape):
+class PlacementRequest(InstanceShape, frozen=True, kw_only=True):
     """What a caller asks for. ``request_id`` is the idempotency key: asking again with the
-    same id returns the existing placement instead of placing again."""
+    same id returns the existing placement instead of placing again.
+
+    Constructing one checks how the fields fit together; :func:`checked_request` checks
+    each field too, and a requestor does so before it places anything."""
 
     request_id: Identifier | None = None
+
+
+class InvalidRequest(ValueError):
+    """A request no node would accept. ``field`` names the field (dotted, empty for the
+    request as a whole) and ``problem`` says what is wrong with it."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field}: {problem}" if field else problem)
+        self.field = field
+        self.problem = problem
+
+
+def checked_request(request: PlacementRequest) -> PlacementRequest:
+    """``request`` with every field checked as a node will check it (types, ranges, the
+    patterns of ids and traits, JSON hints); raises :class:`InvalidRequest`, e.g.
+    ``count: Expected `int` <= 10000``."""
+    try:
+        # A round trip through the wire format: exactly the checks a node's decoding makes
+        return msgspec.json.decode(msgspec.json.encode(request), type=PlacementRequest)
+    except msgspec.ValidationError as error:
+        raise InvalidRequest(*validation_error_at(error)) from None
+    except (msgspec.EncodeError, TypeError) as error:
+        raise InvalidRequest("hints", f"not JSON: {error}") from None
 
 
 @dataclass(frozen=True)

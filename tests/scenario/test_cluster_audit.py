@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 
+import msgspec.structs
 import pytest
 
 from brokers.inprocess import InProcessBroker
@@ -55,7 +56,7 @@ def test_the_auditor_finds_overcommit_in_the_entries_when_the_node_does_not_say_
         allocations=[allocation(i) for i in range(3)],
     )
     parts = machine.ledger_report(LedgerQuery(sender="a", reply_to="a", audit_id="x"), 0.0)
-    silent = [p.model_copy(update={"violations": ()}) for p in parts]
+    silent = [msgspec.structs.replace(p, violations=()) for p in parts]
     assert snapshot_of(silent).violations == ("VCPU: allocated 3 + reserved 0 > capacity 2",)
 
 

@@ -14,7 +14,7 @@ import pytest
 from brokers.inprocess import Faults
 from reservoir import FreeIncomplete, Inventory, PlacementError, PlacementTimeout
 from reservoir.broker import Delivery
-from reservoir.protocol.messages import ReservationRequest
+from reservoir.protocol.messages import ReservationRequest, encode_message
 from reservoir.testing import Simulation
 
 
@@ -26,7 +26,7 @@ def test_a_reservation_nobody_claims_expires_at_its_ttl(reservoir_simulation: Si
         request_id="r1", sender="silent", reply_to=silent.address,
         resources={"VCPU": 2}, tier=10, attempt=1, ttl_s=5.0,
     )  # fmt: skip
-    silent.publish("tier.10", request.model_dump_json().encode())
+    silent.publish("tier.10", encode_message(request))
     sim.scheduler.run_until_idle()
     assert len(node.snapshot().reservations) == 1
     sim.advance(4.999)

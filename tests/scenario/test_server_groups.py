@@ -3,6 +3,7 @@ know the members they host and hold."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from reservoir import GroupSpec, PlacementError
@@ -10,7 +11,7 @@ from reservoir.testing import Simulation
 
 
 def group(policy: str, name: str = "g1") -> GroupSpec:
-    return GroupSpec.model_validate({"name": name, "policy": policy})
+    return msgspec.convert({"name": name, "policy": policy}, GroupSpec)
 
 
 def test_anti_affinity_puts_members_on_different_nodes_and_names_the_group_when_full(

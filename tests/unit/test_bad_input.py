@@ -8,7 +8,7 @@ import json
 import pytest
 
 from reservoir.broker import Delivery
-from reservoir.protocol.messages import Release, ReservationRequest
+from reservoir.protocol.messages import Release, ReservationRequest, encode_message
 from reservoir.settings import Settings
 from reservoir.testing import Simulation
 from reservoir.wire import Codec, DecodeError
@@ -25,19 +25,28 @@ GOOD_REQUEST = ReservationRequest(
     ttl_s=5.0,
 )
 
+GOOD_BODY = encode_message(GOOD_REQUEST)
 BAD_BODIES = {
     "malformed": b"{not json",
     "malformed-array": b"[1, 2, 3]",
     "unknown_kind": json.dumps({"kind": "teleport", "request_id": "r", "sender": "s"}).encode(),
     "no_kind": json.dumps({"request_id": "r", "sender": "s"}).encode(),
-    "invalid-types": GOOD_REQUEST.model_dump_json()
+    "invalid-types": encode_message(GOOD_REQUEST)
+    .decode()
     .replace('"attempt":1', '"attempt":"x"')
     .encode(),
-    "invalid-extra-field": GOOD_REQUEST.model_dump_json().replace("{", '{"evil":1,', 1).encode(),
-    "invalid-version": GOOD_REQUEST.model_dump_json()
+    "invalid-extra-field": encode_message(GOOD_REQUEST)
+    .decode()
+    .replace("{", '{"evil":1,', 1)
+    .encode(),
+    "invalid-version": encode_message(GOOD_REQUEST)
+    .decode()
     .replace('"version":1', '"version":99')
     .encode(),
-    "invalid-negative": GOOD_REQUEST.model_dump_json().replace('"VCPU":1', '"VCPU":-5').encode(),
+    "invalid-negative": encode_message(GOOD_REQUEST)
+    .decode()
+    .replace('"VCPU":1', '"VCPU":-5')
+    .encode(),
     "oversized": b'{"kind":"request","pad":"' + b"x" * 70_000 + b'"}',
     "empty": b"",
     "binary": bytes(range(256)),
@@ -98,7 +107,7 @@ def signed_simulation() -> Simulation:
 def test_with_a_secret_unsigned_messages_are_dropped_as_unsigned() -> None:
     sim = signed_simulation()
     node = sim.add_node("n1", vcpus=4)
-    node._on_delivery(Delivery(GOOD_REQUEST.model_dump_json().encode()))
+    node._on_delivery(Delivery(encode_message(GOOD_REQUEST)))
     assert node.metrics.get("dropped", "unsigned") == 1
     assert node.snapshot().reservations == ()
     sim.finish()
@@ -152,9 +161,7 @@ def test_a_handler_never_raises_even_when_the_machine_is_handed_nonsense() -> No
     sim = Simulation()
     node = sim.add_node("n1", vcpus=4)
     # a well-formed message that makes no sense for a node: ignored, counted
-    node._on_delivery(
-        Delivery(GOOD_REQUEST.model_copy(update={"kind": "request"}).model_dump_json().encode())
-    )
+    node._on_delivery(Delivery(encode_message(GOOD_REQUEST)))
     accepted_for_nobody = (
         b'{"kind":"accepted","version":1,"request_id":"zz","sender":"x","reply_to":"y",'
         b'"reservation_id":"q","allocations":[]}'
@@ -168,7 +175,7 @@ def test_with_roles_configured_a_message_from_the_wrong_broker_user_is_dropped()
     sim = Simulation(settings=Settings(requestor_users=frozenset({"scheduler"}),
                                        node_users=frozenset({"compute"})))  # fmt: skip
     node = sim.add_node("n1", vcpus=4)
-    body = GOOD_REQUEST.model_dump_json().encode()
+    body = encode_message(GOOD_REQUEST)
     node._on_delivery(Delivery(body, user_id="compute"))  # a node posing as a requestor
     node._on_delivery(Delivery(body, user_id=None))  # nobody vouches for the sender
     assert node.metrics.get("dropped", "untrusted_sender") == 2

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 
+import msgspec
 import pytest
-from pydantic import ValidationError
 
-from reservoir.protocol.messages import NodeStatus
+from reservoir.protocol.messages import Message, decode_message
 from reservoir.protocol.room import NOTHING_FREE, may_fit, room_class
 from reservoir.protocol.roster import Roster, Sampler
 from reservoir.protocol.tiers import TierLadder
@@ -117,12 +118,13 @@ def test_a_shape_may_fit_only_where_its_power_of_two_is_reached() -> None:
 
 
 def test_a_status_whose_room_names_no_resource_class_or_too_many_is_refused() -> None:
-    def status(room: dict[str, int]) -> NodeStatus:
-        return NodeStatus(sender="n", reply_to="addr-n", tier=10, room=room)
+    def status(room: dict[str, int]) -> Message:
+        fields = {"kind": "status", "sender": "n", "reply_to": "addr-n", "tier": 10}
+        return decode_message(json.dumps({**fields, "room": room}).encode())
 
     assert status({"VCPU": 3, "CUSTOM_GPU": 0}).room == {"VCPU": 3, "CUSTOM_GPU": 0}
     for bad in ({"vcpu": 3}, {"VCPU": -2}, {"VCPU": 54}, {f"CUSTOM_{i}": 1 for i in range(65)}):
-        with pytest.raises(ValidationError):
+        with pytest.raises(msgspec.ValidationError):
             status(bad)
 
 

@@ -10,6 +10,7 @@ import logging
 import secrets
 from pathlib import Path
 
+import msgspec.structs
 import pytest
 
 from reservoir.broker import Delivery
@@ -33,6 +34,7 @@ from reservoir.protocol.messages import (
     Release,
     ReservationRequest,
     RollCall,
+    encode_message,
 )
 from reservoir.settings import Settings
 from reservoir.testing import Simulation
@@ -103,7 +105,7 @@ def refusal(codec: Codec, body: bytes, destination: str | None = "node.n1") -> s
 
 def envelope(role: str, key: Key, message: Message, *, destination: str, sender: str) -> bytes:
     """A message signed by hand, claiming whatever role and sender a forger likes."""
-    body = message.model_dump_json().encode()
+    body = encode_message(message)
     header = f"RSV2 {role} {key.key_id} {WALL_S:.6f} {secrets.token_hex(12)} {destination} {sender}"
     signature = key.sign(header.encode() + b"\n" + body)
     return header.encode() + b" " + signature + b"\n" + body
@@ -253,7 +255,7 @@ def test_a_tampered_sender_or_body_is_refused() -> None:
 
 def test_unsigned_old_and_garbled_envelopes_are_refused() -> None:
     receiver = Codec(keys=keyring(), role="node")
-    assert refusal(receiver, AWARD.model_dump_json().encode()) == "unsigned"
+    assert refusal(receiver, encode_message(AWARD)) == "unsigned"
     assert refusal(receiver, b"RSV1.1.2.nonce.mac.{}") == "bad_envelope"
     assert refusal(receiver, b"RSV2 node n1 1.0\n{}") == "bad_envelope"
     assert refusal(receiver, b"RSV2 boss n1 1.0 n d s sig\n{}") == "bad_envelope"
@@ -388,7 +390,7 @@ def test_a_node_dropping_bad_signatures_warns_once_a_minute_per_reason_and_sende
     wrong_key = Codec(keys=keyring(requestor=f"r1:{'w' * 20}"), role="requestor")
 
     def forged(sender: str) -> Delivery:
-        award = AWARD.model_copy(update={"sender": sender})
+        award = msgspec.structs.replace(AWARD, sender=sender)
         wall_s = sim.scheduler.clock.wall()
         return Delivery(wrong_key.encode(award, wall_s, destination=node.address))
 
@@ -443,7 +445,7 @@ def test_an_unsigned_message_is_warned_about_under_the_sender_it_claims(
     sim = Simulation(settings=Settings(node_keys=NODE_KEYS, requestor_keys=REQUESTOR_KEYS))
     node = sim.add_node("n1", vcpus=4)
     with caplog.at_level(logging.WARNING, logger="reservoir.driver"):
-        node._on_delivery(Delivery(REQUEST.model_dump_json().encode()))  # a keyless requestor
+        node._on_delivery(Delivery(encode_message(REQUEST)))  # a keyless requestor
     assert node.metrics.get("dropped", "unsigned") == 1
     assert "from 'req': unsigned" in caplog.records[0].getMessage()
     sim.finish()

@@ -150,10 +150,10 @@ class ReservationIn(BaseModel):
         return hashlib.sha256(canonical.encode()).hexdigest()
 
     def to_placement_request(self, request_id: str | None, explain: bool) -> PlacementRequest:
-        """The protocol's request; raises :class:`ValueError` (an
-        :class:`~reservoir.protocol.placement.InvalidRequest` naming the field, when it is
-        one field) for a shape the protocol refuses (no positive amount, min_count > count,
-        an unknown class)."""
+        """The protocol's request; raises :class:`ValueError` for a shape the protocol
+        refuses (no positive amount, min_count > count, an unknown class); when one field
+        is at fault the error is an :class:`~reservoir.protocol.placement.InvalidRequest`
+        or :class:`~reservoir.protocol.messages.InvalidField`, whose ``field`` names it."""
         resources = dict(self.resources)
         for name, amount in (
             ("VCPU", self.vcpus),

@@ -36,6 +36,7 @@ import msgspec
 
 from reservoir.keys import ROLES, Keyring, Role, kinds_of, role_of
 from reservoir.protocol.messages import (
+    InvalidField,
     Message,
     decode_message,
     encode_message,
@@ -182,6 +183,8 @@ class Codec:
             message = decode_message(body)
         except msgspec.ValidationError as error:
             raise DecodeError(*_refusal(error), sender) from None
+        except InvalidField as error:
+            raise DecodeError("invalid", str(error), sender) from None
         except msgspec.DecodeError:
             raise DecodeError("malformed", "not a JSON object", sender) from None
         if signed_role is not None and message.kind not in kinds_of(signed_role):

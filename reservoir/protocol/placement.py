@@ -13,8 +13,10 @@ import msgspec
 from reservoir.protocol.messages import (
     Identifier,
     InstanceShape,
+    InvalidField,
     NumaPlacement,
     Reason,
+    check_ids,
     validation_error_at,
 )
 
@@ -57,11 +59,15 @@ def checked_request(request: PlacementRequest) -> PlacementRequest:
     ``count: Expected `int` <= 10000``."""
     try:
         # A round trip through the wire format: exactly the checks a node's decoding makes
-        return msgspec.json.decode(msgspec.json.encode(request), type=PlacementRequest)
+        checked = msgspec.json.decode(msgspec.json.encode(request), type=PlacementRequest)
+        check_ids(checked)
     except msgspec.ValidationError as error:
         raise InvalidRequest(*validation_error_at(error)) from None
+    except InvalidField as error:
+        raise InvalidRequest(error.field, error.problem) from None
     except (msgspec.EncodeError, TypeError) as error:
         raise InvalidRequest("hints", f"not JSON: {error}") from None
+    return checked
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from reservoir.protocol.messages import (
+    GroupSpec,
     NumaSpec,
     Offer,
     Release,
@@ -50,7 +51,8 @@ def test_building_a_request_checks_how_its_fields_fit_together() -> None:
     [
         ({"count": 0}, "count: Expected `int` >= 1"),
         ({"count": 10_001}, "count: Expected `int` <= 10000"),
-        ({"request_id": "has space"}, "request_id: Expected `str` matching regex"),
+        ({"request_id": "has space"}, "request_id: Expected an id"),
+        ({"group": GroupSpec(name="g", policy="sideways")}, "group.policy: Invalid enum value"),  # type: ignore[arg-type]
         ({"required_traits": frozenset({"lower_case"})}, "required_traits[0]: Expected `str`"),
         ({"numa": NumaSpec(nodes=17)}, "numa.nodes: Expected `int` <= 16"),
         ({"hints": {"when": object()}}, "hints: not JSON"),
@@ -125,6 +127,23 @@ def test_a_message_decodes_to_what_was_encoded() -> None:
             "invalid",
             "resources[...]: Expected `int` >= 0",
         ),
+        (
+            encode_message(REQUEST).replace(b'"reply_to":"req"', b'"reply_to":"r q"'),
+            "invalid",
+            "reply_to: Expected an id",
+        ),
+        (
+            b'{"kind":"accepted","version":1,"request_id":"r1","sender":"n1","reply_to":"a",'
+            b'"reservation_id":"q","allocations":[{"allocation_id":"x y","resources":{}}]}',
+            "invalid",
+            "allocations[0].allocation_id: Expected an id",
+        ),
+        (
+            b'{"kind":"status","version":1,"sender":"n1","reply_to":"a","tier":10,'
+            b'"room":{"vcpu":3}}',
+            "invalid",
+            "room: unknown resource class vcpu",
+        ),
     ],
 )
 def test_the_codec_says_why_it_refuses_a_body_and_where(
@@ -134,3 +153,70 @@ def test_the_codec_says_why_it_refuses_a_body_and_where(
         Codec().decode(body, 0.0, destination="tier.10")
     assert refused.value.reason == reason
     assert refused.value.detail.startswith(detail)
+
+
+ALLOCATION = {"allocation_id": "res-1/0", "resources": {"VCPU": 1}}
+HELD = {
+    "allocation_id": "res-1/0",
+    "request_id": "r1",
+    "reservation_id": "res-1",
+    "owner": "req",
+    "resources": {"VCPU": 1},
+    "request_count": 1,
+}
+#: one message of each shape that holds ids: at the top, optional, in a tuple, nested
+WITH_IDS = [
+    {**json.loads(encode_message(REQUEST)), "probed_node": "n1", "group": {
+        "name": "g1", "policy": "anti-affinity"}},
+    {"kind": "accepted", "version": 1, "request_id": "r1", "sender": "n1", "reply_to": "n1",
+     "reservation_id": "res-1", "allocations": [ALLOCATION]},
+    {"kind": "freed", "version": 1, "request_id": "r1", "sender": "n1", "reply_to": "n1",
+     "allocation_ids": ["res-1/0"], "freed": ["res-1/0"]},
+    {"kind": "ledger_report", "version": 1, "sender": "n1", "reply_to": "n1", "audit_id": "a",
+     "incarnation": "i", "part": 0, "parts": 1, "tier": 10,
+     "tallies": {"VCPU": {"capacity": 4, "allocated": 1, "reserved": 0}},
+     "allocations": [HELD]},
+]  # fmt: skip
+
+
+def _id_paths(value: object, at: str = "") -> list[str]:
+    """The dotted paths of every string in ``value`` that is an id in these samples."""
+    not_ids = {"kind", "policy"}
+    if isinstance(value, dict):
+        return [p for k, v in value.items() if k not in not_ids and k not in ("resources",
+                "tallies") for p in _id_paths(v, f"{at}{k}.")]  # fmt: skip
+    if isinstance(value, list):
+        return [p for i, v in enumerate(value) for p in _id_paths(v, f"{at[:-1]}[{i}].")]
+    return [at[:-1]] if isinstance(value, str) else []
+
+
+def _replaced(value: object, path: str, new: str) -> object:
+    if not path:
+        return new
+    head, _, rest = path.partition(".")
+    name, _, index = head.partition("[")
+    if isinstance(value, dict):
+        inner = value[name]
+        if index:
+            items = list(inner)
+            items[int(index[:-1])] = _replaced(items[int(index[:-1])], rest, new)
+            return {**value, name: items}
+        return {**value, name: _replaced(inner, rest, new)}
+    raise AssertionError(path)
+
+
+@pytest.mark.parametrize("sample", WITH_IDS, ids=[s["kind"] for s in WITH_IDS])
+def test_every_id_of_a_message_is_checked_wherever_it_sits_and_the_refusal_names_it(
+    sample: dict[str, object],
+) -> None:
+    codec = Codec()
+    assert codec.decode(json.dumps(sample).encode(), 0.0, destination=None, check_replay=False)
+    paths = _id_paths(sample)
+    assert len(paths) >= 4
+    for path in paths:
+        for bad in ("has space", "", "x" * 201):
+            body = json.dumps(_replaced(sample, path, bad)).encode()
+            with pytest.raises(DecodeError) as refused:
+                codec.decode(body, 0.0, destination=None, check_replay=False)
+            assert refused.value.reason == "invalid"
+            assert refused.value.detail.startswith(f"{path}: "), (path, refused.value.detail)

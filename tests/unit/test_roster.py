@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from collections import Counter
 
-import msgspec
 import pytest
 
 from reservoir.protocol.messages import Message, decode_message
@@ -124,7 +123,7 @@ def test_a_status_whose_room_names_no_resource_class_or_too_many_is_refused() ->
 
     assert status({"VCPU": 3, "CUSTOM_GPU": 0}).room == {"VCPU": 3, "CUSTOM_GPU": 0}
     for bad in ({"vcpu": 3}, {"VCPU": -2}, {"VCPU": 54}, {f"CUSTOM_{i}": 1 for i in range(65)}):
-        with pytest.raises(msgspec.ValidationError):
+        with pytest.raises(ValueError, match="room"):  # msgspec's, or InvalidField
             status(bad)
 
 

@@ -126,10 +126,6 @@ LOOKUP_BUCKETS: Final = 1 << 16
 
 _CUSTOM_CLASS_PATTERN = r"CUSTOM_[A-Z0-9_]+"
 _CUSTOM_CLASS = re.compile(f"^{_CUSTOM_CLASS_PATTERN}$")
-#: what is_resource_class accepts, as one pattern (for msgspec to check alone)
-_RESOURCE_CLASS_PATTERN = (
-    f"^({'|'.join(sorted(STANDARD_RESOURCE_CLASSES))}|{_CUSTOM_CLASS_PATTERN})$"
-)
 
 _IDENTIFIER_CHARACTER = r"[A-Za-z0-9._:@/+=-]"
 #: what an id (a request, a node, an address...) may be: the pattern and the longest
@@ -187,11 +183,8 @@ def _check_resource_classes(resources: Mapping[str, int]) -> None:
 #: A node's room (:mod:`reservoir.protocol.room`): per resource class, floor(log2) of what
 #: its allocations leave free, -1 when nothing is; empty when the sender does not say. It
 #: rides on every answer a node sends: msgspec checks the amounts and the size, and
-#: :func:`check_ids` the classes, all with one match.
+#: :func:`check_ids` the classes (a set test for the standard ones, the common case).
 Room = Annotated[dict[str, Annotated[int, Meta(ge=-1, le=53)]], Meta(max_length=64)]
-_ROOM_CLASSES = re.compile(
-    f"{_RESOURCE_CLASS_PATTERN.strip('^$')}(?:\x00{_RESOURCE_CLASS_PATTERN.strip('^$')})*"
-)
 
 
 class InvalidField(ValueError):
@@ -221,7 +214,8 @@ def check_ids(struct: _Frozen, at: str = "") -> None:
 def _ids_check(cls: type) -> Callable[[Any, str], None]:
     """``cls``'s check, made once: which fields are ids, which hold structs, whether it
     has a room."""
-    single: list[str] = []
+    required: list[str] = []
+    optional: list[str] = []
     many: list[str] = []
     nested: list[str] = []
     nested_many: list[str] = []
@@ -239,28 +233,40 @@ def _ids_check(cls: type) -> Callable[[Any, str], None]:
                 nested_many.append(name)  # checked value by value, named by key
         elif origin in (Union, UnionType):  # optional
             if any(_is_identifier(arg) for arg in args):
-                single.append(name)
+                optional.append(name)
             elif any(_is_struct(arg) for arg in args):
                 nested.append(name)
         elif _is_identifier(hint):
-            single.append(name)
+            required.append(name)
         elif _is_struct(hint):
             nested.append(name)
     has_room = "room" in cls.__struct_fields__  # type: ignore[attr-defined]
-    get_single = operator.attrgetter(*single) if single else None
+    # attrgetter of two or more names gives a tuple, joined as it is: the cheapest path,
+    # for the ids every message carries (request_id, sender)
+    get_required: Callable[[Any], tuple[str, ...]]
+    if len(required) > 1:
+        get_required = operator.attrgetter(*required)
+    else:
+        get_required = lambda struct: tuple(getattr(struct, name) for name in required)  # noqa: E731
+    single = required + optional
 
     def check(struct: Any, at: str) -> None:
-        ids: list[str] = []
-        if get_single is not None:
-            values = get_single(struct)
-            ids.extend(v for v in (values if len(single) > 1 else (values,)) if v is not None)
-        for name in many:
-            ids.extend(getattr(struct, name))
+        ids: tuple[str, ...] | list[str] = get_required(struct)
+        if optional or many:
+            ids = list(ids)
+            for name in optional:
+                value = getattr(struct, name)
+                if value is not None:
+                    ids.append(value)
+            for name in many:
+                ids.extend(getattr(struct, name))
         if ids and _IDENTIFIERS.fullmatch("\x00".join(ids)) is None:
             _name_the_bad_id(struct, single, many, at)
-        if has_room and struct.room and _ROOM_CLASSES.fullmatch("\x00".join(struct.room)) is None:
-            bad = sorted(rc for rc in struct.room if not is_resource_class(rc))
-            raise InvalidField(f"{at}room", f"unknown resource class {', '.join(bad)}")
+        room = struct.room if has_room else None
+        if room and not STANDARD_RESOURCE_CLASSES.issuperset(room):
+            bad = sorted(rc for rc in room if not is_resource_class(rc))
+            if bad:
+                raise InvalidField(f"{at}room", f"unknown resource class {', '.join(bad)}")
         for name in nested:
             value = getattr(struct, name)
             if value is not None:

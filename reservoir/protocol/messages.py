@@ -260,8 +260,11 @@ def _ids_check(cls: type) -> Callable[[Any, str], None]:
                     ids.append(value)
             for name in many:
                 ids.extend(getattr(struct, name))
-        if ids and _IDENTIFIERS.fullmatch("\x00".join(ids)) is None:
-            _name_the_bad_id(struct, single, many, at)
+        if ids:
+            joined = "\x00".join(ids)
+            # the count: an id holding a NUL itself would otherwise pass as two
+            if _IDENTIFIERS.fullmatch(joined) is None or joined.count("\x00") != len(ids) - 1:
+                _name_the_bad_id(struct, single, many, at)
         room = struct.room if has_room else None
         if room and not STANDARD_RESOURCE_CLASSES.issuperset(room):
             bad = sorted(rc for rc in room if not is_resource_class(rc))
@@ -297,6 +300,7 @@ def _name_the_bad_id(struct: Any, single: list[str], many: list[str], at: str) -
         for i, value in enumerate(getattr(struct, name)):
             if not _IDENTIFIER.fullmatch(value):
                 raise InvalidField(f"{at}{name}[{i}]", wanted)
+    raise AssertionError(f"the ids of a {type(struct).__name__} failed as one, none alone")
 
 
 #: each struct class's check, made the first time one is checked

@@ -214,7 +214,7 @@ def test_every_id_of_a_message_is_checked_wherever_it_sits_and_the_refusal_names
     paths = _id_paths(sample)
     assert len(paths) >= 4
     for path in paths:
-        for bad in ("has space", "", "x" * 201):
+        for bad in ("has space", "", "x" * 201, "a\x00b", "\x00"):
             body = json.dumps(_replaced(sample, path, bad)).encode()
             with pytest.raises(DecodeError) as refused:
                 codec.decode(body, 0.0, destination=None, check_replay=False)

@@ -19,7 +19,7 @@ from reservoir.asking import AskEveryNode
 from reservoir.broker import Broker
 from reservoir.clock import Scheduler
 from reservoir.protocol.messages import Assessment, Message, ReservationRequest
-from reservoir.protocol.placement import PlacementRequest, reason_label
+from reservoir.protocol.placement import PlacementRequest, checked_request, reason_label
 from reservoir.settings import Settings
 
 __all__ = ["DryRun", "DryRunReport", "NodeAnswer"]
@@ -118,8 +118,8 @@ class DryRun(AskEveryNode):
         settings: Settings | None = None,
         scheduler: Scheduler | None = None,
     ) -> None:
-        self.spec = spec
-        self.request_id = spec.request_id or f"dry-run-{secrets.token_hex(8)}"
+        self.spec = checked_request(spec)
+        self.request_id = self.spec.request_id or f"dry-run-{secrets.token_hex(8)}"
         self._answers: dict[str, Assessment] = {}
         super().__init__(
             broker,

@@ -185,8 +185,11 @@ class Codec:
             raise DecodeError(*_refusal(error), sender) from None
         except InvalidField as error:
             raise DecodeError("invalid", str(error), sender) from None
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, UnicodeDecodeError):
             raise DecodeError("malformed", "not a JSON object", sender) from None
+        except RecursionError:
+            # msgspec parses nested values (hints, an unknown field) recursively
+            raise DecodeError("malformed", "nested too deep", sender) from None
         if signed_role is not None and message.kind not in kinds_of(signed_role):
             raise DecodeError(
                 "wrong_role",
@@ -349,7 +352,7 @@ def _claimed_sender(body: bytes) -> str | None:
     no keys configured is the usual cause); None when it does not say."""
     try:
         sender = json.loads(body).get("sender")
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         return None
     return sender[:200] if isinstance(sender, str) else None
 

@@ -265,7 +265,9 @@ def evaluate(
         return Evaluation(
             slots=0, reasons=tuple(reasons), busy=busy_only and bool(reasons), score=0.0, numa=None
         )
-    score = sum(w.multiplier * w.weigh(request, node, slots) for w in weighers)
+    # float(): an operator's weigher may return a Decimal or a numpy number, which the
+    # message would carry as it is, and no receiver would decode
+    score = float(sum(w.multiplier * w.weigh(request, node, slots) for w in weighers))
     return Evaluation(
         slots=slots,
         reasons=(),

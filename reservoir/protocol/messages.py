@@ -124,8 +124,7 @@ AUDIT_ID: Final = "audit"
 #: only nodes that may hold the id (and comes back unroutable when none can).
 LOOKUP_BUCKETS: Final = 1 << 16
 
-_CUSTOM_CLASS_PATTERN = r"CUSTOM_[A-Z0-9_]+"
-_CUSTOM_CLASS = re.compile(f"^{_CUSTOM_CLASS_PATTERN}$")
+_CUSTOM_CLASS = re.compile(r"CUSTOM_[A-Z0-9_]+")
 
 _IDENTIFIER_CHARACTER = r"[A-Za-z0-9._:@/+=-]"
 #: what an id (a request, a node, an address...) may be: the pattern and the longest
@@ -134,6 +133,9 @@ IDENTIFIER_MAX_LENGTH: Final = 200
 #: what a trait may be
 TRAIT_PATTERN: Final = r"^[A-Z0-9_]+$"
 TRAIT_MAX_LENGTH: Final = 255
+# msgspec matches a pattern with Python's re.search, where "$" also matches before a final
+# newline: its patterns end with "\Z" (the ones above are for pydantic's, which has no \Z)
+_TRAIT = r"^[A-Z0-9_]+\Z"
 
 
 class _IdentifierMark:
@@ -149,17 +151,17 @@ _IDENTIFIER = re.compile(_ONE_IDENTIFIER)
 _IDENTIFIERS = re.compile(f"{_ONE_IDENTIFIER}(?:\x00{_ONE_IDENTIFIER})*")
 
 Identifier = Annotated[str, _IDENTIFIER_MARK]
-Trait = Annotated[str, Meta(min_length=1, max_length=TRAIT_MAX_LENGTH, pattern=TRAIT_PATTERN)]
+Trait = Annotated[str, Meta(min_length=1, max_length=TRAIT_MAX_LENGTH, pattern=_TRAIT)]
 Amount = Annotated[int, Meta(ge=0, le=2**53)]
 #: a W3C ``traceparent`` (version-trace id-parent id-flags), carried so that a node's spans
 #: join the requestor's trace; absent unless the requestor traces
-TraceParent = Annotated[str, Meta(pattern=r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")]
+TraceParent = Annotated[str, Meta(pattern=r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}\Z")]
 
 
 def is_resource_class(name: str) -> bool:
     """True for a standard class (``VCPU``, ``PCPU``, ``MEMORY_MB``, ``DISK_GB``) or a
     ``CUSTOM_*`` one."""
-    return name in STANDARD_RESOURCE_CLASSES or bool(_CUSTOM_CLASS.match(name))
+    return name in STANDARD_RESOURCE_CLASSES or bool(_CUSTOM_CLASS.fullmatch(name))
 
 
 def lookup_topic(request_id: str) -> str:
@@ -418,7 +420,8 @@ class InstanceShape(_Frozen, frozen=True, kw_only=True):
             raise ValueError("a request must ask for a positive amount of some resource")
         if self.min_count is not None and self.min_count > self.count:
             raise ValueError("min_count cannot exceed count")
-        if self.required_traits & self.forbidden_traits:
+        # frozenset(): a caller may build one with lists; the check makes them frozensets
+        if frozenset(self.required_traits) & frozenset(self.forbidden_traits):
             raise ValueError("a trait cannot be both required and forbidden")
 
     @property
@@ -743,8 +746,10 @@ _ENCODER: Final = msgspec.json.Encoder()
 
 def decode_message(body: bytes) -> Message:
     """Parse and validate one message from its JSON; raises :class:`msgspec.DecodeError`
-    for bytes that are not JSON, :class:`msgspec.ValidationError` (a subclass) for JSON
-    that is not a valid message, and :class:`InvalidField` for a bad id or room."""
+    for bytes that are not JSON (or not UTF-8), :class:`msgspec.ValidationError` (a
+    subclass) for JSON that is not a valid message, :class:`InvalidField` for a bad id or
+    room, and :class:`RecursionError` for values nested too deep (in ``hints``, say).
+    :meth:`reservoir.wire.Codec.decode` turns each into its ``DecodeError``."""
     message = _DECODER.decode(body)
     check_ids(message)
     return message

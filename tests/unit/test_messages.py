@@ -144,7 +144,28 @@ def test_a_message_decodes_to_what_was_encoded() -> None:
             "invalid",
             "room: unknown resource class vcpu",
         ),
+        # Python's "$" matches before a final newline; the checks must not
+        (
+            b'{"kind":"status","version":1,"sender":"n1","reply_to":"a","tier":10,'
+            b'"room":{"CUSTOM_A\\n":3}}',
+            "invalid",
+            "room: unknown resource class CUSTOM_A",
+        ),
+        (
+            encode_message(REQUEST).replace(b'"ttl_s"', b'"required_traits":["HW_X\\n"],"ttl_s"'),
+            "invalid",
+            "required_traits[0]: Expected `str` matching regex",
+        ),
+        (
+            encode_message(REQUEST).replace(
+                b'"ttl_s"', b'"hints":{"a":' + b"[" * 5000 + b"]" * 5000 + b'},"ttl_s"'
+            ),
+            "malformed",
+            "nested too deep",
+        ),
+        (encode_message(REQUEST).replace(b'"r1"', b'"r\xff"'), "malformed", "not a JSON object"),
     ],
+    ids=lambda value: value[:24].decode("ascii", "replace") if isinstance(value, bytes) else value,
 )
 def test_the_codec_says_why_it_refuses_a_body_and_where(
     body: bytes, reason: str, detail: str

@@ -265,8 +265,8 @@ def evaluate(
         return Evaluation(
             slots=0, reasons=tuple(reasons), busy=busy_only and bool(reasons), score=0.0, numa=None
         )
-    # float(): an operator's weigher may return a Decimal or a numpy number, which the
-    # message would carry as it is, and no receiver would decode
+    # float(): whatever number type an operator's weigher returns, the offer carries a
+    # plain float
     score = float(sum(w.multiplier * w.weigh(request, node, slots) for w in weighers))
     return Evaluation(
         slots=slots,

@@ -152,8 +152,8 @@ class ReservationIn(BaseModel):
     def to_placement_request(self, request_id: str | None, explain: bool) -> PlacementRequest:
         """The protocol's request; raises :class:`ValueError` for a shape the protocol
         refuses (no positive amount, min_count > count, an unknown class); when one field
-        is at fault the error is an :class:`~reservoir.protocol.placement.InvalidRequest`
-        or :class:`~reservoir.protocol.messages.InvalidField`, whose ``field`` names it."""
+        is at fault the error is an :class:`~reservoir.protocol.placement.InvalidRequest`,
+        whose ``field`` names it."""
         resources = dict(self.resources)
         for name, amount in (
             ("VCPU", self.vcpus),

@@ -172,14 +172,19 @@ def lookup_topic(request_id: str) -> str:
     return f"lookup.{int.from_bytes(digest, 'big') % LOOKUP_BUCKETS:04x}"
 
 
-def _check_resource_classes(resources: Mapping[str, int]) -> None:
-    # Every request passes here: one pass, sorting only for the error.
-    unknown = [rc for rc in resources if not is_resource_class(rc)]
-    if unknown:
-        raise ValueError(
-            f"unknown resource class {', '.join(sorted(unknown))}: use one of "
-            f"{', '.join(sorted(STANDARD_RESOURCE_CLASSES))} or CUSTOM_<NAME>"
-        )
+def _unknown_resource_classes(names: Mapping[str, int]) -> str | None:
+    """What is wrong with the resource classes ``names`` (a request's resources, a node's
+    room), or None. Every request and every answer passes here: a set test for the
+    standard classes, the common case, and a pattern only for the others."""
+    if STANDARD_RESOURCE_CLASSES.issuperset(names):
+        return None
+    unknown = sorted(rc for rc in names if not is_resource_class(rc))
+    if not unknown:
+        return None
+    return (
+        f"unknown resource class {', '.join(unknown)}: use one of "
+        f"{', '.join(sorted(STANDARD_RESOURCE_CLASSES))} or CUSTOM_<NAME>"
+    )
 
 
 #: A node's room (:mod:`reservoir.protocol.room`): per resource class, floor(log2) of what
@@ -191,11 +196,11 @@ Room = Annotated[dict[str, Annotated[int, Meta(ge=-1, le=53)]], Meta(max_length=
 
 class InvalidField(ValueError):
     """A decoded message (or a caller's request) with a field no participant accepts,
-    found by :func:`check_ids`: ``field`` names it (``allocations[0].allocation_id``),
-    ``problem`` says what is wrong."""
+    found by :func:`check_ids`: ``field`` names it (``allocations[0].allocation_id``;
+    empty for the message as a whole), ``problem`` says what is wrong."""
 
     def __init__(self, field: str, problem: str) -> None:
-        super().__init__(f"{field}: {problem}")
+        super().__init__(f"{field}: {problem}" if field else problem)
         self.field = field
         self.problem = problem
 
@@ -267,11 +272,10 @@ def _ids_check(cls: type) -> Callable[[Any, str], None]:
             # the count: an id holding a NUL itself would otherwise pass as two
             if _IDENTIFIERS.fullmatch(joined) is None or joined.count("\x00") != len(ids) - 1:
                 _name_the_bad_id(struct, single, many, at)
-        room = struct.room if has_room else None
-        if room and not STANDARD_RESOURCE_CLASSES.issuperset(room):
-            bad = sorted(rc for rc in room if not is_resource_class(rc))
-            if bad:
-                raise InvalidField(f"{at}room", f"unknown resource class {', '.join(bad)}")
+        if has_room and struct.room:
+            problem = _unknown_resource_classes(struct.room)
+            if problem is not None:
+                raise InvalidField(f"{at}room", problem)
         for name in nested:
             value = getattr(struct, name)
             if value is not None:
@@ -415,7 +419,9 @@ class InstanceShape(_Frozen, frozen=True, kw_only=True):
     hints: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        _check_resource_classes(self.resources)
+        problem = _unknown_resource_classes(self.resources)
+        if problem is not None:
+            raise ValueError(problem)
         if not any(self.resources.values()):
             raise ValueError("a request must ask for a positive amount of some resource")
         if self.min_count is not None and self.min_count > self.count:

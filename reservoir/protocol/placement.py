@@ -43,14 +43,10 @@ class PlacementRequest(InstanceShape, frozen=True, kw_only=True):
     request_id: Identifier | None = None
 
 
-class InvalidRequest(ValueError):
-    """A request no node would accept. ``field`` names the field (dotted, empty for the
-    request as a whole) and ``problem`` says what is wrong with it."""
-
-    def __init__(self, field: str, problem: str) -> None:
-        super().__init__(f"{field}: {problem}" if field else problem)
-        self.field = field
-        self.problem = problem
+class InvalidRequest(InvalidField):
+    """A request no node would accept, found by :func:`checked_request`. ``field`` names
+    the field (dotted, empty for the request as a whole) and ``problem`` says what is
+    wrong with it."""
 
 
 def checked_request(request: PlacementRequest) -> PlacementRequest:

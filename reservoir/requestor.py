@@ -368,11 +368,12 @@ class Requestor(Driver):
         counter = CounterMetricFamily(
             "reservoir_requestor_steps",
             "How the requestor asked: probes (messages), probe_rounds, exhaustive_steps "
-            "(tier broadcasts), busy_retries, unheard_retries",
+            "(tier broadcasts), busy_retries, unheard_retries, room_rechecks (decliners that "
+            "told of more room, asked again before a failure)",
             labels=["participant", "step"],
         )
         for step in ("probes", "probe_rounds", "exhaustive_steps", "busy_retries",
-                     "unheard_retries"):  # fmt: skip
+                     "unheard_retries", "room_rechecks"):  # fmt: skip
             counter.add_metric([self.name, step], steps.get(step, 0))
         yield counter
 

@@ -12,7 +12,9 @@ the machine and raises :class:`ProtocolBug` (as h11's ``_state.py`` does).
                    each of which answers                     (the exhaustive step), AWARD,
                                                              BACK_OFF, FOLLOW
     BROADCASTING   the request is out on a tier topic        BROADCAST (widen), AWARD,
-                   (the exhaustive step)                     BACK_OFF, FOLLOW
+                   (the exhaustive step)                     BACK_OFF, FOLLOW, PROBE (nodes
+                                                             that declined and told of more
+                                                             room since, before a failure)
     AWARDING       awards are out; the pool holds the spares AWARD (a spare fills a gap),
                                                              PROBE, BROADCAST (nothing held
                                                              fills it), BACK_OFF, FOLLOW
@@ -78,7 +80,7 @@ _EVERY_EVENT: Final = frozenset(Event)
 TRANSITIONS: Final[dict[Phase, frozenset[Event]]] = {
     Phase.NEW: frozenset({Event.PROBE, Event.BROADCAST}),
     Phase.PROBING: _EVERY_EVENT,
-    Phase.BROADCASTING: _EVERY_EVENT - {Event.PROBE},
+    Phase.BROADCASTING: _EVERY_EVENT,
     Phase.AWARDING: _EVERY_EVENT,
     Phase.BACKING_OFF: _EVERY_EVENT,
     Phase.FOLLOWING: _EVERY_EVENT,
@@ -150,6 +152,8 @@ class Conversation:
     #: sampling ran and found too little: tier broadcasts ask every node to answer
     exhaustive: bool = False
     probe_round: int = 0
+    #: the nodes that declined and told of more room since were asked again (once)
+    rooms_rechecked: bool = False
     #: every node probed so far, not to be probed again by a later round
     probed: set[str] = field(default_factory=set)
     #: probed nodes whose answer to the current attempt is still due

@@ -924,6 +924,16 @@ class RequestorMachine:
             # on this one.
             self._start_over(c, now, effects)
             return
+        grown = [] if c.rooms_rechecked else self.roster.roomier_since(c.declines, c.spec.resources)
+        if grown:
+            # A node that declined has told of more room since (an instance it held
+            # ended while the tiers were asked): ask it alone before failing, or the
+            # verdict "no valid host" would be out of date when it is given. Once per
+            # conversation, so a node that keeps changing cannot hold the verdict off.
+            c.rooms_rechecked = True
+            self.counters["room_rechecks"] += 1
+            self._probe_nodes(c, [(m.name, m.address) for m in grown], now, effects)
+            return
         self._fail(c, now, effects, timed_out=False)
 
     def _unheard_backoff_s(self, c: Conversation) -> float:

@@ -23,12 +23,12 @@ import bisect
 import hashlib
 import itertools
 from collections.abc import Collection, Mapping
-from typing import Final, NamedTuple, TypeVar
+from typing import Final, NamedTuple, Protocol, TypeVar
 
 from reservoir.protocol.room import RoomKey, may_fit, room_key
 from reservoir.protocol.tiers import TierLadder
 
-__all__ = ["Member", "Roster", "Sampler"]
+__all__ = ["HasRoom", "Member", "Roster", "Sampler"]
 
 _T = TypeVar("_T")
 _MASK64: Final = (1 << 64) - 1
@@ -69,6 +69,13 @@ class Sampler:
         for index in range(len(items) - 1, 0, -1):
             other = self.below(index + 1)
             items[index], items[other] = items[other], items[index]
+
+
+class HasRoom(Protocol):
+    """An answer from a node, as far as the roster reads it: the room it told of."""
+
+    @property
+    def room(self) -> Mapping[str, int]: ...
 
 
 class Member(NamedTuple):
@@ -224,6 +231,25 @@ class Roster:
                     if len(chosen) == wanted:
                         break
         return chosen
+
+    def roomier_since(
+        self, answers: Mapping[str, HasRoom], needs: Mapping[str, int]
+    ) -> list[Member]:
+        """The members among ``answers`` (name -> the answer each gave, with the room it
+        told of then) whose room has changed since, to one where ``needs`` (one instance)
+        may fit. O(answers): it runs once before a request fails, after the exhaustive step
+        that every node answered."""
+        shape = tuple(needs.items())
+        where = self._where
+        roomier = []
+        for name, answer in answers.items():
+            found = where.get(name)
+            if found is None or not answer.room:
+                continue
+            member = found[0]
+            if member.room != room_key(answer.room) and self._may_fit(member.room, shape):
+                roomier.append(member)
+        return roomier
 
     def _may_fit(self, room: RoomKey, shape: tuple[tuple[str, int], ...]) -> bool:
         fits = self._fits.get((room, shape))

@@ -30,6 +30,7 @@ from reservoir.protocol.messages import (
     Freed,
     Lookup,
     Message,
+    NodeStatus,
     Offer,
     Reason,
     Refused,
@@ -39,6 +40,7 @@ from reservoir.protocol.messages import (
 )
 from reservoir.protocol.placement import PlacementRequest, PlacementTimeout
 from reservoir.protocol.requestor import RequestorConfig, RequestorMachine
+from reservoir.protocol.room import NOTHING_FREE
 
 T0 = 1000.0
 TIMEOUT_S = 60.0
@@ -507,6 +509,33 @@ def test_busy_nodes_are_asked_again_alone_instead_of_failing() -> None:
     (again,) = sent(retried, ReservationRequest)
     assert again.address == "addr-n1"
     assert again.message.probed_node == "n1"  # type: ignore[attr-defined]
+
+
+def test_a_node_that_told_of_more_room_after_declining_is_asked_again_before_a_failure() -> None:
+    machine = a_requestor()
+    full = {"VCPU": NOTHING_FREE, "MEMORY_MB": 12}
+    for node in ("n1", "n2"):
+        machine.handle(NodeStatus(sender=node, reply_to=f"addr-{node}", tier=100, room=full), T0)
+    effects = machine.place(spec(), "r1", T0, TIMEOUT_S)  # no room may fit: every tier
+    for _ in range(4):
+        key, at = timer_at(effects, "widen")
+        effects = machine.on_timer(key, at)
+    for node in ("n1", "n2"):
+        decline = Decline(request_id="r1", sender=node, reply_to=f"addr-{node}", attempt=5,
+                          room=full)  # fmt: skip
+        effects += machine.handle(decline, at)
+    # An instance on n1 ends before the verdict: n1 tells every requestor of its room.
+    roomier = {"VCPU": 3, "MEMORY_MB": 12}
+    machine.handle(NodeStatus(sender="n1", reply_to="addr-n1", tier=100, room=roomier), at)
+    key, at = timer_at(effects, "widen")
+    effects = machine.on_timer(key, at)
+    assert not any(isinstance(e, Failed) for e in effects)
+    (again,) = sent(effects, ReservationRequest)  # n2's room is as it was: not asked
+    assert (again.address, again.message.probed_node) == ("addr-n1", "n1")  # type: ignore[attr-defined]
+    assert machine.counters["room_rechecks"] == 1
+    # Another requestor took that room first: n1 declines again, and that is the verdict.
+    decline = Decline(request_id="r1", sender="n1", reply_to="addr-n1", attempt=6, room=full)
+    assert isinstance(outcome(machine.handle(decline, at + 0.001)), Failed)
 
 
 def test_freeing_a_placement_sends_free_to_each_node_and_completes_on_confirmation() -> None:

@@ -573,8 +573,8 @@ class RequestorMachine:
         that is decided the moment every one of them has answered."""
         c.enter(Event.PROBE)
         self._new_attempt(c, now, effects)
-        members = (self.roster.member(name) for name, _ in nodes)
-        widest = max((m.tier_index for m in members if m is not None), default=0)
+        tiers = (self.roster.tier_index_of(name) for name, _ in nodes)
+        widest = max((t for t in tiers if t is not None), default=0)
         request = self._request(c, self.config.tiers.percents[widest])
         for name, address in nodes:
             c.probed.add(name)

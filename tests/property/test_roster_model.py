@@ -31,7 +31,6 @@ OPERATIONS = st.lists(
         ),
         st.tuples(st.just("answer"), st.sampled_from(NAMES), ROOMS),
         st.tuples(st.just("remove"), st.sampled_from(NAMES)),
-        st.tuples(st.just("remove_address"), st.sampled_from(NAMES), st.sampled_from(["a", "b"])),
     ),
     min_size=10,
     max_size=60,
@@ -47,7 +46,7 @@ def indexes_agree(roster: Roster) -> None:
             assert members
             for position, member in enumerate(members):
                 assert (member.tier_index, member.room) == (tier_index, room)
-                assert roster._where[member.name] == (member, position)
+                assert roster._where[member.name] is member and member.position == position
             listed += len(members)
     assert listed == len(roster._where)
 
@@ -75,18 +74,11 @@ def test_the_roster_knows_what_a_plain_model_knows(
             if name in model and room:
                 address, tier, _ = model[name]
                 model[name] = (address, tier, room_key(room))
-        elif operation[0] == "remove":
+        else:
             name = operation[1]
             assert isinstance(name, str)
             assert roster.remove(name) == (name in model)
             model.pop(name, None)
-        else:
-            _, name, where = operation
-            address = f"{where}-{name}"
-            known = model.get(str(name))
-            assert roster.remove_address(address) == (known is not None and known[0] == address)
-            if known is not None and known[0] == address:
-                del model[str(name)]
         indexes_agree(roster)
         everyone = roster.sample(len(NAMES), up_to_tier_index=len(DEFAULT_LADDER) - 1)
         assert sorted(m.name for m in everyone) == sorted(model)

@@ -132,6 +132,17 @@ def test_an_unroutable_tier_widens_at_once() -> None:
     assert (wider.tier, wider.attempt) == (25, 2)
 
 
+def test_a_probe_that_comes_back_unroutable_takes_its_node_off_the_roster() -> None:
+    machine = a_requestor()
+    for node in ("n1", "n2"):
+        machine.handle(NodeStatus(sender=node, reply_to=f"addr-{node}", tier=10), T0)
+    effects = machine.place(spec(), "r1", T0, TIMEOUT_S)
+    probes = {s.message.probed_node: s.message for s in sent(effects, ReservationRequest)}  # type: ignore[attr-defined]
+    assert sorted(probes) == ["n1", "n2"]
+    machine.on_unroutable(probes["n2"], T0 + 0.001)  # n2's inbox is gone
+    assert "n2" not in machine.roster and "n1" in machine.roster
+
+
 def walk_the_ladder(machine: RequestorMachine, effects: list[Effect]) -> list[Effect]:
     """Let every tier's wait run out, from the first tier to the last; returns what the
     last wait's end produced."""

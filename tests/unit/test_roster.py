@@ -71,7 +71,7 @@ def test_a_node_moves_between_tiers_and_leaves() -> None:
     roster.update("n2", "addr-2", 10)
     roster.update("n1", "addr-1", 50)
     assert roster.tier_sizes() == (1, 0, 1, 0, 0)
-    assert roster.remove_address("addr-2")
+    assert roster.remove("n2")
     assert roster.tier_sizes() == (0, 0, 1, 0, 0)
     assert roster.remove("n1") and not roster.remove("n1")
     assert len(roster) == 0 and roster.sample(3, up_to_tier_index=4) == []
@@ -125,13 +125,3 @@ def test_a_status_whose_room_names_no_resource_class_or_too_many_is_refused() ->
     for bad in ({"vcpu": 3}, {"VCPU": -2}, {"VCPU": 54}, {f"CUSTOM_{i}": 1 for i in range(65)}):
         with pytest.raises(ValueError, match="room"):  # msgspec's, or InvalidField
             status(bad)
-
-
-def test_the_node_that_last_told_of_an_address_is_the_one_an_unroutable_probe_removes() -> None:
-    roster = a_roster()
-    roster.update("a", "inbox", 100, {"VCPU": 1})
-    roster.update("b", "inbox", 100, {"VCPU": 1})  # b took the address over
-    roster.remove("b")
-    roster.note_room("a", {"VCPU": 0})  # a speaks again, from that address
-    assert roster.remove_address("inbox")
-    assert "a" not in roster

@@ -1289,6 +1289,10 @@ def simulate(
     identical workload: Poisson arrivals at each offered load, exponential lifetimes, the
     same latency and loss. Each reservoir run ends with the invariant audit of every
     node's ledger; a broken invariant exits with status 2.
+
+    A run of 100,000 nodes takes minutes per load; the mypyc build of the machines
+    (README, "The compiled build") runs it about 1.3x faster, with the same results. The
+    output says which build ran.
     """
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn

@@ -18,7 +18,7 @@ heavy for 100,000 nodes) and carries out their effects in order:
 - ``Placed``/``Failed``/``FreeCompleted`` are outcomes for the workload driver below;
   ``Dropped`` is counted by reason.
 
-**Messages are handed over as the pydantic objects themselves, without byte
+**Messages are handed over as the msgspec structs themselves, without byte
 serialisation** (no codec, no signing, no size check): the simulation measures the
 protocol, not the wire. Every delivery (one message handed to one participant) is counted
 by kind. Each delivery draws its own latency and loss from a seeded ``random.Random``;

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final
 
-from reservoir.simulator.runner import SimulationResult
+from reservoir.simulator.runner import SimulationResult, machines_build
 
 __all__ = [
     "COLUMNS",
@@ -106,7 +106,7 @@ def print_table(result: SimulationResult) -> None:
     console = Console(width=max(Console().width, 150))
     console.print(table)
     verdict = "[green]invariants hold[/]" if result.invariants_hold else "[red]INVARIANTS BROKEN[/]"
-    console.print(f"{verdict}; {result.elapsed_s:.1f} s")
+    console.print(f"{verdict}; {result.elapsed_s:.1f} s, {machines_build()} build")
 
 
 def markdown(result: SimulationResult, plots: list[Path] | None = None) -> str:
@@ -120,7 +120,7 @@ def markdown(result: SimulationResult, plots: list[Path] | None = None) -> str:
         f"placement; mean instance lifetime {config.mean_lifetime_s:g} s; "
         f"{'pre-filled to the steady state' if config.prefill else 'starting empty'}. "
         "Messages are passed as objects, without byte serialisation. "
-        f"Ran in {result.elapsed_s:.1f} s.",
+        f"Ran in {result.elapsed_s:.1f} s on the {machines_build()} build.",
         "",
         "| " + " | ".join(header for _, header, _ in COLUMNS) + " |",
         "| " + " | ".join("---" if key == "system" else "---:" for key, _, _ in COLUMNS) + " |",

@@ -9,6 +9,7 @@ speaks the way the other commands do.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -175,6 +176,15 @@ def test_the_json_output_is_one_object_with_the_required_keys() -> None:
     assert all(row["audit_ok"] for row in result["rows"] if row["system"] == "reservoir")
 
 
+def test_the_json_output_names_the_build_its_timings_come_from() -> None:
+    status, out, _ = run("simulate", "--nodes", "20", "--requests", "50", "--loads", "0.8",
+                         "--systems", "omniscient", "--json")  # fmt: skip
+    assert status == 0
+    # .ci/run runs this file again on the mypyc build, saying so in the environment
+    expected = "compiled" if os.environ.get("RESERVOIR_EXPECT_COMPILED") == "1" else "interpreted"
+    assert json.loads(out)["build"] == expected
+
+
 def test_the_output_directory_gets_a_markdown_table_and_plots(tmp_path: Path) -> None:
     status, out, _ = run("simulate", "--nodes", "20", "--requests", "100", "--loads", "0.8",
                          "--systems", "reservoir,omniscient",
@@ -184,6 +194,7 @@ def test_the_output_directory_gets_a_markdown_table_and_plots(tmp_path: Path) ->
     assert "| system |" in report
     assert "omniscient" in report
     assert "without byte serialisation" in report
+    assert "build." in report  # the timing says which build it came from
     assert list(tmp_path.glob("*.png"))
     assert "reservoir" in out  # the table on stdout
 

@@ -166,7 +166,7 @@ class Roster:
             self._list(entry)
             return
         key = self._room_key(room) if room else entry.room
-        if entry.tier_index == index and entry.room is key and entry.address == address:
+        if entry.tier_index == index and entry.room == key and entry.address == address:
             return
         self._unlist(entry)
         entry.address = address
@@ -180,14 +180,17 @@ class Roster:
         if entry is None or not room:
             return
         key = self._room_key(room)
-        if entry.room is not key:
+        # Equal, not identical: once the key cache clears, an unchanged room comes back
+        # as a new key, and moving the entry would reorder its list (and the sampling).
+        if entry.room != key:
             self._unlist(entry)
             entry.room = key
             self._list(entry)
 
     def _room_key(self, room: Mapping[str, int]) -> RoomKey:
         """The one key kept for ``room``: entries in the same room share it, so a move
-        allocates nothing that outlives it, and comparing keys is comparing identities."""
+        allocates nothing that outlives it. Keys are compared by equality all the same
+        (equal tuples that are one object compare at once): the cache clears when full."""
         key = room_key(room)
         kept = self._keys.get(key)
         if kept is None:

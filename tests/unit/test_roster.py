@@ -9,7 +9,7 @@ import pytest
 
 from reservoir.protocol.messages import Message, decode_message
 from reservoir.protocol.room import NOTHING_FREE, may_fit, room_class
-from reservoir.protocol.roster import Roster, Sampler
+from reservoir.protocol.roster import _FITS_KEPT, Roster, Sampler
 from reservoir.protocol.tiers import TierLadder
 
 
@@ -125,3 +125,21 @@ def test_a_status_whose_room_names_no_resource_class_or_too_many_is_refused() ->
     for bad in ({"vcpu": 3}, {"VCPU": -2}, {"VCPU": 54}, {f"CUSTOM_{i}": 1 for i in range(65)}):
         with pytest.raises(ValueError, match="room"):  # msgspec's, or InvalidField
             status(bad)
+
+
+def test_a_node_telling_the_same_room_again_keeps_its_place_after_the_room_cache_clears() -> None:
+    roster = a_roster()
+    for name in ("n0", "n1", "n2"):
+        roster.update(name, f"addr-{name}", 100, {"VCPU": 3})
+    # another node tells of more distinct rooms than the roster keeps keys for
+    for k in range(_FITS_KEPT + 10):
+        roster.update("churn", "addr-churn", 25, {"VCPU": k % 60, "MEMORY_MB": k // 60})
+    roster.note_room("n0", {"VCPU": 3})
+    roster.update("n1", "addr-n1", 100, {"VCPU": 3})
+    last_tier = len(TierLadder()) - 1
+    listed = [m.name for m in roster.sample(3, up_to_tier_index=last_tier, exclude={"churn"})]
+    again = a_roster()
+    for name in ("n0", "n1", "n2"):
+        again.update(name, f"addr-{name}", 100, {"VCPU": 3})
+    # the same seed, the same lists in the same order: the same sample
+    assert listed == [m.name for m in again.sample(3, up_to_tier_index=last_tier)]

@@ -113,7 +113,7 @@ class SimulationResult:
 def machines_build() -> str:
     """``compiled`` when the protocol machines and this event loop run as the mypyc build
     (README, "The compiled build"), else ``interpreted``: the two differ in speed by
-    about 1.4x, so a timing is worth little without it."""
+    1.3-1.4x, so a timing is worth little without it."""
     return "interpreted" if str(engine.__file__).endswith(".py") else "compiled"
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -153,12 +153,11 @@ class Ledger:
     reservations: dict[str, Reservation] = field(default_factory=dict)
     _allocated: Counter[str] = field(default_factory=Counter)
     _reserved: Counter[str] = field(default_factory=Counter)
-    _allocations_by_request: defaultdict[str, set[str]] = field(
-        default_factory=lambda: defaultdict(set)
-    )
-    _allocations_by_reservation: defaultdict[str, set[str]] = field(
-        default_factory=lambda: defaultdict(set)
-    )
+    #: allocation ids by request and by reservation, as tuples: nearly every id holds one
+    #: allocation on a node, and a one-item tuple is a quarter of a one-item set (a
+    #: simulated cloud of 100,000 nodes holds 1.75 million allocations, each in both)
+    _allocations_by_request: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    _allocations_by_reservation: dict[str, tuple[str, ...]] = field(default_factory=dict)
     _reservation_by_request: dict[str, str] = field(default_factory=dict)
     _group_members: Counter[str] = field(default_factory=Counter)
     _utilisation: float | None = None
@@ -379,8 +378,10 @@ class Ledger:
         self.allocations[allocation.allocation_id] = allocation
         _add(self._allocated, allocation.resources, 1)
         self._utilisation = self._allocated_share = self._room = None
-        self._allocations_by_request[allocation.request_id].add(allocation.allocation_id)
-        self._allocations_by_reservation[allocation.reservation_id].add(allocation.allocation_id)
+        _index(self._allocations_by_request, allocation.request_id, allocation.allocation_id)
+        _index(
+            self._allocations_by_reservation, allocation.reservation_id, allocation.allocation_id
+        )
         if allocation.findable:
             self._touched.add(allocation.request_id)
         if allocation.group is not None:
@@ -408,9 +409,17 @@ def _add(totals: Counter[str], amounts: Mapping[str, int], sign: int) -> None:
         totals[resource_class] += sign * amount
 
 
-def _discard(index: defaultdict[str, set[str]], key: str, value: str) -> None:
+def _index(index: dict[str, tuple[str, ...]], key: str, value: str) -> None:
     members = index.get(key)
-    if members is not None:
-        members.discard(value)
-        if not members:
+    # a request's allocations on one node are a handful at most: copying is cheap
+    index[key] = (value,) if members is None else (*members, value)
+
+
+def _discard(index: dict[str, tuple[str, ...]], key: str, value: str) -> None:
+    members = index.get(key)
+    if members is not None and value in members:
+        kept = tuple(m for m in members if m != value)
+        if kept:
+            index[key] = kept
+        else:
             del index[key]

@@ -270,11 +270,12 @@ class ReservoirRun:
         for j, (where, kind) in enumerate(
             zip(workload.prefill_node, workload.prefill_flavour, strict=True)
         ):
+            request_id = _prefill_request_id(j)  # one string for both ids
             prefilled[where].append(
                 Allocation(
                     allocation_id=_prefill_allocation_id(j),
-                    request_id=_prefill_request_id(j),
-                    reservation_id=_prefill_request_id(j),
+                    request_id=request_id,
+                    reservation_id=request_id,
                     owner=requestor_names[j % requestors],
                     resources=shared_resources[kind],
                     # like the arrivals' ids, the steady state's are the requestors' own,

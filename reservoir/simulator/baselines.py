@@ -27,7 +27,9 @@ confirmation) and, at every failure, checks with the exact node state whether so
 had room (a false failure). At 100,000 nodes nothing here does O(N) Python work per
 placement: the true state lives in a :class:`~reservoir.simulator.capacity.FreeIndex`
 (buckets by free VCPUs) and, for Nova, in numpy arrays each scheduler's cache is a copy
-of (a refresh is one vectorised copy; a pick two ``argmax`` over blocks of sqrt N).
+of (a refresh is one vectorised copy; a pick two ``argmax`` over blocks of sqrt N). Departures
+and refreshes wait for their second of virtual time out of the event heap
+(:class:`~reservoir.simulator.calendar.LaterSeconds`).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from typing import Any, Final, Literal
 import numpy as np
 import numpy.typing as npt
 
+from reservoir.simulator.calendar import LaterSeconds
 from reservoir.simulator.capacity import FreeIndex
 from reservoir.simulator.memory import collector_paused
 from reservoir.simulator.metrics import RunResult
@@ -62,6 +65,7 @@ _PROBE: Final = 4
 _CLAIM: Final = 5
 _REFRESH: Final = 6
 _FAIL: Final = 7
+_SPILL: Final = 8  # a second's later events go into the heap (calendar.LaterSeconds)
 
 #: messages per freed instance: the delete and its confirmation
 FREE_MESSAGES: Final = 2
@@ -145,6 +149,9 @@ class BaselineRun:
         self._legs = Legs(latency, loss, self._rng)
         self._heap: list[tuple[float, int, int, Any]] = []
         self._sequence = 0
+        #: the virtual time of the event being handled
+        self._now = 0.0
+        self._later = LaterSeconds(self._heap, lambda second: (float(second), -1, _SPILL, second))
         used_vcpus, used_memory_mb = workload.prefill_usage(cluster.nodes)
         self.state = FreeIndex(
             cluster.shape_of,
@@ -172,7 +179,7 @@ class BaselineRun:
 
     def _push(self, at: float, code: int, payload: Any) -> None:
         self._sequence += 1
-        heapq.heappush(self._heap, (at, self._sequence, code, payload))
+        self._later.push((at, self._sequence, code, payload), self._now)
 
     # -- the true state ----------------------------------------------------------------
 
@@ -330,9 +337,14 @@ class BaselineRun:
         workload = self.workload
         system = self.system
         progress = self._progress
+        later = self._later
         events = 0
         while heap and heap[0][0] <= until_s:
             now, _, code, payload = pop(heap)
+            if code == _SPILL:
+                later.spill(payload)
+                continue
+            self._now = now
             events += 1
             if code == _ARRIVE:
                 i = payload

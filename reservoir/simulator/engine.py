@@ -1,8 +1,9 @@
 """The discrete-event engine that drives reservoir's own protocol machines in virtual time.
 
-This module owns the reservoir side of ``reservoir simulate``: one heap of events ``(time,
-sequence, code, participant, payload)``, no threads, no sleeps, no real clock. It
-instantiates :class:`~reservoir.protocol.node.NodeMachine` and
+This module owns the reservoir side of ``reservoir simulate``: one queue of events ``(time,
+sequence, code, participant, payload)`` (a heap, with the events due in a later second
+waiting in :class:`~reservoir.simulator.calendar.LaterSeconds`), no threads, no sleeps, no
+real clock. It instantiates :class:`~reservoir.protocol.node.NodeMachine` and
 :class:`~reservoir.protocol.requestor.RequestorMachine` directly (the runtime
 ``NodeAgent``/``Requestor`` classes, with their locks, codecs and schedulers, are far too
 heavy for 100,000 nodes) and carries out their effects in order:
@@ -62,6 +63,7 @@ from reservoir.protocol.messages import Message
 from reservoir.protocol.node import NodeConfig, NodeMachine
 from reservoir.protocol.placement import PlacedAllocation, Placement, PlacementRequest
 from reservoir.protocol.requestor import RequestorConfig, RequestorMachine
+from reservoir.simulator.calendar import LaterSeconds
 from reservoir.simulator.capacity import FreeIndex
 from reservoir.simulator.memory import collector_paused
 from reservoir.simulator.metrics import RunResult
@@ -78,6 +80,7 @@ _UNROUTABLE: Final = 3
 _ARRIVE: Final = 4
 _DEPART: Final = 5
 _PREFILL_DEPART: Final = 6
+_SPILL: Final = 7  # a second's later events go into the heap (calendar.LaterSeconds)
 
 #: how often (in arrivals) the progress callback hears of the run
 PROGRESS_EVERY: Final = 500
@@ -202,6 +205,9 @@ class ReservoirRun:
         self._heap: list[tuple[float, int, int, Any, Any]] = []
         self._sequence = 0
         self.now = 0.0
+        self._later = LaterSeconds(
+            self._heap, lambda second: (float(second), -1, _SPILL, None, second)
+        )
         self.table = BindingTable()
         self._by_address: dict[str, _Node | _Requestor] = {}
         self._participants: list[_Node | _Requestor] = []
@@ -304,7 +310,7 @@ class ReservoirRun:
 
     def _push(self, at: float, code: int, who: Any, payload: Any) -> None:
         self._sequence += 1
-        heapq.heappush(self._heap, (at, self._sequence, code, who, payload))
+        self._later.push((at, self._sequence, code, who, payload), self.now)
 
     def run(self) -> RunResult:
         with collector_paused():
@@ -381,6 +387,10 @@ class ReservoirRun:
             elif code == _DEPART:
                 apply(who, who.machine.free(payload, at), at)
                 continue
+            elif code == _SPILL:
+                self._later.spill(payload)
+                events -= 1  # a marker, not an event of the run
+                continue
             else:
                 self._prefill_depart(payload, at)
                 continue
@@ -418,8 +428,7 @@ class ReservoirRun:
             elif cls is SetTimer:
                 self._sequence += 1
                 who.timers[effect.key] = self._sequence  # type: ignore[union-attr]
-                heapq.heappush(
-                    self._heap,
+                self._later.push(
                     (
                         max(effect.at, now),  # type: ignore[union-attr]
                         self._sequence,
@@ -427,6 +436,7 @@ class ReservoirRun:
                         who,
                         effect.key,  # type: ignore[union-attr]
                     ),
+                    now,
                 )
             elif cls is CancelTimer:
                 who.timers.pop(effect.key, None)  # type: ignore[union-attr]

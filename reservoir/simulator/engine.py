@@ -273,22 +273,26 @@ class ReservoirRun:
         shared_resources = [
             {"VCPU": flavour.vcpus, "MEMORY_MB": flavour.memory_mb} for flavour in workload.flavours
         ]
+        #: the steady state's allocations as the engine placed them, by instance, until they
+        #: depart: what its frees and the final audit's claims name (the same strings the
+        #: nodes hold, not a second copy of 3.5 million ids)
+        self._prefilled: list[Allocation | None] = []
         for j, (where, kind) in enumerate(
             zip(workload.prefill_node, workload.prefill_flavour, strict=True)
         ):
             request_id = _prefill_request_id(j)  # one string for both ids
-            prefilled[where].append(
-                Allocation(
-                    allocation_id=_prefill_allocation_id(j),
-                    request_id=request_id,
-                    reservation_id=request_id,
-                    owner=requestor_names[j % requestors],
-                    resources=shared_resources[kind],
-                    # like the arrivals' ids, the steady state's are the requestors' own,
-                    # so no Lookup looks for them (a node binds no lookup bucket for them)
-                    findable=False,
-                )
+            allocation = Allocation(
+                allocation_id=_prefill_allocation_id(j),
+                request_id=request_id,
+                reservation_id=request_id,
+                owner=requestor_names[j % requestors],
+                resources=shared_resources[kind],
+                # like the arrivals' ids, the steady state's are the requestors' own, so
+                # no Lookup looks for them (a node binds no lookup bucket for them)
+                findable=False,
             )
+            self._prefilled.append(allocation)
+            prefilled[where].append(allocation)
         self._nodes: list[_Node] = []
         for i, shape in enumerate(cluster.shape_of):
             name = f"node-{i}"
@@ -562,13 +566,15 @@ class ReservoirRun:
         workload = self.workload
         node = self._nodes[workload.prefill_node[j]]
         flavour = workload.flavours[workload.prefill_flavour[j]]
+        allocation = self._prefilled[j]
+        assert allocation is not None, "a steady-state instance departs once"
         return Placement(
-            request_id=_prefill_request_id(j),
+            request_id=allocation.request_id,
             allocations=(
                 PlacedAllocation(
                     node=node.name,
                     address=node.address,
-                    allocation_id=_prefill_allocation_id(j),
+                    allocation_id=allocation.allocation_id,
                     resources={"VCPU": flavour.vcpus, "MEMORY_MB": flavour.memory_mb},
                 ),
             ),
@@ -580,6 +586,7 @@ class ReservoirRun:
         if now <= workload.end_s:
             requestor = self._requestors[j % len(self._requestors)]
             self._apply(requestor, requestor.machine.free(self._prefill_placement(j), now), now)
+            self._prefilled[j] = None
             self._prefilled_done = j + 1
             if j + 1 < len(workload.prefill_depart_s):
                 self._push(workload.prefill_depart_s[j + 1], _PREFILL_DEPART, None, j + 1)
@@ -606,8 +613,9 @@ class ReservoirRun:
         # The steady state's instances still running: what the audit reads of their
         # placements, without building a Placement for each of a million of them.
         live += [
-            _PrefillClaim(_prefill_request_id(j), (_ClaimedAllocation(_prefill_allocation_id(j)),))
-            for j in range(self._prefilled_done, len(workload.prefill_depart_s))
+            _PrefillClaim(a.request_id, (_ClaimedAllocation(a.allocation_id),))
+            for a in self._prefilled[self._prefilled_done :]
+            if a is not None  # never None: the departed are before ``_prefilled_done``
         ]
         report = audit(
             (

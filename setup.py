@@ -32,6 +32,7 @@ COMPILED = [
     "reservoir/protocol/roster.py",
     "reservoir/protocol/tiers.py",
     "reservoir/protocol/timers.py",
+    "reservoir/simulator/calendar.py",
     "reservoir/simulator/engine.py",
 ]
 

@@ -19,6 +19,7 @@ that a bucket's second is still to come, which :meth:`LaterSeconds.push` checks.
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -42,7 +43,7 @@ class LaterSeconds:
     def push(self, entry: Entry, now: float) -> None:
         """Add ``entry`` (due at ``entry[0]``, not before ``now``): into the heap when it
         is due within the current second, else into its second's bucket."""
-        second = int(entry[0])
+        second = math.floor(entry[0])
         if second <= now:  # this second's bucket, if it had one, is in the heap already
             heapq.heappush(self._heap, entry)
             return

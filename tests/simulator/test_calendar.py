@@ -34,12 +34,20 @@ steps = st.lists(
 Steps = list[tuple[int, list[tuple[float, bool]]]]
 
 
-def drain(steps: Steps, *, two_level: bool) -> list[tuple[float, int]]:
-    """Pop and push as ``steps`` say, then pop everything: the (time, sequence) order."""
+def drain(
+    steps: Steps,
+    *,
+    two_level: bool,
+    start_s: float = 0.0,
+    now_at_markers: bool = False,
+) -> list[tuple[float, int]]:
+    """Pop and push as ``steps`` say, then pop everything: the (time, sequence) order.
+    ``now_at_markers``: the clock moves to a marker's time too, as the reservoir engine's
+    does (the baselines' moves only at events)."""
     heap: list[tuple[Any, ...]] = []
     later = LaterSeconds(heap, marker)
     popped: list[tuple[float, int]] = []
-    now = 0.0
+    now = start_s
     sequence = 0
 
     def pop() -> bool:
@@ -49,6 +57,8 @@ def drain(steps: Steps, *, two_level: bool) -> list[tuple[float, int]]:
             assert entry[0] >= now, "a marker or an event from the past"
             if entry[2] == SPILL:
                 later.spill(entry[3])
+                if now_at_markers:
+                    now = entry[0]
                 continue
             now = entry[0]
             popped.append((entry[0], entry[1]))
@@ -72,9 +82,17 @@ def drain(steps: Steps, *, two_level: bool) -> list[tuple[float, int]]:
 
 
 @settings(max_examples=300, deadline=None)
-@given(steps)
-def test_events_come_out_in_the_order_one_heap_gives(steps: Steps) -> None:
-    assert drain(steps, two_level=True) == drain(steps, two_level=False)
+@given(
+    steps,
+    # negative and fractional starts: a second is the floor of a time, not its truncation
+    st.one_of(st.floats(min_value=-5.0, max_value=5.0), st.integers(-5, 5).map(float)),
+    st.booleans(),
+)
+def test_events_come_out_in_the_order_one_heap_gives(
+    steps: Steps, start_s: float, now_at_markers: bool
+) -> None:
+    one_heap = drain(steps, two_level=False, start_s=start_s)
+    assert drain(steps, two_level=True, start_s=start_s, now_at_markers=now_at_markers) == one_heap
 
 
 def test_an_event_waiting_for_its_second_comes_out_before_a_later_one_due_then() -> None:

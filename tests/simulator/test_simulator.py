@@ -239,8 +239,9 @@ def test_a_broken_invariant_makes_the_command_fail(monkeypatch: pytest.MonkeyPat
     [
         # three long runs on two cores: a worker each, and one for the baselines
         (2, 64, SimulationConfig(nodes=1000), 4),
-        # ... as far as memory holds them (6.1 GiB a run at 100,000 nodes)
-        (2, 20, SimulationConfig(nodes=100_000), 3),
+        # ... as far as memory holds them (3.8 GiB a run at 100,000 nodes)
+        (2, 20, SimulationConfig(nodes=100_000), 4),
+        (2, 12, SimulationConfig(nodes=100_000), 3),
         # never fewer than the cores
         (2, 1, SimulationConfig(nodes=100_000), 2),
         # no more long runs than cores: the cores

@@ -239,9 +239,11 @@ def test_a_broken_invariant_makes_the_command_fail(monkeypatch: pytest.MonkeyPat
     [
         # three long runs on two cores: a worker each, and one for the baselines
         (2, 64, SimulationConfig(nodes=1000), 4),
-        # ... as far as memory holds them (3.8 GiB a run at 100,000 nodes)
-        (2, 20, SimulationConfig(nodes=100_000), 4),
-        (2, 12, SimulationConfig(nodes=100_000), 3),
+        # ... as far as memory holds them (3.6 GiB a run at 100,000 nodes and a million
+        # arrivals, 12.2 GiB with ten million)
+        (2, 20, SimulationConfig(nodes=100_000, requests=1_000_000), 4),
+        (2, 12, SimulationConfig(nodes=100_000, requests=1_000_000), 3),
+        (2, 20, SimulationConfig(nodes=100_000, requests=10_000_000), 2),
         # never fewer than the cores
         (2, 1, SimulationConfig(nodes=100_000), 2),
         # no more long runs than cores: the cores

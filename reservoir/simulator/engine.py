@@ -430,18 +430,9 @@ class ReservoirRun:
                 else:
                     self._transmit(target, message, now)
             elif cls is SetTimer:
-                self._sequence += 1
-                who.timers[effect.key] = self._sequence  # type: ignore[union-attr]
-                self._later.push(
-                    (
-                        max(effect.at, now),  # type: ignore[union-attr]
-                        self._sequence,
-                        _TIMER,
-                        who,
-                        effect.key,  # type: ignore[union-attr]
-                    ),
-                    now,
-                )
+                key = effect.key  # type: ignore[union-attr]
+                self._push(max(effect.at, now), _TIMER, who, key)  # type: ignore[union-attr]
+                who.timers[key] = self._sequence  # the generation its firing must match
             elif cls is CancelTimer:
                 who.timers.pop(effect.key, None)  # type: ignore[union-attr]
             elif cls is Publish:
@@ -565,7 +556,6 @@ class ReservoirRun:
     def _prefill_placement(self, j: int) -> Placement:
         workload = self.workload
         node = self._nodes[workload.prefill_node[j]]
-        flavour = workload.flavours[workload.prefill_flavour[j]]
         allocation = self._prefilled[j]
         assert allocation is not None, "a steady-state instance departs once"
         return Placement(
@@ -575,7 +565,7 @@ class ReservoirRun:
                     node=node.name,
                     address=node.address,
                     allocation_id=allocation.allocation_id,
-                    resources={"VCPU": flavour.vcpus, "MEMORY_MB": flavour.memory_mb},
+                    resources=dict(allocation.resources),
                 ),
             ),
             requested=1,

@@ -47,6 +47,7 @@ across reconnects, so an operator or a test can find and close exactly this brok
 
 from __future__ import annotations
 
+import collections
 import logging
 from functools import partial
 from typing import Any
@@ -55,6 +56,7 @@ from urllib.parse import parse_qsl, urlsplit
 import pika
 import pika.exceptions
 from pika.adapters.select_connection import IOLoop
+from pika.adapters.utils import io_services_utils
 
 from brokers._rules import DEFAULT_EXCHANGE, INBOX_SUFFIX
 from brokers.amqp import session as core
@@ -87,6 +89,81 @@ _FATAL = (
     pika.exceptions.ProbableAccessDeniedError,
     pika.exceptions.IncompatibleProtocolError,
 )
+
+
+#: what one read of the socket may take (pika reads 4 KiB at a time), and what one write
+#: may join of the frames waiting to go out
+RECV_BYTES = 65536
+SEND_BYTES = 65536
+
+_PLAINTEXT_TRANSPORT: type | None = getattr(io_services_utils, "_AsyncPlaintextTransport", None)
+
+
+def tune_transport(transport: Any) -> bool:
+    """Make pika's socket I/O one system call per batch rather than one per frame or 4 KiB.
+
+    pika 1.3's plaintext transport sends each buffered frame with a ``send()`` of its own (a
+    publish is three frames: method, header, body), with ``TCP_NODELAY`` on, so each frame
+    is a segment the broker must take in on its own; and it reads 4 KiB at a time until a
+    read fails with EAGAIN, so nearly every readable event ends in a read that finds
+    nothing. Here the frames waiting go out joined, ``SEND_BYTES`` at most per ``send()``
+    (so a long backlog is never copied again whole after a partial send), and the socket is
+    read ``RECV_BYTES`` at a time until a read comes back short (the poller is
+    level-triggered: whatever is left is reported again). Measured on a node process under
+    ``reservoir bench`` (100 nodes, 8 requestors): ``sendto`` calls fell to a third, and
+    placements per second rose 4-8 % (README, "The socket's system calls").
+
+    Only pika's plaintext transport, exactly: an SSL socket keeps pika's I/O, since
+    decrypted bytes may wait in the SSL object where no poll sees them, and a write OpenSSL
+    asks to retry must be retried with the same bytes. These are private parts of pika:
+    for any other transport (another pika), nothing changes and False is returned."""
+    if _PLAINTEXT_TRANSPORT is None or type(transport) is not _PLAINTEXT_TRANSPORT:
+        return False
+    buffers = getattr(transport, "_tx_buffers", None)
+    if not isinstance(buffers, collections.deque):
+        return False
+    _send_joined(transport, buffers)
+    _read_until_short(transport)
+    return True
+
+
+def _send_joined(transport: Any, buffers: collections.deque[bytes]) -> None:
+    send = transport._sigint_safe_send
+
+    def send_joined(sock: Any, chunk: bytes) -> int:
+        # pika's loop sends buffers[0] and then pops it: make that the next SEND_BYTES joined
+        if len(buffers) > 1 and len(chunk) < SEND_BYTES:
+            pieces = [buffers.popleft()]
+            size = len(pieces[0])
+            while buffers and size + len(buffers[0]) <= SEND_BYTES:
+                piece = buffers.popleft()
+                pieces.append(piece)
+                size += len(piece)
+            chunk = b"".join(pieces)
+            buffers.appendleft(chunk)
+        sent: int = send(sock, chunk)
+        return sent
+
+    transport._sigint_safe_send = send_joined
+
+
+def _read_until_short(transport: Any) -> None:
+    recv = transport._sigint_safe_recv
+    sock, protocol = transport._sock, transport._protocol
+    active, limit = transport._STATE_ACTIVE, transport._MAX_CONSUME_BYTES
+
+    def consume() -> None:
+        consumed = 0
+        while transport._state == active and consumed < limit:
+            data = recv(sock, RECV_BYTES)
+            if not data:
+                raise transport.RxEndOfFile()
+            consumed += len(data)
+            protocol.data_received(data)
+            if len(data) < RECV_BYTES:
+                return
+
+    transport._consume = consume
 
 
 def strip_reservoir_params(url: str) -> tuple[str, dict[str, str]]:
@@ -268,6 +345,11 @@ class PikaBroker(AmqpBroker):
         self._event(Session.tick, self._now())
 
     def _on_open(self, gen: int, connection: Any) -> None:
+        if not tune_transport(getattr(connection, "_transport", None)):
+            log.debug(
+                "%s: pika's transport is not the one expected; left as it is",
+                self.connection_name,
+            )
         connection.add_on_connection_blocked_callback(
             lambda _c, frame: self._event(Session.blocked, str(frame.method.reason))
         )

@@ -1,0 +1,220 @@
+"""The pika driver's socket tuning (:func:`brokers.pika_broker.tune_transport`), on pika's
+own plaintext transport over a socket pair: frames waiting together leave in one write of
+at most ``SEND_BYTES``, and a readable socket is read until a read comes back short."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from pika.adapters.utils import io_services_utils
+
+from brokers.pika_broker import RECV_BYTES, SEND_BYTES, tune_transport
+
+PlaintextTransport: Any = io_services_utils._AsyncPlaintextTransport
+
+
+class CountingSocket:
+    """A non-blocking socket that records the size of every send and recv (and sends at
+    most ``send_limit`` bytes at a time, to play a full socket buffer)."""
+
+    def __init__(self, sock: socket.socket, send_limit: int | None = None) -> None:
+        self.sock = sock
+        self.send_limit = send_limit
+        self.sends: list[int] = []
+        #: bytes each recv returned, -1 for one that would have blocked
+        self.recvs: list[int] = []
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def send(self, data: bytes) -> int:
+        sent = self.sock.send(data[: self.send_limit] if self.send_limit else data)
+        self.sends.append(sent)
+        return sent
+
+    def recv(self, max_bytes: int) -> bytes:
+        try:
+            data = self.sock.recv(max_bytes)
+        except BlockingIOError:
+            self.recvs.append(-1)  # a read that found nothing
+            raise
+        self.recvs.append(len(data))
+        return data
+
+
+class FakeIOServices:
+    def __init__(self) -> None:
+        self.writer: object | None = None
+        self.reader: object | None = None
+
+    def set_reader(self, _fd: int, callback: object) -> None:
+        self.reader = callback
+
+    def remove_reader(self, _fd: int) -> None:
+        self.reader = None
+
+    def set_writer(self, _fd: int, callback: object) -> None:
+        self.writer = callback
+
+    def remove_writer(self, _fd: int) -> None:
+        self.writer = None
+
+    def add_callback_threadsafe(self, _callback: object) -> None:
+        pass  # pika's abort, after an end of file: nothing to run here
+
+
+class RecordingProtocol:
+    def __init__(self) -> None:
+        self.received = bytearray()
+        self.eof = False
+
+    def data_received(self, data: bytes) -> None:
+        self.received += data
+
+    def eof_received(self) -> bool:
+        self.eof = True
+        return False
+
+    def connection_lost(self, _error: BaseException | None) -> None:
+        pass
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
+    ours, theirs = socket.socketpair()
+    ours.setblocking(False)
+    yield ours, theirs
+    ours.close()
+    theirs.close()
+
+
+def tuned(
+    ours: socket.socket, send_limit: int | None = None
+) -> tuple[Any, CountingSocket, RecordingProtocol, FakeIOServices]:
+    counting = CountingSocket(ours, send_limit)
+    protocol, io = RecordingProtocol(), FakeIOServices()
+    transport = PlaintextTransport(counting, protocol, io)
+    assert tune_transport(transport)
+    return transport, counting, protocol, io
+
+
+def read_all(sock: socket.socket, size: int) -> bytes:
+    data = bytearray()
+    while len(data) < size:
+        data += sock.recv(size - len(data))
+    return bytes(data)
+
+
+def test_frames_written_together_leave_in_one_send(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    ours, theirs = pair
+    transport, counting, _, io = tuned(ours)
+    for frame in (b"method", b"header", b"body"):
+        transport.write(frame)
+
+    transport._on_socket_writable()
+
+    assert counting.sends == [len(b"methodheaderbody")]
+    assert read_all(theirs, 16) == b"methodheaderbody"
+    assert io.writer is None  # nothing left: pika stops watching for writability
+    assert transport.get_write_buffer_size() == 0
+
+
+def test_a_long_backlog_leaves_in_writes_of_at_most_send_bytes_in_order(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    ours, theirs = pair
+    transport, counting, _, _ = tuned(ours)
+    frames = [bytes([index % 256]) * 1000 for index in range(150)]
+    for frame in frames:
+        transport.write(frame)
+
+    transport._on_socket_writable()
+
+    assert max(counting.sends) <= SEND_BYTES
+    assert len(counting.sends) == -(-150_000 // (SEND_BYTES // 1000 * 1000))
+    assert read_all(theirs, 150_000) == b"".join(frames)
+    assert transport.get_write_buffer_size() == 0
+
+
+def test_a_partial_send_keeps_the_rest_in_order_for_the_next_write(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    ours, theirs = pair
+    transport, counting, _, io = tuned(ours, send_limit=5)
+    transport.write(b"abcdefgh")
+    transport.write(b"ijkl")
+
+    transport._on_socket_writable()
+
+    assert counting.sends == [5, 5, 2]
+    assert read_all(theirs, 12) == b"abcdefghijkl"
+    assert io.writer is None
+
+
+def test_a_readable_socket_is_read_once_when_the_read_comes_back_short(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    ours, theirs = pair
+    transport, counting, protocol, _ = tuned(ours)
+    theirs.sendall(b"one" + b"two" + b"three")
+
+    transport._on_socket_readable()
+
+    assert bytes(protocol.received) == b"onetwothree"
+    assert counting.recvs == [11]  # pika alone reads again and finds nothing
+
+
+def test_a_read_that_fills_the_buffer_is_followed_by_another(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    ours, theirs = pair
+    transport, counting, protocol, _ = tuned(ours)
+    payload = bytes(range(256)) * (RECV_BYTES // 256) + b"tail"
+    theirs.sendall(payload)
+
+    transport._on_socket_readable()
+
+    assert bytes(protocol.received) == payload
+    assert counting.recvs[0] == RECV_BYTES
+    assert sum(counting.recvs) == len(payload)
+
+
+def test_the_peer_closing_still_reaches_pika_as_end_of_file(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    ours, theirs = pair
+    transport, _, protocol, _ = tuned(ours)
+    theirs.shutdown(socket.SHUT_WR)
+
+    transport._on_socket_readable()
+
+    assert protocol.eof
+
+
+def test_another_transport_class_is_left_as_it_is(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    ours, _ = pair
+
+    class OtherTransport(PlaintextTransport):  # type: ignore[misc]
+        """as pika's SSL transport is to the tuning: not the plaintext one"""
+
+    transport = OtherTransport(CountingSocket(ours), RecordingProtocol(), FakeIOServices())
+    assert not tune_transport(transport)
+    assert "_consume" not in vars(transport)
+    assert "_sigint_safe_send" not in vars(transport)
+
+
+def test_a_transport_of_another_shape_is_left_as_it_is() -> None:
+    class Unknown:
+        pass
+
+    unknown = Unknown()
+    assert not tune_transport(unknown)
+    assert not tune_transport(None)
+    assert vars(unknown) == {}

@@ -4,6 +4,7 @@ at most ``SEND_BYTES``, and a readable socket is read until a read comes back sh
 
 from __future__ import annotations
 
+import errno
 import socket
 from collections.abc import Iterator
 from typing import Any
@@ -11,18 +12,22 @@ from typing import Any
 import pytest
 from pika.adapters.utils import io_services_utils
 
-from brokers.pika_broker import RECV_BYTES, SEND_BYTES, tune_transport
+from brokers.pika_broker import RECV_BYTES, SEND_BYTES, TunedPlaintextTransport, tune_transport
 
 PlaintextTransport: Any = io_services_utils._AsyncPlaintextTransport
 
 
 class CountingSocket:
-    """A non-blocking socket that records the size of every send and recv (and sends at
-    most ``send_limit`` bytes at a time, to play a full socket buffer)."""
+    """A non-blocking socket that records the size of every send and recv; it sends at
+    most ``send_limit`` bytes at a time, and its first ``sends_refused`` sends fail with
+    EAGAIN, to play a full socket buffer."""
 
-    def __init__(self, sock: socket.socket, send_limit: int | None = None) -> None:
+    def __init__(
+        self, sock: socket.socket, send_limit: int | None = None, sends_refused: int = 0
+    ) -> None:
         self.sock = sock
         self.send_limit = send_limit
+        self.sends_refused = sends_refused
         self.sends: list[int] = []
         #: bytes each recv returned, -1 for one that would have blocked
         self.recvs: list[int] = []
@@ -31,6 +36,9 @@ class CountingSocket:
         return self.sock.fileno()
 
     def send(self, data: bytes) -> int:
+        if self.sends_refused:
+            self.sends_refused -= 1
+            raise BlockingIOError(errno.EAGAIN, "the socket buffer is full")
         sent = self.sock.send(data[: self.send_limit] if self.send_limit else data)
         self.sends.append(sent)
         return sent
@@ -67,12 +75,16 @@ class FakeIOServices:
 
 
 class RecordingProtocol:
-    def __init__(self) -> None:
+    def __init__(self, *, aborts: bool = False) -> None:
         self.received = bytearray()
         self.eof = False
+        self.aborts = aborts
+        self.transport: Any = None
 
     def data_received(self, data: bytes) -> None:
         self.received += data
+        if self.aborts:
+            self.transport.abort()  # as pika's connection does on a bad frame
 
     def eof_received(self) -> bool:
         self.eof = True
@@ -86,18 +98,25 @@ class RecordingProtocol:
 def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
     ours, theirs = socket.socketpair()
     ours.setblocking(False)
+    theirs.settimeout(5)  # bytes gone missing fail the test rather than hang it
     yield ours, theirs
     ours.close()
     theirs.close()
 
 
 def tuned(
-    ours: socket.socket, send_limit: int | None = None
+    ours: socket.socket,
+    send_limit: int | None = None,
+    *,
+    sends_refused: int = 0,
+    aborts: bool = False,
 ) -> tuple[Any, CountingSocket, RecordingProtocol, FakeIOServices]:
-    counting = CountingSocket(ours, send_limit)
-    protocol, io = RecordingProtocol(), FakeIOServices()
+    counting = CountingSocket(ours, send_limit, sends_refused)
+    protocol, io = RecordingProtocol(aborts=aborts), FakeIOServices()
     transport = PlaintextTransport(counting, protocol, io)
+    protocol.transport = transport
     assert tune_transport(transport)
+    assert type(transport) is TunedPlaintextTransport
     return transport, counting, protocol, io
 
 
@@ -154,6 +173,27 @@ def test_a_partial_send_keeps_the_rest_in_order_for_the_next_write(
     assert counting.sends == [5, 5, 2]
     assert read_all(theirs, 12) == b"abcdefghijkl"
     assert io.writer is None
+    assert transport.get_write_buffer_size() == 0
+
+
+def test_a_send_refused_with_eagain_keeps_every_byte_for_the_next_writable_event(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    ours, theirs = pair
+    transport, counting, _, io = tuned(ours, sends_refused=1)
+    for frame in (b"method", b"header", b"body"):
+        transport.write(frame)
+
+    transport._on_socket_writable()  # refused: nothing went out
+    assert counting.sends == []
+    assert transport.get_write_buffer_size() == 16
+    assert io.writer is not None  # pika still waits to write
+    transport.write(b"next")
+    transport._on_socket_writable()
+
+    assert read_all(theirs, 20) == b"methodheaderbodynext"
+    assert transport.get_write_buffer_size() == 0
+    assert io.writer is None
 
 
 def test_a_readable_socket_is_read_once_when_the_read_comes_back_short(
@@ -184,6 +224,37 @@ def test_a_read_that_fills_the_buffer_is_followed_by_another(
     assert sum(counting.recvs) == len(payload)
 
 
+def test_one_readable_event_reads_no_more_than_pikas_limit_and_the_next_reads_the_rest(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    ours, theirs = pair
+    transport, counting, protocol, _ = tuned(ours)
+    payload = bytes(range(256)) * 586  # 150,016 bytes: more than the limit of 100 KiB
+    theirs.sendall(payload)
+
+    transport._on_socket_readable()
+    first = len(protocol.received)
+    transport._on_socket_readable()
+
+    limit = PlaintextTransport._MAX_CONSUME_BYTES
+    assert limit <= first < limit + RECV_BYTES
+    assert bytes(protocol.received) == payload
+    assert counting.recvs == [RECV_BYTES, RECV_BYTES, len(payload) - 2 * RECV_BYTES]
+
+
+def test_a_transport_aborted_while_handling_a_read_reads_no_more(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    ours, theirs = pair
+    transport, counting, protocol, _ = tuned(ours, aborts=True)
+    theirs.sendall(b"x" * (2 * RECV_BYTES))
+
+    transport._on_socket_readable()
+
+    assert counting.recvs == [RECV_BYTES]
+    assert len(protocol.received) == RECV_BYTES
+
+
 def test_the_peer_closing_still_reaches_pika_as_end_of_file(
     pair: tuple[socket.socket, socket.socket],
 ) -> None:
@@ -206,8 +277,7 @@ def test_another_transport_class_is_left_as_it_is(
 
     transport = OtherTransport(CountingSocket(ours), RecordingProtocol(), FakeIOServices())
     assert not tune_transport(transport)
-    assert "_consume" not in vars(transport)
-    assert "_sigint_safe_send" not in vars(transport)
+    assert type(transport) is OtherTransport
 
 
 def test_a_transport_of_another_shape_is_left_as_it_is() -> None:

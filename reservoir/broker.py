@@ -31,6 +31,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 __all__ = [
     "Broker",
@@ -136,6 +137,16 @@ class Broker(ABC):
         """Whether messages can flow now: a broker with a connection to lose says so
         while it is down (and reconnecting); one in this process is always connected."""
         return True
+
+    #: whether :attr:`connections` can grow: a broker with a connection to lose
+    reconnects: ClassVar[bool] = False
+
+    @property
+    def connections(self) -> int:
+        """Connections completed so far: 1, and one more each time the connection came
+        back with its inbox and bindings restored. Between two of them, whoever was
+        listening heard nothing (a node agent announces itself again)."""
+        return 1
 
     def __enter__(self) -> Broker:
         return self

@@ -18,7 +18,7 @@ import os
 import secrets
 from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from reservoir import tracing
 from reservoir.audit import NodeSnapshot
@@ -44,9 +44,15 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
     from prometheus_client.core import Metric
 
-__all__ = ["NodeAgent", "node_address"]
+__all__ = ["REJOIN_CHECK_S", "NodeAgent", "node_address"]
 
 log = logging.getLogger(__name__)
+
+#: How often a node agent on a broker that can lose its connection looks whether it came
+#: back (:attr:`Broker.connections`), to announce itself again (NodeMachine.rejoined).
+REJOIN_CHECK_S: Final = 1.0
+#: The timer key of that check; the machine's own timers are strings.
+_REJOIN_CHECK: Final = ("agent", "rejoin-check")
 
 
 def node_address(name: str) -> str:
@@ -137,6 +143,7 @@ class NodeAgent(Driver):
             self.store.close()
             raise
         self._started = False
+        self._connections_seen = self.broker.connections
         self.metrics.add_source(self._metric_families)
         if start:
             self.start()
@@ -149,6 +156,9 @@ class NodeAgent(Driver):
         if not self._started:
             self._started = True
             self._run(self.machine.start)
+            if self.broker.reconnects:
+                with self._lock:
+                    self._set_timer(_REJOIN_CHECK, self.scheduler.clock.now() + REJOIN_CHECK_S)
 
     def close(self) -> None:
         """Stop hearing requests, withdraw live reservations, and let go of everything.
@@ -303,7 +313,20 @@ class NodeAgent(Driver):
         return effects
 
     def _handle_timer(self, key: Hashable, now: float) -> list[Effect]:
+        if key == _REJOIN_CHECK:
+            return self._check_rejoined(now)
         return self._logging_tier(self.machine.on_timer(key, now))
+
+    def _check_rejoined(self, now: float) -> list[Effect]:
+        """Under the lock, every REJOIN_CHECK_S: the connection came back since the last
+        look (a counter, so no outage between two looks goes unseen)."""
+        self._set_timer(_REJOIN_CHECK, now + REJOIN_CHECK_S)
+        connections = self.broker.connections
+        if connections == self._connections_seen or not self.broker.connected:
+            return []
+        self._connections_seen = connections
+        log.info("node %s is back on the broker: announcing itself again", self.name)
+        return self.machine.rejoined(now)
 
     def _persist(self, effect: StoreAllocation | DeleteAllocation) -> None:
         if isinstance(effect, StoreAllocation):

@@ -221,7 +221,14 @@ class Requestor(Driver):
         if self.machine.placement_of(request_id) is not None:
             # answered from memory: not a placement to time or count again
             self._replays.add(request_id)
-        return self.machine.place(spec, request_id, now, timeout_s, traceparent=traceparent)
+        return self.machine.place(
+            spec,
+            request_id,
+            now,
+            timeout_s,
+            traceparent=traceparent,
+            requested_at_s=self.scheduler.clock.wall(),
+        )
 
     def _start(
         self,

@@ -23,7 +23,9 @@ from reservoir.protocol.messages import NumaPlacement
 __all__ = ["AllocationStore", "MemoryStore", "SqliteStore", "StateError"]
 
 _APPLICATION: Final = "reservoir-node-ledger"
-_SCHEMA_VERSION: Final = 1
+#: 2 added ``requested_at_s`` (which of two placements of one id stands); a version 1
+#: file is upgraded in place when opened, its allocations dated 0 (older than any other)
+_SCHEMA_VERSION: Final = 2
 
 
 class StateError(RuntimeError):
@@ -97,7 +99,8 @@ class SqliteStore:
                     resources TEXT NOT NULL,
                     request_count INTEGER NOT NULL,
                     server_group TEXT,
-                    numa TEXT
+                    numa TEXT,
+                    requested_at_s REAL NOT NULL DEFAULT 0
                 );
                 COMMIT;
                 """
@@ -124,6 +127,9 @@ class SqliteStore:
                 f"{self.path} is not a reservoir state file "
                 f"(application={meta.get('application')!r})"
             )
+        if meta.get("schema_version") == "1":
+            self._upgrade_from_1()
+            meta["schema_version"] = str(_SCHEMA_VERSION)
         if meta.get("schema_version") != str(_SCHEMA_VERSION):
             raise StateError(
                 f"{self.path} has schema version {meta.get('schema_version')}, "
@@ -134,11 +140,23 @@ class SqliteStore:
                 f"{self.path} belongs to node {meta.get('node')!r}, not {self.node_name!r}"
             )
 
+    def _upgrade_from_1(self) -> None:
+        with self._lock:
+            self._db.executescript(
+                f"""
+                BEGIN;
+                ALTER TABLE allocations ADD COLUMN requested_at_s REAL NOT NULL DEFAULT 0;
+                UPDATE meta SET value = '{_SCHEMA_VERSION}' WHERE key = 'schema_version';
+                COMMIT;
+                """
+            )
+
     def load(self) -> list[Allocation]:
         with self._lock:
             rows = self._db.execute(
                 "SELECT allocation_id, request_id, reservation_id, owner, resources, "
-                "request_count, server_group, numa FROM allocations ORDER BY allocation_id"
+                "request_count, server_group, numa, requested_at_s FROM allocations "
+                "ORDER BY allocation_id"
             ).fetchall()
         allocations = []
         for row in rows:
@@ -157,6 +175,7 @@ class SqliteStore:
                         request_count=int(row[5]),
                         group=row[6],
                         numa=numa,
+                        requested_at_s=float(row[8]),
                     )
                 )
             except (ValueError, TypeError) as error:  # msgspec.ValidationError is a ValueError
@@ -168,7 +187,7 @@ class SqliteStore:
     def put(self, allocation: Allocation) -> None:
         with self._lock:
             self._db.execute(
-                "INSERT OR REPLACE INTO allocations VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT OR REPLACE INTO allocations VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     allocation.allocation_id,
                     allocation.request_id,
@@ -178,6 +197,7 @@ class SqliteStore:
                     allocation.request_count,
                     allocation.group,
                     msgspec.json.encode(allocation.numa).decode() if allocation.numa else None,
+                    allocation.requested_at_s,
                 ),
             )
 

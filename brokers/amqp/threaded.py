@@ -39,7 +39,7 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, ParamSpec
+from typing import Any, ClassVar, ParamSpec
 
 from brokers._rules import (
     check_body,
@@ -243,6 +243,8 @@ class AmqpBroker(Broker, ABC):
         """Whether the connection is up and the topology restored."""
         with self._lock:
             return self._session.ready
+
+    reconnects: ClassVar[bool] = True
 
     @property
     def connections(self) -> int:

@@ -122,6 +122,12 @@ class Conversation:
     #: instances we settle for: count, or fewer once a partial placement is decided
     target: int
     contention: IdContention
+    #: the wall-clock time the requestor was asked (seconds since the epoch), sent with
+    #: every award: of two placements of one id, the later one stands
+    requested_at_s: float = 0.0
+    #: the latest ``requested_at_s`` among the allocations placed so far (adopted ones
+    #: carry their own placement's): the finished placement's
+    placed_at_s: float = 0.0
     phase: Phase = Phase.NEW
     tier_index: int = 0
     attempt: int = 0

@@ -92,6 +92,9 @@ class Allocation:
     #: a Lookup for the id must find it; not stored, so allocations loaded after a
     #: restart are findable, whatever their request was
     findable: bool = field(default=True, compare=False)
+    #: when its requestor was asked to place the request (the award's ``requested_at_s``,
+    #: seconds since the epoch): of two placements of one id, the later one stands
+    requested_at_s: float = 0.0
 
     def info(self) -> AllocationInfo:
         return AllocationInfo(

@@ -40,7 +40,7 @@ from __future__ import annotations
 import hashlib
 import operator
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import UnionType
 from typing import (
     Annotated,
@@ -99,10 +99,13 @@ __all__ = [
     "ReservationRequest",
     "ResourceTally",
     "RollCall",
+    "bucket_bitmap",
+    "buckets_in",
     "check_ids",
     "decode_message",
     "encode_message",
     "is_resource_class",
+    "lookup_bucket",
     "lookup_topic",
     "message_from_fields",
     "validation_error_at",
@@ -164,12 +167,36 @@ def is_resource_class(name: str) -> bool:
     return name in STANDARD_RESOURCE_CLASSES or bool(_CUSTOM_CLASS.fullmatch(name))
 
 
+def lookup_bucket(request_id: str) -> int:
+    """The lookup bucket of ``request_id``, 0 to ``LOOKUP_BUCKETS - 1``. The same on every
+    participant: a stable hash, not Python's salted ``hash``."""
+    digest = hashlib.blake2b(request_id.encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "big") % LOOKUP_BUCKETS
+
+
 def lookup_topic(request_id: str) -> str:
     """The topic a ``Lookup`` for ``request_id`` is published on, and that a node holding
-    anything of that id binds. The same on every participant: a stable hash, not
-    Python's salted ``hash``."""
-    digest = hashlib.blake2b(request_id.encode(), digest_size=4).digest()
-    return f"lookup.{int.from_bytes(digest, 'big') % LOOKUP_BUCKETS:04x}"
+    anything of that id binds."""
+    return f"lookup.{lookup_bucket(request_id):04x}"
+
+
+def bucket_bitmap(buckets: Iterable[int]) -> bytes:
+    """The set of lookup buckets as a bitmap of ``LOOKUP_BUCKETS`` bits (8 KiB): bit ``b``
+    is bit ``b % 8`` of byte ``b // 8``. Bounded whatever a node holds, where a list of
+    its request ids is not."""
+    bitmap = bytearray(LOOKUP_BUCKETS // 8)
+    for bucket in buckets:
+        bitmap[bucket >> 3] |= 1 << (bucket & 7)
+    return bytes(bitmap)
+
+
+def buckets_in(bitmap: bytes) -> Iterator[int]:
+    """The buckets set in a :func:`bucket_bitmap`."""
+    for index, byte in enumerate(bitmap):
+        if byte:
+            for bit in range(8):
+                if byte >> bit & 1:
+                    yield index * 8 + bit
 
 
 def _unknown_resource_classes(names: Mapping[str, int]) -> str | None:
@@ -529,6 +556,9 @@ class AlreadyPlaced(_Message, tag="already_placed", frozen=True, kw_only=True):
     allocations: tuple[AllocationInfo, ...]
     #: the requestor that was awarded them: the one that finishes the request
     owner: Identifier | None = None
+    #: when the placement they belong to was asked for (the award's ``requested_at_s``):
+    #: of two placements of one id, the later one stands (see ``Award``)
+    requested_at_s: Annotated[float, Meta(ge=0)] = 0.0
 
 
 class Award(_Message, tag="award", frozen=True, kw_only=True):
@@ -539,6 +569,12 @@ class Award(_Message, tag="award", frozen=True, kw_only=True):
     reservation_id: Identifier
     slots: Annotated[int, Meta(ge=1)]
     traceparent: TraceParent | None = None
+    #: the wall-clock time (seconds since the epoch, the requestor's clock) the requestor
+    #: was asked to place the request: the node keeps it with the allocations. Should one
+    #: id be placed twice (a holder away when a retry looked it up), the placement asked
+    #: for later is the one its caller holds, and the earlier one is freed. 0: unknown
+    #: (a requestor of an earlier release), older than any other.
+    requested_at_s: Annotated[float, Meta(ge=0)] = 0.0
 
 
 class Assessment(_Message, tag="assessment", frozen=True, kw_only=True):
@@ -624,6 +660,12 @@ class NodeStatus(_Message, tag="status", frozen=True, kw_only=True):
     #: an answer to a RollCall (the requestor times it: its first latency samples)
     answering: bool = False
     room: Room = field(default_factory=dict)
+    #: sent by a node that is back (started with stored allocations, or reconnected):
+    #: the lookup buckets of the caller-chosen ids it holds, as a
+    #: :func:`bucket_bitmap`. While it was away a retry's lookup could not find them, so
+    #: a requestor that answered one of those ids looks it up again and frees an
+    #: earlier placement found beside its own (design.md, "Lookups"). Empty otherwise.
+    rejoined_buckets: Annotated[bytes, Meta(max_length=LOOKUP_BUCKETS // 8)] = b""
 
 
 class RollCall(_Message, tag="roll_call", frozen=True, kw_only=True):

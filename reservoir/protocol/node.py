@@ -16,6 +16,8 @@ How a node answers (one conversation per request id):
     lookup   -> holds allocations for the id           : AlreadyPlaced
                 holds another requestor's reservation  : in_flight_elsewhere, to both
     roll call-> NodeStatus to the caller
+    (start, rejoined) -> NodeStatus on the roster topic; holding allocations of caller-
+                chosen ids, a second one naming their lookup buckets (``rejoined_buckets``)
     ledger query -> the whole ledger to the auditor, in parts of at most 50 entries
     award    -> live reservation of the sender         : allocations stored, Accepted
                 reservation already turned into allocations : the same Accepted again
@@ -39,6 +41,8 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
+
+import msgspec.structs
 
 from reservoir.protocol.dry_run import assess
 from reservoir.protocol.effects import (
@@ -84,6 +88,8 @@ from reservoir.protocol.messages import (
     Release,
     ReservationRequest,
     ResourceTally,
+    bucket_bitmap,
+    lookup_bucket,
     lookup_topic,
 )
 from reservoir.protocol.numa import NumaTopology
@@ -164,11 +170,28 @@ class NodeMachine:
     # -- driving -----------------------------------------------------------------------
 
     def start(self, now: float) -> list[Effect]:
-        """Bind the tier topics for the node's present utilisation."""
+        """Bind the tier topics for the node's present utilisation, and announce what it
+        came back holding (see :meth:`rejoined`)."""
         effects: list[Effect] = []
         self._expire(now, effects)
         self._sync_buckets(effects)
         self._retier(effects)
+        self._announce_holdings(effects)
+        self._schedule_expiry(effects)
+        return effects
+
+    def rejoined(self, now: float) -> list[Effect]:
+        """The node's connection to the broker is back (its driver saw it reconnect):
+        while it was away, requestors could neither probe it nor find what it holds with
+        a lookup. Announce it again, with the lookup buckets of the caller-chosen ids it
+        holds, so that a requestor that placed one of them again meanwhile frees the
+        earlier placement (design.md, "Lookups")."""
+        effects: list[Effect] = []
+        if self.stopping or not self.bound_topics:
+            return effects  # not started, or stopped: nothing to announce
+        self._expire(now, effects)
+        if not self._announce_holdings(effects):
+            effects.append(Publish(ROSTER_TOPIC, self._status()))
         self._schedule_expiry(effects)
         return effects
 
@@ -298,6 +321,18 @@ class NodeMachine:
             for index, chunk in enumerate(chunks)
         ]
 
+    def _announce_holdings(self, effects: list[Effect]) -> bool:
+        """Publish a status naming the lookup buckets of the caller-chosen ids this node
+        holds allocations of, if any (True then)."""
+        buckets = {
+            lookup_bucket(a.request_id) for a in self.ledger.allocations.values() if a.findable
+        }
+        if not buckets or self.stopping:
+            return False
+        status = msgspec.structs.replace(self._status(), rejoined_buckets=bucket_bitmap(buckets))
+        effects.append(Publish(ROSTER_TOPIC, status))
+        return True
+
     def _status(self, *, leaving: bool = False, answering: bool = False) -> NodeStatus:
         tier, room = self.tier(), self.ledger.room()
         cached = self._last_status
@@ -344,6 +379,7 @@ class NodeMachine:
                         reply_to=self.config.address,
                         allocations=tuple(a.info() for a in placed),
                         owner=placed[0].owner,
+                        requested_at_s=placed[0].requested_at_s,
                     ),
                 )
             )
@@ -566,6 +602,7 @@ class NodeMachine:
                 group=reservation.group,
                 numa=reservation.numa[index] if index < len(reservation.numa) else None,
                 findable=reservation.findable,
+                requested_at_s=award.requested_at_s,
             )
             self.ledger.add_allocation(allocation)
             allocations.append(allocation)

@@ -91,6 +91,9 @@ class Placement:
     elapsed_s: float = 0.0
     #: offers the requestor received while placing it
     offers_received: int = 0
+    #: when a requestor was asked for the placement its allocations belong to (seconds
+    #: since the epoch): of two placements of one id, the later one stands
+    requested_at_s: float = 0.0
 
     @property
     def nodes(self) -> tuple[str, ...]:

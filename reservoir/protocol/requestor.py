@@ -86,6 +86,8 @@ from reservoir.protocol.messages import (
     Release,
     ReservationRequest,
     RollCall,
+    buckets_in,
+    lookup_bucket,
     lookup_topic,
 )
 from reservoir.protocol.node import IN_FLIGHT_ELSEWHERE
@@ -202,6 +204,9 @@ class RequestorMachine:
         self._roll_called_at: float | None = None
         self._active: dict[str, Conversation] = {}
         self._finished: OrderedDict[str, Placement | None] = OrderedDict()
+        #: lookup bucket -> the caller-chosen ids among ``_finished`` placed under it:
+        #: what to look up again when a node comes back holding ids of that bucket
+        self._findable_by_bucket: dict[int, set[str]] = {}
         self._frees = Freeing(
             sender=config.requestor_id,
             reply_to=config.reply_to,
@@ -245,10 +250,13 @@ class RequestorMachine:
         timeout_s: float,
         *,
         traceparent: str | None = None,
+        requested_at_s: float = 0.0,
     ) -> list[Effect]:
         """Start placing ``spec`` under ``request_id`` (joining or answering from memory
         when the id is known). ``traceparent`` goes with every request and award sent for
-        it, so the nodes' spans join the caller's trace."""
+        it, so the nodes' spans join the caller's trace. ``requested_at_s`` is the wall
+        clock now (seconds since the epoch; ``now`` is monotonic): it goes with every
+        award, and should one id be placed twice, the placement asked for later stands."""
         effects: list[Effect] = []
         if request_id in self._active:
             return effects  # in flight: the caller joins it
@@ -278,6 +286,8 @@ class RequestorMachine:
             # on a node in any tier: every decision first looks it up.
             contention=IdContention(self.config.requestor_id, spec.request_id is not None),
             traceparent=traceparent,
+            requested_at_s=requested_at_s,
+            placed_at_s=requested_at_s,
         )
         # An affinity member belongs (or, soft, prefers to be) on the node that already
         # hosts its group, which may sit in any tier: only the widest tier reaches it.
@@ -294,7 +304,7 @@ class RequestorMachine:
         """Free every allocation of ``placement`` (its instances were deleted)."""
         effects: list[Effect] = []
         request_id = placement.request_id
-        self._finished.pop(request_id, None)
+        self._forget_finished(request_id)
         by_address: dict[tuple[str, str], list[str]] = {}
         for allocation in placement.allocations:
             by_address.setdefault((allocation.address, allocation.node), []).append(
@@ -321,7 +331,7 @@ class RequestorMachine:
         """Free a request's allocations on one node: those named, or (none named) all it
         holds there. For operators who know the request and the node, not the placement."""
         effects: list[Effect] = []
-        self._finished.pop(request_id, None)
+        self._forget_finished(request_id)
         target = FreeTarget(address, node, tuple(sorted(allocation_ids)))
         self._frees.free(request_id, [target], now, effects, notify=True)
         return effects
@@ -345,7 +355,7 @@ class RequestorMachine:
                 Dropped("unexpected", f"a requestor does not take a {type(message).__name__}")
             )
         elif message.kind == "status":
-            self._on_status(message, now)
+            self._on_status(message, now, effects)
         elif message.kind == "offer":
             # Every answer tells of the node's room: the roster's news at no cost.
             self.roster.note_room(message.sender, message.room)
@@ -366,6 +376,7 @@ class RequestorMachine:
                 now,
                 effects,
                 reservation_id=message.reservation_id,
+                requested_at_s=None,
             )
         elif message.kind == "already_placed":
             c = self._heard_answer(message.request_id)
@@ -380,6 +391,7 @@ class RequestorMachine:
                 effects,
                 reservation_id=None,
                 owner=message.owner,
+                requested_at_s=message.requested_at_s,
             )
         elif message.kind == "refused":
             self._heard_answer(message.request_id)
@@ -398,7 +410,7 @@ class RequestorMachine:
             conversation.heard_answer()
         return conversation
 
-    def _on_status(self, message: NodeStatus, now: float) -> None:
+    def _on_status(self, message: NodeStatus, now: float, effects: list[Effect]) -> None:
         if message.answering and self._roll_called_at is not None:
             # The first answers to the roll call time the network: without them a new
             # requestor would wait the longest widening wait at every silent tier.
@@ -410,6 +422,26 @@ class RequestorMachine:
             self.roster.remove(message.sender)
         else:
             self.roster.update(message.sender, message.reply_to, message.tier, message.room)
+        if message.rejoined_buckets:
+            self._look_up_again(message.rejoined_buckets, effects)
+
+    def _look_up_again(self, bitmap: bytes, effects: list[Effect]) -> None:
+        """A node is back holding caller-chosen ids of these buckets. While it was away, a
+        lookup could not find them: one of them may have been placed again, by us. Look
+        up each id we answered for there; a node holding an earlier placement of it
+        answers ``AlreadyPlaced``, and ``_on_accepted`` frees that (ours stands)."""
+        for bucket in buckets_in(bitmap):
+            for request_id in sorted(self._findable_by_bucket.get(bucket, ())):
+                if request_id in self._active:
+                    continue  # in flight: its own decision looks it up
+                self.counters["lookups_again"] += 1
+                lookup = Lookup(
+                    request_id=request_id,
+                    sender=self.config.requestor_id,
+                    reply_to=self.config.reply_to,
+                    following=True,
+                )
+                effects.append(Publish(lookup_topic(request_id), lookup))
 
     def on_unroutable(self, message: Message, now: float) -> list[Effect]:
         """Our publish reached no node: nobody is at that tier, so widen at once."""
@@ -828,6 +860,7 @@ class RequestorMachine:
                 reservation_id=offer.reservation_id,
                 slots=slots,
                 traceparent=c.traceparent,
+                requested_at_s=c.requested_at_s,
             ),
         )
 
@@ -969,7 +1002,11 @@ class RequestorMachine:
         *,
         reservation_id: str | None,
         owner: str | None = None,
+        requested_at_s: float | None,
     ) -> None:
+        """Allocations a node reports: accepted after our award (``reservation_id``), or
+        found already placed (``requested_at_s``: when their placement was asked for;
+        None for our own award's)."""
         allocations = tuple(allocations)
         ours = reservation_id is not None or owner == self.config.requestor_id
         c = self._active.get(request_id)
@@ -977,16 +1014,32 @@ class RequestorMachine:
             placement = self._finished.get(request_id)
             known = {a.allocation_id for a in placement.allocations} if placement else set()
             stray = tuple(a.allocation_id for a in allocations if a.allocation_id not in known)
-            if stray and ours:
-                # Allocations for a request that failed, or that is placed without them:
-                # free them so nothing stays allocated that nobody asked for.
+            # Another placement of an id we answered for, asked for before ours: the id was
+            # placed twice (its holder away when we looked it up). Our caller holds ours.
+            superseded = (
+                placement is not None
+                and requested_at_s is not None
+                and requested_at_s < placement.requested_at_s
+            )
+            if stray and (ours or superseded):
+                # Allocations for a request that failed, or that is placed without them,
+                # or superseded: free them so nothing stays allocated that nobody holds.
                 self._frees.free(request_id, [FreeTarget(address, node, stray)], now, effects)
+                if not ours:
+                    self.counters["superseded_frees"] += 1
                 effects.append(
                     Dropped(
                         "late_accept",
                         f"freeing {len(stray)} allocation(s) of {request_id} on {node}",
                     )
                 )
+            elif stray and placement is not None and requested_at_s is not None:
+                # A later placement of an id we answered for: it stands, and its caller
+                # holds it. Forget ours, so that a retry here looks the id up and adopts
+                # it (the requestor that placed it frees ours, as the branch above).
+                self._forget_finished(request_id)
+                self.counters["superseded_placements"] += 1
+                effects.append(Dropped("superseded", f"{request_id} placed again on {node}"))
             else:
                 effects.append(Dropped("duplicate_accept", f"{request_id} on {node}"))
             return
@@ -1008,6 +1061,8 @@ class RequestorMachine:
                 # Placed already; if another requestor holds (part of) this placement, it
                 # finishes it and we follow until it is whole.
                 c.contention.placed_already(info.allocation_id, owner, ours)
+            stamp_s = c.requested_at_s if requested_at_s is None else requested_at_s
+            c.placed_at_s = max(c.placed_at_s, stamp_s) if c.placed else stamp_s
             c.placed[info.allocation_id] = PlacedAllocation(
                 node=node,
                 address=address,
@@ -1081,6 +1136,7 @@ class RequestorMachine:
             attempts=c.attempt,
             elapsed_s=now - c.started_at,
             offers_received=c.offers_received,
+            requested_at_s=c.placed_at_s,
         )
         self._finish(c, placement, effects)
         effects.append(Placed(c.request_id, placement))
@@ -1125,8 +1181,24 @@ class RequestorMachine:
         c.armed.clear()
         self._finished[c.request_id] = outcome
         self._finished.move_to_end(c.request_id)
+        if outcome is not None and c.contention.looks_up:
+            bucket = lookup_bucket(c.request_id)
+            self._findable_by_bucket.setdefault(bucket, set()).add(c.request_id)
         while len(self._finished) > self.config.remember_finished:
-            self._finished.popitem(last=False)
+            forgotten, _ = self._finished.popitem(last=False)
+            self._unindex(forgotten)
+
+    def _forget_finished(self, request_id: str) -> None:
+        if self._finished.pop(request_id, None) is not None:
+            self._unindex(request_id)
+
+    def _unindex(self, request_id: str) -> None:
+        bucket = lookup_bucket(request_id)
+        ids = self._findable_by_bucket.get(bucket)
+        if ids is not None:
+            ids.discard(request_id)
+            if not ids:
+                del self._findable_by_bucket[bucket]
 
 
 def _shape_mismatch(

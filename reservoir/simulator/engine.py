@@ -523,7 +523,11 @@ class ReservoirRun:
         request_id = f"req-{i}"
         self._pending[request_id] = i
         spec = self._specs[workload.flavour_of[i]]
-        self._apply(requestor, requestor.machine.place(spec, request_id, now, self.timeout_s), now)
+        self._apply(
+            requestor,
+            requestor.machine.place(spec, request_id, now, self.timeout_s, requested_at_s=now),
+            now,
+        )
         if i + 1 < workload.requests:
             self._push(workload.arrival_s[i + 1], _ARRIVE, None, i + 1)
         if self._progress is not None and (i + 1) % PROGRESS_EVERY == 0:

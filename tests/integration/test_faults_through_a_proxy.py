@@ -133,3 +133,42 @@ def test_a_node_that_may_try_twice_gives_up_with_status_3(
     assert done.returncode == 3
     assert done.stderr.count("(attempt 1); retrying") == 1
     assert "Traceback" not in done.stderr
+
+
+def test_an_id_placed_again_while_its_holder_was_cut_off_is_held_once_after_it_is_back(
+    amqp_url: str, exchange: str, proxy: TcpProxy
+) -> None:
+    """The gap the full chaos run found, on the real RabbitMQ: the node holding job-7 is
+    cut off (its exclusive inbox and bindings go with its connection), a second requestor
+    asked for job-7 again finds nobody holding it and places it elsewhere. Once the holder
+    is back it names the buckets of what it holds; the second requestor looks job-7 up
+    again and frees the earlier placement, and the first requestor, hearing of the later
+    one, leaves it alone."""
+    parts = urlsplit(amqp_url)
+    query = f"{parts.query}&" if parts.query else ""
+    direct: Broker = connect(urlunsplit(parts._replace(query=f"{query}exchange={exchange}")))
+    cut_off: Broker = connect(through(amqp_url, proxy, exchange))
+    try:
+        holder = NodeAgent(cut_off, name="holder", vcpus=8, memory_mb=8192)
+        with Requestor(direct, name="first") as first:
+            earlier = first.reserve(request_id="job-7", vcpus=1, memory_mb=256, timeout_s=20)
+            assert earlier.nodes == ("holder",)
+            elsewhere = NodeAgent(direct, name="elsewhere", vcpus=8, memory_mb=8192)
+            proxy.refuse()
+            assert proxy.cut() >= 1
+            wait_until(lambda: not cut_off.connected)
+            with Requestor(direct, name="second") as second:
+                later = second.reserve(request_id="job-7", vcpus=1, memory_mb=256, timeout_s=20)
+                assert later.nodes == ("elsewhere",)
+                proxy.restore()
+                wait_until(lambda: second.machine.counters["superseded_frees"] == 1)
+                wait_until(lambda: holder.allocations() == [])
+                assert first.machine.counters["superseded_frees"] == 0
+        found = audit_cluster(direct, placements=[later], expect_nodes=2, wait_s=10)
+        assert found.ok, found.as_json()
+        assert found.orphans == ()
+        elsewhere.close()
+        holder.close()
+    finally:
+        cut_off.close()
+        direct.close()

@@ -11,7 +11,6 @@ from collections.abc import Callable
 import pytest
 
 from brokers.inprocess import Faults
-from reservoir.audit import AuditFailed
 from reservoir.broker import Delivery
 from reservoir.protocol.placement import PlacementError
 from reservoir.requestor import Requestor
@@ -113,18 +112,14 @@ def test_the_same_request_id_with_another_shape_is_refused_and_the_first_placeme
     sim.finish([placed], allow_orphans=False)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AuditFailed,
-    reason="known gap (docs/design.md, Lookups): a holder away during the retry's lookup is "
-    "not found, and nothing reconciles the two placements once it is back",
-)
 def test_a_retry_while_the_holder_is_away_leaves_one_placement_once_it_is_back() -> None:
     """What the full chaos run (seed 7) found: the dead requestor's award had become an
     allocation on a node that was reconnecting after a cut (its inbox and bindings gone
     with its connection) when the successor looked the id up, so the successor placed it
     again elsewhere. Here the holder is away by stopping it, and comes back with its
-    store, as a reconnected node comes back with its ledger."""
+    store, as a restarted node comes back with its ledger (a reconnect is the RabbitMQ
+    test's). Back, it names the buckets of what it holds; the successor looks job-7 up
+    again and frees the earlier placement, asked for before its own."""
     sim = Simulation()
     stores = {f"node-{i}": MemoryStore() for i in range(6)}
     for name, store in stores.items():
@@ -138,9 +133,34 @@ def test_a_retry_while_the_holder_is_away_leaves_one_placement_once_it_is_back()
     second = sim.add_requestor("worker.2")
     placement = sim.place(second, request_id="job-7", vcpus=1, memory_mb=512, timeout_s=30)
     assert holder not in placement.nodes
+    assert [a.request_id for a in stores[holder].load()] == ["job-7"]  # placed twice now
     sim.add_node(holder, vcpus=16, memory_mb=32768, store=stores[holder])  # back
-    sim.advance(15.0)  # time enough for anything that would reconcile the two
-    # Today the audit finds job-7 held twice (the dead one's allocation an orphan).
+    sim.advance(5.0)
+    assert second.machine.counters["superseded_frees"] == 1
     sim.finish([placement], allow_orphans=False)
     held = [s.name for s in sim.snapshots() for a in s.allocations if a.request_id == "job-7"]
     assert held == list(placement.nodes)
+
+
+def test_a_requestor_whose_placement_was_superseded_answers_a_retry_with_the_later_one() -> None:
+    """The same, with the first requestor alive: it hears of the later placement when the
+    holder is back, leaves it alone, and forgets its own, so a retry through it looks the
+    id up and adopts the one that stands."""
+    sim = Simulation()
+    stores = {f"node-{i}": MemoryStore() for i in range(6)}
+    for name, store in stores.items():
+        sim.add_node(name, vcpus=16, memory_mb=32768, store=store)
+    first = sim.add_requestor("worker.1")
+    earlier = sim.place(first, request_id="job-7", vcpus=1, memory_mb=512, timeout_s=30)
+    (holder,) = earlier.nodes
+    sim.nodes.pop(holder).close()
+    second = sim.add_requestor("worker.2")
+    later = sim.place(second, request_id="job-7", vcpus=1, memory_mb=512, timeout_s=30)
+    sim.add_node(holder, vcpus=16, memory_mb=32768, store=stores[holder])
+    sim.advance(5.0)
+    assert first.machine.counters["superseded_placements"] == 1
+    assert first.machine.counters["superseded_frees"] == 0
+    assert second.machine.counters["superseded_frees"] == 1
+    again = sim.place(first, request_id="job-7", vcpus=1, memory_mb=512, timeout_s=30)
+    assert again.allocations == later.allocations
+    sim.finish([later], allow_orphans=False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec.structs
 import pytest
 
 from reservoir.protocol.effects import (
@@ -20,6 +21,7 @@ from reservoir.protocol.effects import (
 )
 from reservoir.protocol.ledger import Inventory
 from reservoir.protocol.messages import (
+    LOOKUP_BUCKETS,
     ROSTER_TOPIC,
     Accepted,
     AlreadyPlaced,
@@ -35,6 +37,9 @@ from reservoir.protocol.messages import (
     Release,
     ReservationRequest,
     RollCall,
+    bucket_bitmap,
+    buckets_in,
+    lookup_bucket,
     lookup_topic,
 )
 from reservoir.protocol.node import EXPIRY_TIMER, NodeConfig, NodeMachine
@@ -521,3 +526,69 @@ def test_a_full_node_announces_room_that_grows_but_not_room_that_shrinks() -> No
     ((topic, status),) = published(node.handle(free, T0))  # 1 -> 3 free, still over 75 %
     assert topic == ROSTER_TOPIC and isinstance(status, NodeStatus)
     assert (status.tier, status.room["VCPU"]) == (100, 1)
+
+
+def rejoin_announcements(effects: list[Effect]) -> list[NodeStatus]:
+    return [
+        e.message
+        for e in effects
+        if isinstance(e, Publish)
+        and isinstance(e.message, NodeStatus)
+        and e.message.rejoined_buckets
+    ]
+
+
+def test_an_award_keeps_when_its_placement_was_asked_for_and_already_placed_tells_it() -> None:
+    node = a_node()
+    offer = the_offer(node.handle(a_request(findable=True), T0))
+    stamped = msgspec.structs.replace(award(offer), requested_at_s=1_700_000_042.5)
+    node.handle(stamped, T0)
+    (allocation,) = node.ledger.allocations.values()
+    assert allocation.requested_at_s == 1_700_000_042.5
+    lookup = Lookup(request_id="r1", sender="other", reply_to="other-inbox")
+    (found,) = sent(node.handle(lookup, T0))
+    assert isinstance(found, AlreadyPlaced)
+    assert found.requested_at_s == 1_700_000_042.5
+
+
+def test_a_node_back_with_stored_allocations_names_their_lookup_buckets() -> None:
+    node = a_node()
+    node.handle(award(the_offer(node.handle(a_request(findable=True), T0))), T0)
+    restarted = NodeMachine(node.config, list(node.ledger.allocations.values()))
+    effects = restarted.start(T0)
+    (announced,) = rejoin_announcements(effects)
+    assert list(buckets_in(announced.rejoined_buckets)) == [lookup_bucket("r1")]
+    # bound before it is announced, so the lookups it draws reach it
+    bind = effects.index(Bind(lookup_topic("r1")))
+    announce = next(i for i, e in enumerate(effects) if getattr(e, "message", None) is announced)
+    assert bind < announce
+
+
+def test_a_node_holding_no_caller_chosen_id_announces_a_plain_status_when_back() -> None:
+    node = a_node()
+    node.handle(award(the_offer(node.handle(a_request(), T0))), T0)  # a generated id
+    ((topic, status),) = published(node.rejoined(T0 + 1))
+    assert topic == ROSTER_TOPIC
+    assert isinstance(status, NodeStatus) and status.rejoined_buckets == b""
+
+
+def test_a_node_back_on_the_broker_names_the_buckets_of_what_it_allocated() -> None:
+    node = a_node()
+    node.handle(award(the_offer(node.handle(a_request(findable=True), T0))), T0)
+    node.handle(a_request("r2", findable=True), T0)  # only reserved: nothing to reconcile
+    (announced,) = rejoin_announcements(node.rejoined(T0 + 1))
+    assert list(buckets_in(announced.rejoined_buckets)) == [lookup_bucket("r1")]
+
+
+def test_a_stopped_node_announces_nothing_when_its_connection_comes_back() -> None:
+    node = a_node()
+    node.handle(award(the_offer(node.handle(a_request(findable=True), T0))), T0)
+    node.stop(T0)
+    assert node.rejoined(T0 + 1) == []
+
+
+def test_the_bucket_bitmap_holds_exactly_the_buckets_given() -> None:
+    buckets = [0, 7, 8, 4242, LOOKUP_BUCKETS - 1]
+    bitmap = bucket_bitmap(buckets)
+    assert len(bitmap) == LOOKUP_BUCKETS // 8
+    assert list(buckets_in(bitmap)) == buckets

@@ -36,6 +36,8 @@ from reservoir.protocol.messages import (
     Refused,
     Release,
     ReservationRequest,
+    bucket_bitmap,
+    lookup_bucket,
     lookup_topic,
 )
 from reservoir.protocol.placement import PlacementRequest, PlacementTimeout
@@ -641,3 +643,78 @@ def test_no_failure_while_another_requestors_reservation_of_the_id_may_live() ->
         effects = machine.on_timer(key, now)
     assert not any(isinstance(e, Failed) for e in effects)
     assert machine.is_active("job")
+
+
+def held_by(node: str, request_id: str, at_s: float, owner: str = "someone") -> AlreadyPlaced:
+    return AlreadyPlaced(
+        request_id=request_id,
+        sender=node,
+        reply_to=f"addr-{node}",
+        allocations=(AllocationInfo(allocation_id=f"{node}.res/0", resources=dict(SHAPE)),),
+        owner=owner,
+        requested_at_s=at_s,
+    )
+
+
+def back(node: str, *request_ids: str) -> NodeStatus:
+    return NodeStatus(
+        sender=node,
+        reply_to=f"addr-{node}",
+        tier=10,
+        rejoined_buckets=bucket_bitmap(lookup_bucket(r) for r in request_ids),
+    )
+
+
+def placed_job_7(machine: RequestorMachine, on: str, at_s: float) -> Placed:
+    """A caller-chosen id, placed by adopting what ``on`` holds (asked for at ``at_s``)."""
+    machine.place(spec(request_id="job-7"), "job-7", T0, TIMEOUT_S, requested_at_s=at_s)
+    done = outcome(machine.handle(held_by(on, "job-7", at_s), T0 + 0.01))
+    assert isinstance(done, Placed)
+    return done
+
+
+def test_a_placement_keeps_when_it_was_asked_for_and_every_award_carries_it() -> None:
+    machine = a_requestor()
+    machine.place(spec(), "r1", T0, TIMEOUT_S, requested_at_s=1_700_000_001.0)
+    effects = collect(machine, machine.handle(offer("n1"), T0 + 0.01), T0 + 0.01)
+    assert [s.message.requested_at_s for s in sent(effects, Award)] == [1_700_000_001.0]  # type: ignore[union-attr]
+    placed = outcome(machine.handle(accepted("n1"), T0 + 0.02))
+    assert isinstance(placed, Placed)
+    assert placed.placement.requested_at_s == 1_700_000_001.0
+
+
+def test_a_node_back_holding_an_id_we_answered_for_draws_a_lookup_of_that_id() -> None:
+    machine = a_requestor()
+    placed_job_7(machine, "n2", at_s=200.0)
+    machine.place(spec(), "generated", T0, TIMEOUT_S)  # its id is ours alone: never looked up
+    looked_up = published(machine.handle(back("n1", "job-7", "generated", "other"), T0 + 1))
+    assert [(type(m), m.request_id) for m in looked_up] == [(Lookup, "job-7")]
+    assert machine.counters["lookups_again"] == 1
+
+
+def test_an_earlier_placement_of_an_id_we_answered_for_is_freed() -> None:
+    machine = a_requestor()
+    ours = placed_job_7(machine, "n2", at_s=200.0)
+    effects = machine.handle(held_by("n1", "job-7", at_s=100.0), T0 + 1)
+    (free,) = sent(effects, Free)
+    assert free.address == "addr-n1"
+    assert free.message.allocation_ids == ("n1.res/0",)  # type: ignore[union-attr]
+    assert machine.counters["superseded_frees"] == 1
+    assert machine.placement_of("job-7") == ours.placement  # ours stands
+
+
+def test_a_later_placement_of_an_id_we_answered_for_stands_and_ours_is_forgotten() -> None:
+    machine = a_requestor()
+    placed_job_7(machine, "n2", at_s=200.0)
+    effects = machine.handle(held_by("n1", "job-7", at_s=300.0), T0 + 1)
+    assert sent(effects, Free) == []
+    assert machine.placement_of("job-7") is None  # a retry here looks it up again
+    assert machine.counters["superseded_placements"] == 1
+
+
+def test_our_own_placement_found_again_is_left_alone() -> None:
+    machine = a_requestor()
+    ours = placed_job_7(machine, "n2", at_s=200.0)
+    effects = machine.handle(held_by("n2", "job-7", at_s=200.0), T0 + 1)
+    assert sent(effects, Free) == []
+    assert machine.placement_of("job-7") == ours.placement

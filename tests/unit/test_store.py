@@ -25,13 +25,48 @@ def an_allocation(allocation_id: str = "n1.x.1/0", **fields: object) -> Allocati
 def test_allocations_come_back_after_reopening(tmp_path: Path) -> None:
     store = SqliteStore.for_node(tmp_path, "n1")
     numa = NumaPlacement(cells=(0,), cpus=(2, 3), memory_mb_per_cell=(1024,))
-    kept = [an_allocation(), an_allocation("n1.x.2/0", group="web", numa=numa)]
+    kept = [
+        an_allocation(),
+        an_allocation("n1.x.2/0", group="web", numa=numa, requested_at_s=1_700_000_123.25),
+    ]
     for allocation in kept:
         store.put(allocation)
     store.put(an_allocation("n1.x.3/0"))
     store.delete("n1.x.3/0")
     store.close()
     assert SqliteStore.for_node(tmp_path, "n1").load() == kept
+
+
+VERSION_1_SCHEMA = """
+    CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+    CREATE TABLE allocations (
+        allocation_id TEXT PRIMARY KEY, request_id TEXT NOT NULL,
+        reservation_id TEXT NOT NULL, owner TEXT NOT NULL, resources TEXT NOT NULL,
+        request_count INTEGER NOT NULL, server_group TEXT, numa TEXT
+    );
+    INSERT INTO meta VALUES ('application', 'reservoir-node-ledger'),
+        ('schema_version', '1'), ('node', 'n1');
+    INSERT INTO allocations VALUES
+        ('n1.x.1/0', 'r1', 'n1.x.1', 'req', '{"MEMORY_MB": 1024, "VCPU": 2}', 1, NULL, NULL);
+"""
+
+
+def test_a_version_1_file_is_upgraded_and_its_allocations_dated_older_than_any(
+    tmp_path: Path,
+) -> None:
+    db = sqlite3.connect(tmp_path / "n1.sqlite3")
+    db.executescript(VERSION_1_SCHEMA)
+    db.close()
+    store = SqliteStore.for_node(tmp_path, "n1")
+    assert store.load() == [an_allocation(requested_at_s=0.0)]
+    store.put(an_allocation("n1.x.2/0", requested_at_s=5.5))
+    store.close()
+    again = SqliteStore.for_node(tmp_path, "n1")
+    assert [a.requested_at_s for a in again.load()] == [0.0, 5.5]
+    version = sqlite3.connect(tmp_path / "n1.sqlite3").execute(
+        "SELECT value FROM meta WHERE key = 'schema_version'"
+    )
+    assert version.fetchone() == ("2",)
 
 
 def test_the_file_is_in_wal_mode(tmp_path: Path) -> None:

@@ -383,6 +383,16 @@ class Requestor(Driver):
                      "unheard_retries", "room_rechecks"):  # fmt: skip
             counter.add_metric([self.name, step], steps.get(step, 0))
         yield counter
+        reconciled = CounterMetricFamily(
+            "reservoir_requestor_reconciliations",
+            "One request id placed twice while a holder was away, found once it was back: "
+            "lookups_again (ids looked up again), superseded_frees (earlier placements "
+            "freed), superseded_placements (ours the earlier: forgotten)",
+            labels=["participant", "kind"],
+        )
+        for kind in ("lookups_again", "superseded_frees", "superseded_placements"):
+            reconciled.add_metric([self.name, kind], steps.get(kind, 0))
+        yield reconciled
 
     def _end_spans(self, request_id: str, outcome: str, error: BaseException | None = None,
                    **attributes: Any) -> None:  # fmt: skip

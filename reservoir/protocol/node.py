@@ -190,8 +190,10 @@ class NodeMachine:
         if self.stopping or not self.bound_topics:
             return effects  # not started, or stopped: nothing to announce
         self._expire(now, effects)
-        if not self._announce_holdings(effects):
-            effects.append(Publish(ROSTER_TOPIC, self._status()))
+        # The plain status first, as at a start: a requestor of an earlier release refuses
+        # the one naming buckets (an unknown field) and still learns the node is back.
+        effects.append(Publish(ROSTER_TOPIC, self._status()))
+        self._announce_holdings(effects)
         self._schedule_expiry(effects)
         return effects
 
@@ -321,17 +323,17 @@ class NodeMachine:
             for index, chunk in enumerate(chunks)
         ]
 
-    def _announce_holdings(self, effects: list[Effect]) -> bool:
+    def _announce_holdings(self, effects: list[Effect]) -> None:
         """Publish a status naming the lookup buckets of the caller-chosen ids this node
-        holds allocations of, if any (True then)."""
+        holds allocations of, if any."""
         buckets = {
             lookup_bucket(a.request_id) for a in self.ledger.allocations.values() if a.findable
         }
-        if not buckets or self.stopping:
-            return False
-        status = msgspec.structs.replace(self._status(), rejoined_buckets=bucket_bitmap(buckets))
-        effects.append(Publish(ROSTER_TOPIC, status))
-        return True
+        if buckets and not self.stopping:
+            status = msgspec.structs.replace(
+                self._status(), rejoined_buckets=bucket_bitmap(buckets)
+            )
+            effects.append(Publish(ROSTER_TOPIC, status))
 
     def _status(self, *, leaving: bool = False, answering: bool = False) -> NodeStatus:
         tier, room = self.tier(), self.ledger.room()

@@ -44,7 +44,11 @@ id that was placed returns that placement, and a node that already holds allocat
 the id says so (``AlreadyPlaced``), so even a restarted requestor never places twice. A
 caller-chosen id is also looked up (``Lookup`` on the id's bucket topic) before each
 decision, *after* the offers it would award were made: two requestors placing one id at
-once each hold reservations before they look, so at least one finds the other's.
+once each hold reservations before they look, so at least one finds the other's. A holder
+that was away during the lookup is found when it is back: its status names the buckets of
+what it holds, the caller-chosen ids placed here in those buckets are looked up again,
+and of two placements of one id the one asked for later stands (``requested_at_s``; the
+earlier one is freed, or, when ours is the earlier, ours is forgotten).
 """
 
 from __future__ import annotations
@@ -1016,11 +1020,9 @@ class RequestorMachine:
             stray = tuple(a.allocation_id for a in allocations if a.allocation_id not in known)
             # Another placement of an id we answered for, asked for before ours: the id was
             # placed twice (its holder away when we looked it up). Our caller holds ours.
-            superseded = (
-                placement is not None
-                and requested_at_s is not None
-                and requested_at_s < placement.requested_at_s
-            )
+            at_s = placement.requested_at_s if placement is not None else None
+            superseded = at_s is not None and requested_at_s is not None and requested_at_s < at_s
+            superseding = at_s is not None and requested_at_s is not None and requested_at_s > at_s
             if stray and (ours or superseded):
                 # Allocations for a request that failed, or that is placed without them,
                 # or superseded: free them so nothing stays allocated that nobody holds.
@@ -1033,7 +1035,7 @@ class RequestorMachine:
                         f"freeing {len(stray)} allocation(s) of {request_id} on {node}",
                     )
                 )
-            elif stray and placement is not None and requested_at_s is not None:
+            elif stray and superseding:
                 # A later placement of an id we answered for: it stands, and its caller
                 # holds it. Forget ours, so that a retry here looks the id up and adopts
                 # it (the requestor that placed it frees ours, as the branch above).

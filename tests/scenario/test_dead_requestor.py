@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import prometheus_client
 import pytest
 
 from brokers.inprocess import Faults
@@ -137,6 +138,12 @@ def test_a_retry_while_the_holder_is_away_leaves_one_placement_once_it_is_back()
     sim.add_node(holder, vcpus=16, memory_mb=32768, store=stores[holder])  # back
     sim.advance(5.0)
     assert second.machine.counters["superseded_frees"] == 1
+    assert second.metrics.registry is not None
+    exposition = prometheus_client.generate_latest(second.metrics.registry).decode()
+    assert (
+        'reservoir_requestor_reconciliations_total{kind="superseded_frees",'
+        'participant="worker.2"} 1.0' in exposition
+    )
     sim.finish([placement], allow_orphans=False)
     held = [s.name for s in sim.snapshots() for a in s.allocations if a.request_id == "job-7"]
     assert held == list(placement.nodes)

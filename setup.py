@@ -18,6 +18,7 @@ from setuptools import setup
 #: the modules mypyc compiles: what the protocol machines and the simulator's event loop
 #: run through for every message
 COMPILED = [
+    "reservoir/protocol/answers.py",
     "reservoir/protocol/contention.py",
     "reservoir/protocol/conversation.py",
     "reservoir/protocol/dry_run.py",

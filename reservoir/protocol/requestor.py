@@ -61,6 +61,7 @@ from typing import Final
 
 import msgspec.structs
 
+from reservoir.protocol.answers import AnsweredIds
 from reservoir.protocol.contention import IdContention, LookupOutcome
 from reservoir.protocol.conversation import Awarded, Conversation, Event, Held, Phase
 from reservoir.protocol.effects import (
@@ -208,9 +209,9 @@ class RequestorMachine:
         self._roll_called_at: float | None = None
         self._active: dict[str, Conversation] = {}
         self._finished: OrderedDict[str, Placement | None] = OrderedDict()
-        #: lookup bucket -> the caller-chosen ids among ``_finished`` placed under it:
-        #: what to look up again when a node comes back holding ids of that bucket
-        self._findable_by_bucket: dict[int, set[str]] = {}
+        #: the caller-chosen ids answered, and when their answers were asked for: what
+        #: to look up again when a node comes back holding ids of their buckets
+        self._answers = AnsweredIds(config.remember_finished)
         self._frees = Freeing(
             sender=config.requestor_id,
             reply_to=config.reply_to,
@@ -308,7 +309,7 @@ class RequestorMachine:
         """Free every allocation of ``placement`` (its instances were deleted)."""
         effects: list[Effect] = []
         request_id = placement.request_id
-        self._forget_finished(request_id)
+        self._finished.pop(request_id, None)
         by_address: dict[tuple[str, str], list[str]] = {}
         for allocation in placement.allocations:
             by_address.setdefault((allocation.address, allocation.node), []).append(
@@ -335,7 +336,7 @@ class RequestorMachine:
         """Free a request's allocations on one node: those named, or (none named) all it
         holds there. For operators who know the request and the node, not the placement."""
         effects: list[Effect] = []
-        self._forget_finished(request_id)
+        self._finished.pop(request_id, None)
         target = FreeTarget(address, node, tuple(sorted(allocation_ids)))
         self._frees.free(request_id, [target], now, effects, notify=True)
         return effects
@@ -432,20 +433,25 @@ class RequestorMachine:
     def _look_up_again(self, bitmap: bytes, effects: list[Effect]) -> None:
         """A node is back holding caller-chosen ids of these buckets. While it was away, a
         lookup could not find them: one of them may have been placed again, by us. Look
-        up each id we answered for there; a node holding an earlier placement of it
-        answers ``AlreadyPlaced``, and ``_on_accepted`` frees that (ours stands)."""
-        for bucket in buckets_in(bitmap):
-            for request_id in sorted(self._findable_by_bucket.get(bucket, ())):
-                if request_id in self._active:
-                    continue  # in flight: its own decision looks it up
-                self.counters["lookups_again"] += 1
-                lookup = Lookup(
-                    request_id=request_id,
-                    sender=self.config.requestor_id,
-                    reply_to=self.config.reply_to,
-                    following=True,
-                )
-                effects.append(Publish(lookup_topic(request_id), lookup))
+        up each id we answered for there (placed, failed or freed since), and each one in
+        flight (its own lookup may be behind it); a node holding an earlier placement of
+        it answers ``AlreadyPlaced``, and ``_on_accepted`` frees that or adopts it."""
+        buckets = set(buckets_in(bitmap))
+        ids = self._answers.in_buckets(buckets)
+        ids.update(
+            request_id
+            for request_id, c in self._active.items()
+            if c.contention.looks_up and lookup_bucket(request_id) in buckets
+        )
+        for request_id in sorted(ids):
+            self.counters["lookups_again"] += 1
+            lookup = Lookup(
+                request_id=request_id,
+                sender=self.config.requestor_id,
+                reply_to=self.config.reply_to,
+                following=True,
+            )
+            effects.append(Publish(lookup_topic(request_id), lookup))
 
     def on_unroutable(self, message: Message, now: float) -> list[Effect]:
         """Our publish reached no node: nobody is at that tier, so widen at once."""
@@ -1018,11 +1024,14 @@ class RequestorMachine:
             placement = self._finished.get(request_id)
             known = {a.allocation_id for a in placement.allocations} if placement else set()
             stray = tuple(a.allocation_id for a in allocations if a.allocation_id not in known)
-            # Another placement of an id we answered for, asked for before ours: the id was
-            # placed twice (its holder away when we looked it up). Our caller holds ours.
-            at_s = placement.requested_at_s if placement is not None else None
-            superseded = at_s is not None and requested_at_s is not None and requested_at_s < at_s
-            superseding = at_s is not None and requested_at_s is not None and requested_at_s > at_s
+            # Another placement of an id we answered for (placed, failed, or freed since),
+            # asked for before our answer's: the id was placed twice (its holder away when
+            # we looked it up), and our caller holds our answer.
+            at_s = self._answers.requested_at_s(request_id)
+            superseded = superseding = False
+            if requested_at_s is not None and at_s is not None:
+                superseded = requested_at_s < at_s
+                superseding = placement is not None and requested_at_s > at_s
             if stray and (ours or superseded):
                 # Allocations for a request that failed, or that is placed without them,
                 # or superseded: free them so nothing stays allocated that nobody holds.
@@ -1039,7 +1048,7 @@ class RequestorMachine:
                 # A later placement of an id we answered for: it stands, and its caller
                 # holds it. Forget ours, so that a retry here looks the id up and adopts
                 # it (the requestor that placed it frees ours, as the branch above).
-                self._forget_finished(request_id)
+                self._finished.pop(request_id, None)
                 self.counters["superseded_placements"] += 1
                 effects.append(Dropped("superseded", f"{request_id} placed again on {node}"))
             else:
@@ -1183,24 +1192,11 @@ class RequestorMachine:
         c.armed.clear()
         self._finished[c.request_id] = outcome
         self._finished.move_to_end(c.request_id)
-        if outcome is not None and c.contention.looks_up:
-            bucket = lookup_bucket(c.request_id)
-            self._findable_by_bucket.setdefault(bucket, set()).add(c.request_id)
+        if c.contention.looks_up:
+            at_s = outcome.requested_at_s if outcome is not None else c.requested_at_s
+            self._answers.answered(c.request_id, at_s)
         while len(self._finished) > self.config.remember_finished:
-            forgotten, _ = self._finished.popitem(last=False)
-            self._unindex(forgotten)
-
-    def _forget_finished(self, request_id: str) -> None:
-        if self._finished.pop(request_id, None) is not None:
-            self._unindex(request_id)
-
-    def _unindex(self, request_id: str) -> None:
-        bucket = lookup_bucket(request_id)
-        ids = self._findable_by_bucket.get(bucket)
-        if ids is not None:
-            ids.discard(request_id)
-            if not ids:
-                del self._findable_by_bucket[bucket]
+            self._finished.popitem(last=False)
 
 
 def _shape_mismatch(

@@ -149,6 +149,31 @@ def test_a_retry_while_the_holder_is_away_leaves_one_placement_once_it_is_back()
     assert held == list(placement.nodes)
 
 
+def test_an_earlier_placement_back_after_the_later_one_was_freed_is_freed_too() -> None:
+    """What the next full chaos run (seed 7) found: the successor placed the id again,
+    and its caller had freed that placement before the holder of the dead one's
+    allocation was back. Nothing held the id by then, so the earlier allocation is an
+    orphan: the successor remembers when its answer was asked for, freed or not."""
+    sim = Simulation()
+    stores = {f"node-{i}": MemoryStore() for i in range(6)}
+    for name, store in stores.items():
+        sim.add_node(name, vcpus=16, memory_mb=32768, store=store)
+    first = sim.add_requestor("worker.1")
+    first.submit(request_id="job-7", vcpus=1, memory_mb=512, timeout_s=30)
+    assert sim.scheduler.run_until(held_anywhere(sim, "job-7", "allocation"), timeout_s=10)
+    kill(first)
+    (holder,) = [s.name for s in sim.snapshots() for _allocation in s.allocations]
+    sim.nodes.pop(holder).close()
+    second = sim.add_requestor("worker.2")
+    placement = sim.place(second, request_id="job-7", vcpus=1, memory_mb=512, timeout_s=30)
+    assert sim.run_until_done([second.release_future(placement)])
+    sim.add_node(holder, vcpus=16, memory_mb=32768, store=stores[holder])
+    sim.advance(5.0)
+    assert second.machine.counters["superseded_frees"] == 1
+    sim.finish([], allow_orphans=False)
+    assert stores[holder].load() == []
+
+
 def test_a_requestor_whose_placement_was_superseded_answers_a_retry_with_the_later_one() -> None:
     """The same, with the first requestor alive: it hears of the later placement when the
     holder is back, leaves it alone, and forgets its own, so a retry through it looks the

@@ -683,13 +683,26 @@ def test_a_placement_keeps_when_it_was_asked_for_and_every_award_carries_it() ->
     assert placed.placement.requested_at_s == 1_700_000_001.0
 
 
-def test_a_node_back_holding_an_id_we_answered_for_draws_a_lookup_of_that_id() -> None:
+def test_a_node_back_holding_ids_we_answered_for_or_are_placing_draws_lookups_of_them() -> None:
     machine = a_requestor()
     placed_job_7(machine, "n2", at_s=200.0)
+    machine.place(spec(request_id="job-8"), "job-8", T0, TIMEOUT_S)  # in flight
     machine.place(spec(), "generated", T0, TIMEOUT_S)  # its id is ours alone: never looked up
-    looked_up = published(machine.handle(back("n1", "job-7", "generated", "other"), T0 + 1))
-    assert [(type(m), m.request_id) for m in looked_up] == [(Lookup, "job-7")]
-    assert machine.counters["lookups_again"] == 1
+    status = back("n1", "job-7", "job-8", "generated", "other")
+    looked_up = published(machine.handle(status, T0 + 1))
+    assert [(type(m), m.request_id) for m in looked_up] == [(Lookup, "job-7"), (Lookup, "job-8")]
+    assert machine.counters["lookups_again"] == 2
+
+
+def test_an_earlier_placement_of_an_id_we_placed_and_freed_since_is_freed() -> None:
+    machine = a_requestor()
+    ours = placed_job_7(machine, "n2", at_s=200.0)
+    machine.free(ours.placement, T0 + 0.5)
+    assert published(machine.handle(back("n1", "job-7"), T0 + 1))  # still looked up
+    (free,) = sent(machine.handle(held_by("n1", "job-7", at_s=100.0), T0 + 1), Free)
+    assert free.address == "addr-n1"
+    # placed again under the same id after our free: that one stands
+    assert sent(machine.handle(held_by("n3", "job-7", at_s=300.0), T0 + 2), Free) == []
 
 
 def test_an_earlier_placement_of_an_id_we_answered_for_is_freed() -> None:

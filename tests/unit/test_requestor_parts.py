@@ -1,10 +1,11 @@
 """The machines the requestor is made of, each on its own: the conversation's phase table,
-request-id contention and freeing."""
+request-id contention, freeing, and the record of what was answered."""
 
 from __future__ import annotations
 
 import pytest
 
+from reservoir.protocol.answers import AnsweredIds
 from reservoir.protocol.contention import IdContention, LookupOutcome
 from reservoir.protocol.conversation import (
     TRANSITIONS,
@@ -15,7 +16,7 @@ from reservoir.protocol.conversation import (
 )
 from reservoir.protocol.effects import CancelTimer, Dropped, Effect, FreeCompleted, Send, SetTimer
 from reservoir.protocol.freeing import Freeing, FreeTarget
-from reservoir.protocol.messages import Free, Freed
+from reservoir.protocol.messages import LOOKUP_BUCKETS, Free, Freed, lookup_bucket
 from reservoir.protocol.placement import PlacementRequest
 from reservoir.protocol.timers import FreeTimer
 
@@ -151,3 +152,18 @@ def test_tidying_up_never_gives_up_but_backs_off_and_says_so_once() -> None:
         at = timer.at
     assert delays == [1.0, 2.0, 4.0, 8.0, 8.0, 8.0, 8.0, 8.0]
     assert notes == 1
+
+
+def test_answered_ids_forget_the_oldest_beyond_their_capacity_and_their_buckets_with_them() -> None:
+    answers = AnsweredIds(capacity=2)
+    answers.answered("a", 1.0)
+    answers.answered("b", 2.0)
+    answers.answered("a", 3.0)  # renewed: now the newest
+    answers.answered("c", 4.0)
+    assert len(answers) == 2
+    assert answers.requested_at_s("b") is None
+    assert (answers.requested_at_s("a"), answers.requested_at_s("c")) == (3.0, 4.0)
+    every_bucket = range(LOOKUP_BUCKETS)
+    assert answers.in_buckets(every_bucket) == {"a", "c"}
+    assert answers.in_buckets([lookup_bucket("a")]) >= {"a"}
+    assert "b" not in answers.in_buckets([lookup_bucket("b")])

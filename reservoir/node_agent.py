@@ -158,7 +158,9 @@ class NodeAgent(Driver):
             self._run(self.machine.start)
             if self.broker.reconnects:
                 with self._lock:
-                    self._set_timer(_REJOIN_CHECK, self.scheduler.clock.now() + REJOIN_CHECK_S)
+                    if not self._closed:
+                        now = self.scheduler.clock.now()
+                        self._set_timer(_REJOIN_CHECK, now + REJOIN_CHECK_S)
 
     def close(self) -> None:
         """Stop hearing requests, withdraw live reservations, and let go of everything.

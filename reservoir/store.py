@@ -70,8 +70,8 @@ class SqliteStore:
         self._lock = threading.Lock()
         path.parent.mkdir(parents=True, exist_ok=True)
         existed = path.exists() and path.stat().st_size > 0
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         try:
-            self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")
             if existed:
@@ -79,7 +79,11 @@ class SqliteStore:
             else:
                 self._create()
         except sqlite3.DatabaseError as error:
+            self._db.close()
             raise StateError(f"{path} is not a usable reservoir state file: {error}") from None
+        except BaseException:
+            self._db.close()
+            raise
 
     @classmethod
     def for_node(cls, state_dir: Path, node_name: str) -> SqliteStore:
@@ -127,29 +131,36 @@ class SqliteStore:
                 f"{self.path} is not a reservoir state file "
                 f"(application={meta.get('application')!r})"
             )
-        if meta.get("schema_version") == "1":
-            self._upgrade_from_1()
-            meta["schema_version"] = str(_SCHEMA_VERSION)
-        if meta.get("schema_version") != str(_SCHEMA_VERSION):
-            raise StateError(
-                f"{self.path} has schema version {meta.get('schema_version')}, "
-                f"this reservoir reads version {_SCHEMA_VERSION}"
-            )
         if meta.get("node") != self.node_name:
             raise StateError(
                 f"{self.path} belongs to node {meta.get('node')!r}, not {self.node_name!r}"
             )
+        if meta.get("schema_version") == "1":
+            self._upgrade_from_1()
+        elif meta.get("schema_version") != str(_SCHEMA_VERSION):
+            raise StateError(
+                f"{self.path} has schema version {meta.get('schema_version')}, "
+                f"this reservoir reads version {_SCHEMA_VERSION}"
+            )
 
     def _upgrade_from_1(self) -> None:
+        """Schema 1 to 2, once: two processes opening the same file at once may both get
+        here, and the one that takes the write lock second finds the work done."""
         with self._lock:
-            self._db.executescript(
-                f"""
-                BEGIN;
-                ALTER TABLE allocations ADD COLUMN requested_at_s REAL NOT NULL DEFAULT 0;
-                UPDATE meta SET value = '{_SCHEMA_VERSION}' WHERE key = 'schema_version';
-                COMMIT;
-                """
-            )
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                (version,) = self._db.execute(
+                    "SELECT value FROM meta WHERE key = 'schema_version'"
+                ).fetchone()
+                if version == "1":
+                    self._db.execute(
+                        "ALTER TABLE allocations ADD COLUMN requested_at_s REAL NOT NULL DEFAULT 0"
+                    )
+                    self._db.execute("UPDATE meta SET value = '2' WHERE key = 'schema_version'")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
 
     def load(self) -> list[Allocation]:
         with self._lock:

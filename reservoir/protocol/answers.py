@@ -7,11 +7,13 @@ looks up again every id it answered for in those buckets, and compares what the 
 report with its own answer: of two placements of one id, the one asked for later stands.
 
 :class:`AnsweredIds` is the record that comparison needs: per caller-chosen id this
-requestor answered (placed it, failed it, or placed it and freed it since), when the
-request behind that answer was asked for (``requested_at_s``, the wall clock), indexed by
-lookup bucket. An answer that was freed stays recorded: an earlier placement that turns up
-afterwards is an orphan all the same. Bounded like the requestor's memory of placements
-(``remember_finished``): the oldest answers are forgotten first.
+requestor placed (and may have freed since), when the request behind that placement was
+asked for (``requested_at_s``, the wall clock), indexed by
+lookup bucket. A placement that was freed stays recorded: an earlier placement that turns
+up afterwards is an orphan all the same. A failure is not recorded: it supersedes nothing,
+and a placement found afterwards may be one another requestor handed out. Bounded like
+the requestor's memory of placements (``remember_finished``): the oldest are forgotten
+first.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ __all__ = ["AnsweredIds"]
 
 
 class AnsweredIds:
-    """Caller-chosen ids answered, when their answers were asked for, by lookup bucket."""
+    """Caller-chosen ids placed, when their placements were asked for, by lookup bucket."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity

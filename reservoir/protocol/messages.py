@@ -156,6 +156,9 @@ _IDENTIFIERS = re.compile(f"{_ONE_IDENTIFIER}(?:\x00{_ONE_IDENTIFIER})*")
 Identifier = Annotated[str, _IDENTIFIER_MARK]
 Trait = Annotated[str, Meta(min_length=1, max_length=TRAIT_MAX_LENGTH, pattern=_TRAIT)]
 Amount = Annotated[int, Meta(ge=0, le=2**53)]
+#: when a placement was asked for, seconds since the epoch (0: unknown); bounded (about
+#: the year 5100), so that no message can claim infinity and win against every other
+PlacedAt = Annotated[float, Meta(ge=0, le=1e11)]
 #: a W3C ``traceparent`` (version-trace id-parent id-flags), carried so that a node's spans
 #: join the requestor's trace; absent unless the requestor traces
 TraceParent = Annotated[str, Meta(pattern=r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}\Z")]
@@ -557,8 +560,10 @@ class AlreadyPlaced(_Message, tag="already_placed", frozen=True, kw_only=True):
     #: the requestor that was awarded them: the one that finishes the request
     owner: Identifier | None = None
     #: when the placement they belong to was asked for (the award's ``requested_at_s``):
-    #: of two placements of one id, the later one stands (see ``Award``)
-    requested_at_s: Annotated[float, Meta(ge=0)] = 0.0
+    #: of two placements of one id, the later one stands (see ``Award``). One value: a
+    #: node holds one placement's allocations of an id (it answers any request for an id
+    #: it holds with this message, so it never reserves for the id again)
+    requested_at_s: PlacedAt = 0.0
 
 
 class Award(_Message, tag="award", frozen=True, kw_only=True):
@@ -574,7 +579,7 @@ class Award(_Message, tag="award", frozen=True, kw_only=True):
     #: id be placed twice (a holder away when a retry looked it up), the placement asked
     #: for later is the one its caller holds, and the earlier one is freed. 0: unknown
     #: (a requestor of an earlier release), older than any other.
-    requested_at_s: Annotated[float, Meta(ge=0)] = 0.0
+    requested_at_s: PlacedAt = 0.0
 
 
 class Assessment(_Message, tag="assessment", frozen=True, kw_only=True):

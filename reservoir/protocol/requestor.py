@@ -1028,11 +1028,12 @@ class RequestorMachine:
             # asked for before our answer's: the id was placed twice (its holder away when
             # we looked it up), and our caller holds our answer.
             at_s = self._answers.requested_at_s(request_id)
-            superseded = superseding = False
+            superseded = later = False
             if requested_at_s is not None and at_s is not None:
-                superseded = requested_at_s < at_s
-                superseding = placement is not None and requested_at_s > at_s
-            if stray and (ours or superseded):
+                superseded, later = requested_at_s < at_s, requested_at_s > at_s
+            # Ours but asked for later than our answer: part of a placement that stands
+            # now (another requestor may have adopted it), not ours to free.
+            if stray and (superseded or (ours and not later)):
                 # Allocations for a request that failed, or that is placed without them,
                 # or superseded: free them so nothing stays allocated that nobody holds.
                 self._frees.free(request_id, [FreeTarget(address, node, stray)], now, effects)
@@ -1044,7 +1045,7 @@ class RequestorMachine:
                         f"freeing {len(stray)} allocation(s) of {request_id} on {node}",
                     )
                 )
-            elif stray and superseding:
+            elif stray and later and placement is not None:
                 # A later placement of an id we answered for: it stands, and its caller
                 # holds it. Forget ours, so that a retry here looks the id up and adopts
                 # it (the requestor that placed it frees ours, as the branch above).
@@ -1192,9 +1193,10 @@ class RequestorMachine:
         c.armed.clear()
         self._finished[c.request_id] = outcome
         self._finished.move_to_end(c.request_id)
-        if c.contention.looks_up:
-            at_s = outcome.requested_at_s if outcome is not None else c.requested_at_s
-            self._answers.answered(c.request_id, at_s)
+        if c.contention.looks_up and outcome is not None:
+            # A failure is no answer to compare with: a placement found later may be one
+            # a live requestor handed out, and a failure never superseded it.
+            self._answers.answered(c.request_id, outcome.requested_at_s)
         while len(self._finished) > self.config.remember_finished:
             self._finished.popitem(last=False)
 

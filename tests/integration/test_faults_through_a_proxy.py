@@ -163,7 +163,11 @@ def test_an_id_placed_again_while_its_holder_was_cut_off_is_held_once_after_it_i
                 proxy.restore()
                 wait_until(lambda: second.machine.counters["superseded_frees"] == 1)
                 wait_until(lambda: holder.allocations() == [])
-                assert first.machine.counters["superseded_frees"] == 0
+                # the first requestor heard of the later placement: it left it alone and
+                # forgot its own, so a retry through it adopts the one that stands
+                wait_until(lambda: first.machine.counters["superseded_placements"] == 1)
+                again = first.reserve(request_id="job-7", vcpus=1, memory_mb=256, timeout_s=20)
+                assert again.allocations == later.allocations
         found = audit_cluster(direct, placements=[later], expect_nodes=2, wait_s=10)
         assert found.ok, found.as_json()
         assert found.orphans == ()

@@ -725,6 +725,22 @@ def test_a_later_placement_of_an_id_we_answered_for_stands_and_ours_is_forgotten
     assert machine.counters["superseded_placements"] == 1
 
 
+def test_another_placement_asked_for_at_the_same_time_as_ours_is_left_alone() -> None:
+    machine = a_requestor()
+    ours = placed_job_7(machine, "n2", at_s=200.0)
+    effects = machine.handle(held_by("n1", "job-7", at_s=200.0, owner="other"), T0 + 1)
+    assert sent(effects, Free) == []  # no time to tell them apart: neither is superseded
+    assert machine.placement_of("job-7") == ours.placement
+
+
+def test_our_own_allocation_of_a_placement_asked_for_later_is_not_freed_as_ours() -> None:
+    machine = a_requestor()
+    placed_job_7(machine, "n2", at_s=200.0)
+    effects = machine.handle(held_by("n1", "job-7", at_s=300.0, owner="req"), T0 + 1)
+    assert sent(effects, Free) == []  # another requestor may have adopted it: it stands
+    assert machine.placement_of("job-7") is None
+
+
 def test_our_own_placement_found_again_is_left_alone() -> None:
     machine = a_requestor()
     ours = placed_job_7(machine, "n2", at_s=200.0)

@@ -69,6 +69,33 @@ def test_a_version_1_file_is_upgraded_and_its_allocations_dated_older_than_any(
     assert version.fetchone() == ("2",)
 
 
+def test_another_nodes_version_1_file_is_refused_before_it_is_upgraded(tmp_path: Path) -> None:
+    db = sqlite3.connect(tmp_path / "n1.sqlite3")
+    db.executescript(VERSION_1_SCHEMA)
+    db.close()
+    (tmp_path / "n1.sqlite3").rename(tmp_path / "n2.sqlite3")
+    with pytest.raises(StateError, match="belongs to node 'n1', not 'n2'"):
+        SqliteStore.for_node(tmp_path, "n2")
+    version = sqlite3.connect(tmp_path / "n2.sqlite3").execute(
+        "SELECT value FROM meta WHERE key = 'schema_version'"
+    )
+    assert version.fetchone() == ("1",)
+
+
+def test_a_version_1_file_upgraded_by_another_process_meanwhile_is_not_upgraded_twice(
+    tmp_path: Path,
+) -> None:
+    db = sqlite3.connect(tmp_path / "n1.sqlite3")
+    db.executescript(VERSION_1_SCHEMA)
+    db.close()
+    early = SqliteStore.for_node(tmp_path, "n1")  # read version 1, upgraded it
+    late = SqliteStore.for_node(tmp_path, "n1")  # as if it had read 1 before that
+    late._upgrade_from_1()
+    assert late.load() == early.load() == [an_allocation(requested_at_s=0.0)]
+    early.close()
+    late.close()
+
+
 def test_the_file_is_in_wal_mode(tmp_path: Path) -> None:
     SqliteStore.for_node(tmp_path, "n1").close()
     mode = sqlite3.connect(tmp_path / "n1.sqlite3").execute("PRAGMA journal_mode").fetchone()

@@ -113,6 +113,33 @@ def test_the_same_request_id_with_another_shape_is_refused_and_the_first_placeme
     sim.finish([placed], allow_orphans=False)
 
 
+def durable_nodes(sim: Simulation, count: int = 6) -> dict[str, MemoryStore]:
+    """Nodes whose ledgers outlive them, as a node's SQLite file does."""
+    stores = {f"node-{i}": MemoryStore() for i in range(count)}
+    for name, store in stores.items():
+        sim.add_node(name, vcpus=16, memory_mb=32768, store=store)
+    return stores
+
+
+def placed_by_a_requestor_now_dead(sim: Simulation, request_id: str) -> str:
+    """A requestor's award became an allocation, and then it was killed: the holder."""
+    first = sim.add_requestor("worker.1")
+    first.submit(request_id=request_id, vcpus=1, memory_mb=512, timeout_s=30)
+    assert sim.scheduler.run_until(held_anywhere(sim, request_id, "allocation"), timeout_s=10)
+    kill(first)
+    (holder,) = [s.name for s in sim.snapshots() for _allocation in s.allocations]
+    return holder
+
+
+def away(sim: Simulation, node: str) -> None:
+    """It hears nothing, and what it holds stays stored."""
+    sim.nodes.pop(node).close()
+
+
+def back(sim: Simulation, node: str, stores: dict[str, MemoryStore]) -> None:
+    sim.add_node(node, vcpus=16, memory_mb=32768, store=stores[node])
+
+
 def test_a_retry_while_the_holder_is_away_leaves_one_placement_once_it_is_back() -> None:
     """What the full chaos run (seed 7) found: the dead requestor's award had become an
     allocation on a node that was reconnecting after a cut (its inbox and bindings gone
@@ -122,20 +149,14 @@ def test_a_retry_while_the_holder_is_away_leaves_one_placement_once_it_is_back()
     test's). Back, it names the buckets of what it holds; the successor looks job-7 up
     again and frees the earlier placement, asked for before its own."""
     sim = Simulation()
-    stores = {f"node-{i}": MemoryStore() for i in range(6)}
-    for name, store in stores.items():
-        sim.add_node(name, vcpus=16, memory_mb=32768, store=store)
-    first = sim.add_requestor("worker.1")
-    first.submit(request_id="job-7", vcpus=1, memory_mb=512, timeout_s=30)
-    assert sim.scheduler.run_until(held_anywhere(sim, "job-7", "allocation"), timeout_s=10)
-    kill(first)
-    (holder,) = [s.name for s in sim.snapshots() for _allocation in s.allocations]
-    sim.nodes.pop(holder).close()  # away: it hears nothing, and its allocation stays stored
+    stores = durable_nodes(sim)
+    holder = placed_by_a_requestor_now_dead(sim, "job-7")
+    away(sim, holder)
     second = sim.add_requestor("worker.2")
     placement = sim.place(second, request_id="job-7", vcpus=1, memory_mb=512, timeout_s=30)
     assert holder not in placement.nodes
     assert [a.request_id for a in stores[holder].load()] == ["job-7"]  # placed twice now
-    sim.add_node(holder, vcpus=16, memory_mb=32768, store=stores[holder])  # back
+    back(sim, holder, stores)
     sim.advance(5.0)
     assert second.machine.counters["superseded_frees"] == 1
     assert second.metrics.registry is not None
@@ -153,21 +174,15 @@ def test_an_earlier_placement_back_after_the_later_one_was_freed_is_freed_too() 
     """What the next full chaos run (seed 7) found: the successor placed the id again,
     and its caller had freed that placement before the holder of the dead one's
     allocation was back. Nothing held the id by then, so the earlier allocation is an
-    orphan: the successor remembers when its answer was asked for, freed or not."""
+    orphan: the successor remembers when its placement was asked for, freed or not."""
     sim = Simulation()
-    stores = {f"node-{i}": MemoryStore() for i in range(6)}
-    for name, store in stores.items():
-        sim.add_node(name, vcpus=16, memory_mb=32768, store=store)
-    first = sim.add_requestor("worker.1")
-    first.submit(request_id="job-7", vcpus=1, memory_mb=512, timeout_s=30)
-    assert sim.scheduler.run_until(held_anywhere(sim, "job-7", "allocation"), timeout_s=10)
-    kill(first)
-    (holder,) = [s.name for s in sim.snapshots() for _allocation in s.allocations]
-    sim.nodes.pop(holder).close()
+    stores = durable_nodes(sim)
+    holder = placed_by_a_requestor_now_dead(sim, "job-7")
+    away(sim, holder)
     second = sim.add_requestor("worker.2")
     placement = sim.place(second, request_id="job-7", vcpus=1, memory_mb=512, timeout_s=30)
     assert sim.run_until_done([second.release_future(placement)])
-    sim.add_node(holder, vcpus=16, memory_mb=32768, store=stores[holder])
+    back(sim, holder, stores)
     sim.advance(5.0)
     assert second.machine.counters["superseded_frees"] == 1
     sim.finish([], allow_orphans=False)
@@ -179,16 +194,14 @@ def test_a_requestor_whose_placement_was_superseded_answers_a_retry_with_the_lat
     holder is back, leaves it alone, and forgets its own, so a retry through it looks the
     id up and adopts the one that stands."""
     sim = Simulation()
-    stores = {f"node-{i}": MemoryStore() for i in range(6)}
-    for name, store in stores.items():
-        sim.add_node(name, vcpus=16, memory_mb=32768, store=store)
+    stores = durable_nodes(sim)
     first = sim.add_requestor("worker.1")
     earlier = sim.place(first, request_id="job-7", vcpus=1, memory_mb=512, timeout_s=30)
     (holder,) = earlier.nodes
-    sim.nodes.pop(holder).close()
+    away(sim, holder)
     second = sim.add_requestor("worker.2")
     later = sim.place(second, request_id="job-7", vcpus=1, memory_mb=512, timeout_s=30)
-    sim.add_node(holder, vcpus=16, memory_mb=32768, store=stores[holder])
+    back(sim, holder, stores)
     sim.advance(5.0)
     assert first.machine.counters["superseded_placements"] == 1
     assert first.machine.counters["superseded_frees"] == 0

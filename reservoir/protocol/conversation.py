@@ -126,7 +126,7 @@ class Conversation:
     #: every award: of two placements of one id, the later one stands
     requested_at_s: float = 0.0
     #: the latest ``requested_at_s`` among the allocations placed so far (adopted ones
-    #: carry their own placement's): the finished placement's
+    #: carry their own placement's; set with the first): the finished placement's
     placed_at_s: float = 0.0
     phase: Phase = Phase.NEW
     tier_index: int = 0

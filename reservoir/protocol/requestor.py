@@ -209,8 +209,8 @@ class RequestorMachine:
         self._roll_called_at: float | None = None
         self._active: dict[str, Conversation] = {}
         self._finished: OrderedDict[str, Placement | None] = OrderedDict()
-        #: the caller-chosen ids answered, and when their answers were asked for: what
-        #: to look up again when a node comes back holding ids of their buckets
+        #: the caller-chosen ids placed here, and when their placements were asked for:
+        #: what to look up again when a node comes back holding ids of their buckets
         self._answers = AnsweredIds(config.remember_finished)
         self._frees = Freeing(
             sender=config.requestor_id,
@@ -292,7 +292,6 @@ class RequestorMachine:
             contention=IdContention(self.config.requestor_id, spec.request_id is not None),
             traceparent=traceparent,
             requested_at_s=requested_at_s,
-            placed_at_s=requested_at_s,
         )
         # An affinity member belongs (or, soft, prefers to be) on the node that already
         # hosts its group, which may sit in any tier: only the widest tier reaches it.
@@ -433,9 +432,9 @@ class RequestorMachine:
     def _look_up_again(self, bitmap: bytes, effects: list[Effect]) -> None:
         """A node is back holding caller-chosen ids of these buckets. While it was away, a
         lookup could not find them: one of them may have been placed again, by us. Look
-        up each id we answered for there (placed, failed or freed since), and each one in
-        flight (its own lookup may be behind it); a node holding an earlier placement of
-        it answers ``AlreadyPlaced``, and ``_on_accepted`` frees that or adopts it."""
+        up each id we placed there (freed since or not), and each one in flight (its own
+        lookup may be behind it); a node holding an earlier placement of it answers
+        ``AlreadyPlaced``, and ``_on_accepted`` frees that or adopts it."""
         buckets = set(buckets_in(bitmap))
         ids = self._answers.in_buckets(buckets)
         ids.update(
@@ -1024,9 +1023,9 @@ class RequestorMachine:
             placement = self._finished.get(request_id)
             known = {a.allocation_id for a in placement.allocations} if placement else set()
             stray = tuple(a.allocation_id for a in allocations if a.allocation_id not in known)
-            # Another placement of an id we answered for (placed, failed, or freed since),
-            # asked for before our answer's: the id was placed twice (its holder away when
-            # we looked it up), and our caller holds our answer.
+            # Another placement of an id we placed (freed since or not), asked for before
+            # ours: the id was placed twice (its holder away when we looked it up), and our
+            # caller holds ours.
             at_s = self._answers.requested_at_s(request_id)
             superseded = later = False
             if requested_at_s is not None and at_s is not None:

@@ -393,6 +393,9 @@ def test_an_invalid_request_is_422(
 
 def test_the_module_app_runs_on_its_own_empty_broker(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("RESERVOIR_BROKER_URL", raising=False)
+    # No node is bound anywhere, which the requestor takes for an outage and retries until
+    # the request's timeout (30 s by default): a short one gives the same 409 sooner.
+    monkeypatch.setenv("RESERVOIR_REQUEST_TIMEOUT_S", "1")
     from examples.asgi_service import app
 
     async def scenario() -> tuple[httpx.Response, httpx.Response]:

@@ -32,6 +32,8 @@ from reservoir.settings import Settings
 EXIT_NOT_PLACED = 1
 EXIT_USAGE = 2
 EXIT_BROKER = 3
+#: stopped by Ctrl-C or SIGTERM: 128 + SIGINT, as a shell reports it
+EXIT_INTERRUPTED = 130
 
 BROKER_HELP = (
     "Broker URL: memory://, amqp://user:pass@host:5672/vhost or kombu+amqp://... "
@@ -1298,6 +1300,7 @@ def simulate(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
     simulator = _simulator()
+    from reservoir.bench import stopped_by_sigterm
     from reservoir.simulator.report import print_table, require_matplotlib, write_outputs
 
     if output is not None:
@@ -1333,11 +1336,17 @@ def simulate(
         *columns, console=stderr, transient=as_json, disable=not stderr.is_terminal
     ) as bar:
         task = bar.add_task("simulating", total=requests * len(loads) * len(systems))
-        result = simulator.simulate(
-            config,
-            progress=lambda label, n: bar.update(task, description=label, advance=n),
-            jobs=jobs if jobs is not None else simulator.default_jobs(config),
-        )
+        try:
+            with stopped_by_sigterm():
+                result = simulator.simulate(
+                    config,
+                    progress=lambda label, n: bar.update(task, description=label, advance=n),
+                    jobs=jobs if jobs is not None else simulator.default_jobs(config),
+                )
+        except KeyboardInterrupt:
+            bar.stop()
+            click.echo("reservoir simulate: interrupted; its worker processes stopped", err=True)
+            sys.exit(EXIT_INTERRUPTED)
     if as_json:
         click.echo(json.dumps(result.as_json(), sort_keys=True))
     else:

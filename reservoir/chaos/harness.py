@@ -687,6 +687,7 @@ def chaos(
         click.echo(line, err=True)
 
     from reservoir.bench import stopped_by_sigterm
+    from reservoir.cli import EXIT_INTERRUPTED
 
     try:
         with stopped_by_sigterm():
@@ -707,7 +708,7 @@ def chaos(
         click.echo(
             "reservoir chaos: interrupted; processes stopped, the run's vhost removed", err=True
         )
-        sys.exit(130)
+        sys.exit(EXIT_INTERRUPTED)
     if as_json:
         click.echo(json.dumps(result.as_json(), sort_keys=True))
     else:

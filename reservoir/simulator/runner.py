@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -264,12 +265,13 @@ def _in_workers(
     progress_queue = context.SimpleQueue()
     by_cost = sorted(pairs, key=lambda pair: (_COST_ORDER.get(pair[1], 9), -pair[0]))
     done: dict[tuple[float, str], RunResult] = {}
-    with ProcessPoolExecutor(
+    pool = ProcessPoolExecutor(
         max_workers=min(jobs, len(pairs)),
         mp_context=context,
         initializer=_start_worker,
         initargs=(progress_queue,),
-    ) as pool:
+    )
+    try:
         running: dict[Future[RunResult], tuple[float, str]] = {
             pool.submit(_worker_run, config, load, system): (load, system)
             for load, system in by_cost
@@ -281,7 +283,29 @@ def _in_workers(
             for future in finished:
                 done[running[future]] = future.result()  # a worker's error is raised here
         _relay(progress_queue, progress)
+    except BaseException:
+        # Ctrl-C, SIGTERM (the command turns it into KeyboardInterrupt) or one run's
+        # error: the other runs are worth nothing now, and waiting for them, as leaving
+        # the pool's ``with`` would, can take as long as the whole simulation.
+        _stop_workers(pool)
+        raise
+    pool.shutdown()
     return [done[pair] for pair in pairs]
+
+
+def _stop_workers(pool: ProcessPoolExecutor) -> None:
+    """Drop the runs not started and end the worker processes at once."""
+    processes = list((pool._processes or {}).values())
+    # Python 3.14's ``terminate_workers`` is the public way; 3.11 has none, so the
+    # processes are taken from the pool before ``shutdown`` forgets them.
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        process.join(timeout=10)
+        if process.is_alive():
+            process.kill()
+            process.join()
 
 
 def _relay(progress_queue: Any, progress: Progress | None) -> None:
@@ -294,6 +318,9 @@ def _relay(progress_queue: Any, progress: Progress | None) -> None:
 def _start_worker(progress_queue: Any) -> None:
     global _progress_queue
     _progress_queue = progress_queue
+    # Ctrl-C at a terminal reaches the whole process group: the parent stops the workers
+    # (``_stop_workers``), so a worker need not die of it with a traceback of its own.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _worker_run(config: SimulationConfig, load: float, system: str) -> RunResult:

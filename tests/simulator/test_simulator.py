@@ -9,6 +9,7 @@ speaks the way the other commands do.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 from pathlib import Path
 from typing import Any
@@ -97,6 +98,19 @@ def test_runs_in_worker_processes_give_the_rows_of_runs_in_this_one() -> None:
     assert progress == {
         f"{system} at load {load:g}": 300 for load in (0.5, 0.9) for system in config.systems
     }
+
+
+#: a reservoir run of many minutes: long enough that waiting for it would show
+LONG_RUN = SimulationConfig(nodes=20_000, requests=1_000_000, loads=(0.95,), seed=5)
+
+
+# A regression waits for the long run: the 60 s limit fails it well before it ends.
+@pytest.mark.timeout(60)
+def test_one_runs_error_stops_the_other_workers_at_once() -> None:
+    pairs = [(0.95, "reservoir"), (0.95, "no-such-system")]
+    with pytest.raises(ValueError, match="no-such-system"):
+        runner._in_workers(LONG_RUN, pairs, None, jobs=2)
+    assert multiprocessing.active_children() == []
 
 
 def test_every_system_sees_the_same_arrivals_and_sizes() -> None:

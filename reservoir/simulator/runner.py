@@ -14,6 +14,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -296,11 +297,18 @@ def _in_workers(
 def _stop_workers(pool: ProcessPoolExecutor) -> None:
     """Drop the runs not started and end the worker processes at once."""
     processes = list((pool._processes or {}).values())
+    # typeshed calls this attribute a _ThreadWakeup; it is the pool's manager thread
+    manager: threading.Thread | None = getattr(pool, "_executor_manager_thread", None)
     # Python 3.14's ``terminate_workers`` is the public way; 3.11 has none, so the
-    # processes are taken from the pool before ``shutdown`` forgets them.
+    # processes and the pool's manager thread are taken before ``shutdown`` forgets them.
     pool.shutdown(wait=False, cancel_futures=True)
     for process in processes:
         process.terminate()
+    # The manager thread reaps the workers too: joined first, so that it has recorded
+    # each exit code. Else its waitpid can reap a worker between ours and its record,
+    # and the worker, gone, would be "alive" to multiprocessing from then on.
+    if manager is not None:
+        manager.join(timeout=10)
     for process in processes:
         process.join(timeout=10)
         if process.is_alive():

@@ -63,6 +63,7 @@ from reservoir.bench_limits import (
 from reservoir.bench_nodes import counters_of, echo_back, ledger_summary, node_inventories
 from reservoir.broker import Broker, BrokerError, Delivery, Endpoint, UnsupportedBroker
 from reservoir.clock import SystemClock, ThreadScheduler
+from reservoir.exit_status import EXIT_BROKER, EXIT_RUN_FAILED
 from reservoir.node_agent import NodeAgent
 from reservoir.plugins import load_filters, load_weighers
 from reservoir.protocol.placement import PlacementError
@@ -103,8 +104,6 @@ EXCHANGE_PREFIX: Final = "reservoir.bench"
 #: schemes whose brokers are RabbitMQ (the targets for RabbitMQ apply)
 RABBITMQ_SCHEMES: Final = ("amqp", "amqps", "kombu+amqp", "kombu+amqps", "kombu+pyamqp")
 
-EXIT_BROKER: Final = 3
-EXIT_RUN_FAILED: Final = 2
 
 Progress = Callable[[str], None]
 

@@ -36,16 +36,14 @@ from typing import Any
 
 from reservoir.broker import Broker, BrokerError, Delivery, Endpoint
 from reservoir.clock import SystemClock, ThreadScheduler
+from reservoir.exit_status import EXIT_BROKER
 from reservoir.node_agent import NodeAgent
 from reservoir.plugins import load_filters, load_weighers
 from reservoir.protocol.ledger import Inventory
 from reservoir.settings import Settings
 
-__all__ = [
-    "EXIT_BROKER", "counters_of", "echo_back", "ledger_summary", "main", "node_inventories",
-]  # fmt: skip
+__all__ = ["counters_of", "echo_back", "ledger_summary", "main", "node_inventories"]
 
-EXIT_BROKER = 3
 #: how often the main thread looks up from waiting, so that signals are handled promptly
 _POLL_S = 0.2
 

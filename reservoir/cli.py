@@ -23,17 +23,12 @@ from pydantic import ValidationError
 
 from brokers.admin import ExchangeInUse
 from reservoir.broker import BrokerError
+from reservoir.exit_status import EXIT_BROKER, EXIT_INTERRUPTED, EXIT_NOT_PLACED, EXIT_USAGE
 from reservoir.protocol.ledger import Inventory
 from reservoir.protocol.messages import GroupPolicy, GroupSpec, NumaSpec
 from reservoir.protocol.numa import NumaTopology
 from reservoir.protocol.placement import PlacementError, PlacementRequest, checked_request
 from reservoir.settings import Settings
-
-EXIT_NOT_PLACED = 1
-EXIT_USAGE = 2
-EXIT_BROKER = 3
-#: stopped by Ctrl-C or SIGTERM: 128 + SIGINT, as a shell reports it
-EXIT_INTERRUPTED = 130
 
 BROKER_HELP = (
     "Broker URL: memory://, amqp://user:pass@host:5672/vhost or kombu+amqp://... "

@@ -861,7 +861,8 @@ def serve(
     environment variables as for every command. SIGTERM stops accepting connections,
     lets requests in flight finish (--drain-timeout), closes the requestor and exits 0.
     """
-    from reservoir.cli import EXIT_BROKER, EXIT_USAGE, _settings
+    from reservoir.cli import _settings
+    from reservoir.exit_status import EXIT_BROKER, EXIT_USAGE
 
     try:
         import uvicorn

@@ -687,7 +687,7 @@ def chaos(
         click.echo(line, err=True)
 
     from reservoir.bench import stopped_by_sigterm
-    from reservoir.cli import EXIT_INTERRUPTED
+    from reservoir.exit_status import EXIT_INTERRUPTED
 
     try:
         with stopped_by_sigterm():

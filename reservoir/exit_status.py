@@ -1,0 +1,17 @@
+"""The exit statuses of every ``reservoir`` command, owned here so they agree.
+
+A script around the commands tells "not placed" from "broker down" by these numbers, so
+each has one definition; the README's "Exit status" line lists them.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+EXIT_NOT_PLACED: Final = 1
+#: a usage error, or a run whose invariant audit or checks failed
+EXIT_USAGE: Final = 2
+EXIT_RUN_FAILED: Final = 2
+EXIT_BROKER: Final = 3
+#: stopped by Ctrl-C or SIGTERM: 128 + SIGINT, as a shell reports it
+EXIT_INTERRUPTED: Final = 130

@@ -145,7 +145,7 @@ def tune_transport(transport: Any) -> bool:
     comes back short, 100 KiB per event at most as before (pika's pollers are all
     level-triggered: whatever is left is reported again). Measured on a node process under
     ``reservoir bench`` (100 nodes, 8 requestors): ``sendto`` calls fell to a third, and
-    placements per second rose 4-8 % (README, "The socket's system calls").
+    placements per second rose 4-8 % (docs/performance.md, "The socket's system calls").
 
     Only pika's plaintext transport, exactly: an SSL socket keeps pika's I/O, since
     decrypted bytes may wait in the SSL object where no poll sees them, and a write OpenSSL

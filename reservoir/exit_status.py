@@ -9,8 +9,10 @@ from __future__ import annotations
 from typing import Final
 
 EXIT_NOT_PLACED: Final = 1
-#: a usage error, or a run whose invariant audit or checks failed
+#: a usage error: an option or argument a command cannot take
 EXIT_USAGE: Final = 2
+#: a run that could not be carried out, or whose invariant audit or checks failed; the
+#: same number as a usage error, as the README's "Exit status" line says
 EXIT_RUN_FAILED: Final = 2
 EXIT_BROKER: Final = 3
 #: stopped by Ctrl-C or SIGTERM: 128 + SIGINT, as a shell reports it

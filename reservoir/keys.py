@@ -340,6 +340,8 @@ def generate(key_id: str, *, ed25519: bool) -> tuple[str, str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from reservoir.exit_status import EXIT_USAGE
+
     parser = argparse.ArgumentParser(prog="python -m reservoir.keys")
     commands = parser.add_subparsers(dest="command", required=True)
     make = commands.add_parser("generate", help="print a fresh key")
@@ -350,7 +352,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         signing, verifying = generate(args.id, ed25519=args.ed25519)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     print(f"signing:   {signing}")
     print(f"verifying: {verifying}")
     return 0

@@ -687,7 +687,7 @@ def chaos(
         click.echo(line, err=True)
 
     from reservoir.bench import stopped_by_sigterm
-    from reservoir.exit_status import EXIT_INTERRUPTED
+    from reservoir.exit_status import EXIT_INTERRUPTED, EXIT_RUN_FAILED
 
     try:
         with stopped_by_sigterm():
@@ -720,4 +720,4 @@ def chaos(
             for item in items:
                 click.echo(f"  {item}")
     if not result.ok:
-        sys.exit(2)
+        sys.exit(EXIT_RUN_FAILED)

@@ -33,12 +33,12 @@ COMPILED = [
     "reservoir/protocol/roster.py",
     "reservoir/protocol/tiers.py",
     "reservoir/protocol/timers.py",
-    "reservoir/simulator/calendar.py",
-    "reservoir/simulator/engine.py",
+    "reservoir/tools/simulator/calendar.py",
+    "reservoir/tools/simulator/engine.py",
 ]
 
 #: the modules of those two packages that stay interpreted, and why (a test checks that
-#: every module of reservoir/protocol and reservoir/simulator is in one list or the other)
+#: every module of reservoir/protocol and reservoir/tools/simulator is in one list or the other)
 INTERPRETED = {
     "reservoir/protocol/__init__.py": "re-exports only",
     "reservoir/protocol/messages.py": "msgspec structs, which a compiled class cannot be",
@@ -46,16 +46,17 @@ INTERPRETED = {
     "reservoir/protocol/filters.py": "Filter and Weigher are runtime_checkable protocols "
     "(plugins are checked against them), which a compiled class cannot be",
     "reservoir/protocol/errors.py": "a subclass of a built-in exception",
-    "reservoir/simulator/__init__.py": "re-exports only",
-    "reservoir/simulator/baselines.py": "the baselines' own loops are a small share of a run",
-    "reservoir/simulator/capacity.py": "numpy does the work",
-    "reservoir/simulator/workload.py": "numpy does the work",
-    "reservoir/simulator/network.py": "its frozen dataclasses go to worker processes by "
+    "reservoir/protocol/audit.py": "runs once per audit, never per message",
+    "reservoir/tools/simulator/__init__.py": "re-exports only",
+    "reservoir/tools/simulator/baselines.py": "the baselines' own loops are a small share of a run",
+    "reservoir/tools/simulator/capacity.py": "numpy does the work",
+    "reservoir/tools/simulator/workload.py": "numpy does the work",
+    "reservoir/tools/simulator/network.py": "its frozen dataclasses go to worker processes by "
     "pickle, which compiled frozen dataclasses do not survive",
-    "reservoir/simulator/memory.py": "read once per run",
-    "reservoir/simulator/metrics.py": "summarises once per run",
-    "reservoir/simulator/report.py": "tables and plots, once per run",
-    "reservoir/simulator/runner.py": "the command and its worker processes",
+    "reservoir/tools/simulator/memory.py": "read once per run",
+    "reservoir/tools/simulator/results.py": "summarises once per run",
+    "reservoir/tools/simulator/report.py": "tables and plots, once per run",
+    "reservoir/tools/simulator/runner.py": "the command and its worker processes",
 }
 
 ext_modules = []

@@ -3,7 +3,7 @@ measured in the same run (the machine is shared and noisy: only ratios compare).
 
     python benchmarks/broker_throughput.py --amqp amqp://guest:guest@127.0.0.1:5672/
 
-Each broker runs the same seeded demo workload (``reservoir.demo.run_demo``) ``--rounds``
+Each broker runs the same seeded demo workload (``reservoir.tools.demo.run_demo``) ``--rounds``
 times, interleaved, and the median of each figure is reported.
 """
 
@@ -13,7 +13,7 @@ import argparse
 import statistics
 from collections import defaultdict
 
-from reservoir.demo import DemoResult, run_demo
+from reservoir.tools.demo import DemoResult, run_demo
 
 FIGURES = ("placements_per_s", "p50_ms", "p99_ms", "messages_per_placement")
 

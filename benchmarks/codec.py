@@ -1,5 +1,5 @@
 """What the messages of one placement cost to build, encode and decode through the wire
-codec (:class:`reservoir.wire.Codec`, unsigned), against the standard library's
+codec (:class:`reservoir.runtime.wire.Codec`, unsigned), against the standard library's
 ``json.loads`` of one fixed 300-byte document measured in the same run.
 
     python benchmarks/codec.py [--rounds N]
@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from reservoir.protocol import messages as m
-from reservoir.wire import Codec
+from reservoir.runtime.wire import Codec
 
 ROOM = {"VCPU": 4, "MEMORY_MB": 13, "DISK_GB": 7}
 ALLOCATION = {"allocation_id": "res-6c1f0e2a/0", "resources": {"VCPU": 2, "MEMORY_MB": 4096}}

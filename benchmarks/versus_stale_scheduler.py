@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from brokers.inprocess import Faults
 from reservoir.protocol.placement import Placement, PlacementError
-from reservoir.settings import Settings
+from reservoir.runtime.settings import Settings
 from reservoir.testing import Simulation
 
 FLAVOURS = [(1, 2048), (2, 4096), (4, 8192), (8, 16384)]

@@ -74,6 +74,9 @@ class BrokerUrl:
     tls_ca: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
+    #: the whole URL as given, password and reservoir's parameters included: what another
+    #: reservoir process is handed (``--broker``); like :attr:`transport_url`, never log it
+    given: str = field(default="", repr=False)
 
     @classmethod
     def parse(cls, url: str | BrokerUrl) -> BrokerUrl:
@@ -133,6 +136,7 @@ class BrokerUrl:
             display=display,
             transport_urls=(transport,),
             **_tls_files(ours, scheme, url),
+            given=url,
         )
 
     @classmethod
@@ -153,6 +157,7 @@ class BrokerUrl:
             first,
             display=";".join(p.display for p in parsed),
             transport_urls=tuple(p.transport_url for p in parsed),
+            given=";".join(p.given for p in parsed),
         )
 
     @property
@@ -181,6 +186,7 @@ class BrokerUrl:
             exchange=check_exchange(exchange),
             exchange_given=True,
             display=";".join(moved(part) for part in self.display.split(";")),
+            given=";".join(moved(part) for part in self.given.split(";")),
         )
 
     @property

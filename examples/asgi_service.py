@@ -1,10 +1,10 @@
 """reservoir embedded in an API server of one's own: a small FastAPI app that places
 servers, built on the lifespan helper of ``reservoir serve``.
 
-:func:`reservoir.serve.reservoir_lifespan` does the work: it opens ONE shared
+:func:`reservoir.service.reservoir_lifespan` does the work: it opens ONE shared
 :class:`~reservoir.Requestor` for the app's lifetime (thread-safe, any number of
 concurrent requests over one reply queue, learning the offer latency that keeps tier
-widening short), puts a :class:`~reservoir.serve.ReservoirService` in
+widening short), puts a :class:`~reservoir.service.ReservoirService` in
 ``app.state.reservoir``, runs every placement to its end even when the client goes away
 (so the retry with the same key finds it), and on shutdown lets placements in flight
 finish before closing the requestor. This app adds only its own HTTP shapes: ``/servers``
@@ -69,7 +69,7 @@ from reservoir import (
     Settings,
 )
 from reservoir.protocol.messages import GroupPolicy
-from reservoir.serve import Identifier, Problem, ReservoirService, reservoir_lifespan
+from reservoir.service import Identifier, Problem, ReservoirService, reservoir_lifespan
 
 __all__ = [
     "AllocationOut",

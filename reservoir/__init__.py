@@ -6,7 +6,6 @@ the rest; unclaimed reservations expire. The node is the source of truth, so con
 requestors never double-book it. See README.md and docs/design.md.
 """
 
-from reservoir.audit import AuditFailed, AuditReport, NodeSnapshot, audit
 from reservoir.broker import Broker, BrokerError, Delivery, Endpoint, UnsupportedBroker
 from reservoir.clock import (
     Clock,
@@ -16,7 +15,7 @@ from reservoir.clock import (
     ThreadScheduler,
     VirtualScheduler,
 )
-from reservoir.node_agent import NodeAgent
+from reservoir.protocol.audit import AuditFailed, AuditReport, NodeSnapshot, audit
 from reservoir.protocol.ledger import Allocation, Inventory
 from reservoir.protocol.messages import GroupSpec, NumaSpec
 from reservoir.protocol.numa import NumaCell, NumaTopology
@@ -29,11 +28,11 @@ from reservoir.protocol.placement import (
     PlacementTimeout,
 )
 from reservoir.protocol.tiers import TierLadder
-from reservoir.requestor import FreeIncomplete, Requestor, RequestorClosed
-from reservoir.settings import Settings
-from reservoir.store import SqliteStore, StateError
-
-__version__ = "0.1.0"
+from reservoir.runtime.node_agent import NodeAgent
+from reservoir.runtime.requestor import FreeIncomplete, Requestor, RequestorClosed
+from reservoir.runtime.settings import Settings
+from reservoir.runtime.store import SqliteStore, StateError
+from reservoir.version import __version__ as __version__
 
 __all__ = [
     "Allocation",

@@ -802,7 +802,7 @@ def decode_message(body: bytes) -> Message:
     for bytes that are not JSON (or not UTF-8), :class:`msgspec.ValidationError` (a
     subclass) for JSON that is not a valid message, :class:`InvalidField` for a bad id or
     room, and :class:`RecursionError` for values nested too deep (in ``hints``, say).
-    :meth:`reservoir.wire.Codec.decode` turns each into its ``DecodeError``."""
+    :meth:`reservoir.runtime.wire.Codec.decode` turns each into its ``DecodeError``."""
     message = _DECODER.decode(body)
     check_ids(message)
     return message

@@ -14,12 +14,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from brokers.inprocess import Faults, InProcessBroker
-from reservoir.audit import AuditReport, NodeSnapshot, audit
 from reservoir.clock import VirtualScheduler
-from reservoir.node_agent import NodeAgent
+from reservoir.protocol.audit import AuditReport, NodeSnapshot, audit
 from reservoir.protocol.placement import Placement
-from reservoir.requestor import Requestor
-from reservoir.settings import Settings
+from reservoir.runtime.node_agent import NodeAgent
+from reservoir.runtime.requestor import Requestor
+from reservoir.runtime.settings import Settings
 
 __all__ = ["Simulation"]
 

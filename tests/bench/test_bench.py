@@ -14,7 +14,13 @@ import pika.exceptions
 import pytest
 from click.testing import CliRunner
 
-from reservoir.bench import _baseline_moved, audit_ledgers, bench, run_exchanges, with_exchange
+from brokers import BrokerUrl
+from reservoir.cli.bench import bench
+from reservoir.tools.bench.runner import (
+    _baseline_moved,
+    audit_ledgers,
+    run_exchanges,
+)
 
 REQUIRED_KEYS = (
     "rtt_p50_ms", "rtt_p99_ms", "place_p50_ms", "place_p95_ms", "place_p99_ms",
@@ -131,11 +137,11 @@ def test_an_unreachable_broker_is_one_line_and_exit_status_3() -> None:
 
 
 def test_a_named_exchange_is_only_the_prefix_of_the_runs_own_exchanges() -> None:
-    url = "amqp://guest:guest@127.0.0.1/?heartbeat=5&exchange=team.bench"
+    url = BrokerUrl.parse("amqp://guest:guest@127.0.0.1/?heartbeat=5&exchange=team.bench")
     main, full = run_exchanges(url, "abcd")
     assert (main, full) == ("team.bench.abcd", "team.bench.abcd.full")
-    assert with_exchange(url, main).endswith("heartbeat=5&exchange=team.bench.abcd")
-    assert run_exchanges("amqp://h/", "abcd")[0] == "reservoir.bench.abcd"
+    assert url.with_exchange(main).given.endswith("heartbeat=5&exchange=team.bench.abcd")
+    assert run_exchanges(BrokerUrl.parse("amqp://h/"), "abcd")[0] == "reservoir.bench.abcd"
 
 
 # -- on RabbitMQ ---------------------------------------------------------------------------

@@ -39,7 +39,7 @@ def test_the_image_has_what_reservoir_serve_needs(docker: Docker, reservoir_imag
     # the api extra: serve's app and its /metrics, and the node agents' --metrics-port
     imported = docker.run(
         reservoir_image, "python3", "-c",
-        "import fastapi, uvicorn, prometheus_client, reservoir.serve as s; "
+        "import fastapi, uvicorn, prometheus_client, reservoir.service as s; "
         "print(sorted(r.path for r in s.create_app('memory://').routes))",
     )  # fmt: skip
     for path in ("/healthz", "/readyz", "/metrics", "/v1/nodes", "/v1/reservations"):

@@ -26,8 +26,8 @@ import yaml
 
 from brokers import BrokerUrl
 from reservoir.cli import main
-from reservoir.serve import create_app
-from reservoir.settings import Settings
+from reservoir.runtime.settings import Settings
+from reservoir.service import create_app
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBERNETES = ROOT / "deploy" / "kubernetes"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from reservoir.chaos.harness import FAULT_KINDS, run_chaos
+from reservoir.tools.chaos.harness import FAULT_KINDS, run_chaos
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.e2e]
 

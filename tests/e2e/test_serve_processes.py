@@ -26,7 +26,7 @@ import httpx
 import pytest
 
 from brokers import admin
-from reservoir.auditor import audit_cluster, read_placements
+from reservoir.runtime.auditor import audit_cluster, read_placements
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.e2e]
 

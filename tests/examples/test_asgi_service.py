@@ -17,7 +17,7 @@ from fastapi import FastAPI
 from brokers.inprocess import InProcessBroker
 from examples.asgi_service import PlacementOut, create_app
 from reservoir import NodeAgent, Placement, Requestor, RequestorClosed, Settings, audit
-from reservoir.serve import ReservoirService
+from reservoir.service import ReservoirService
 
 NODE_VCPUS = 16
 NODE_MEMORY_MB = 32768

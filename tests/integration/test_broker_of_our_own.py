@@ -18,7 +18,7 @@ import pytest
 from brokers import connect
 from brokers.amqp.threaded import AmqpBroker
 from reservoir import NodeAgent, Requestor
-from reservoir.auditor import audit_cluster
+from reservoir.runtime.auditor import audit_cluster
 from reservoir.testing.rabbitmq_cluster import ClusterUnavailable, RabbitMqCluster
 
 pytestmark = pytest.mark.rabbitmq

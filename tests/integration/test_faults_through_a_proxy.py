@@ -14,8 +14,8 @@ import pytest
 
 from brokers import connect
 from reservoir import NodeAgent, Requestor
-from reservoir.auditor import audit_cluster
 from reservoir.broker import Broker
+from reservoir.runtime.auditor import audit_cluster
 from reservoir.testing.tcp_proxy import TcpProxy
 
 pytestmark = pytest.mark.rabbitmq

@@ -15,7 +15,7 @@ import pytest
 
 from brokers import connect
 from reservoir import NodeAgent, Placement, PlacementError, Requestor
-from reservoir.auditor import audit_cluster
+from reservoir.runtime.auditor import audit_cluster
 from reservoir.testing.rabbitmq_cluster import ClusterUnavailable, RabbitMqCluster
 
 pytestmark = pytest.mark.rabbitmq

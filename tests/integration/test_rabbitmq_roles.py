@@ -42,7 +42,7 @@ from brokers.kombu_broker import KombuBroker
 from brokers.pika_broker import PikaBroker
 from reservoir import NodeAgent, Requestor, audit
 from reservoir.broker import Broker, Delivery, Endpoint, Handler
-from reservoir.settings import Settings
+from reservoir.runtime.settings import Settings
 
 pytestmark = pytest.mark.rabbitmq
 

@@ -15,10 +15,10 @@ from brokers import connect
 from reservoir import NodeAgent, Requestor, audit
 from reservoir.broker import Broker, Delivery
 from reservoir.clock import SystemClock
-from reservoir.keys import Keyring, generate, parse_keys
 from reservoir.protocol.messages import Award, Message, Offer, ReservationRequest
-from reservoir.settings import Settings
-from reservoir.wire import Codec
+from reservoir.runtime.keys import Keyring, generate, parse_keys
+from reservoir.runtime.settings import Settings
+from reservoir.runtime.wire import Codec
 
 pytestmark = pytest.mark.rabbitmq
 

@@ -17,8 +17,8 @@ import pytest
 
 from brokers import connect
 from reservoir import NodeAgent, Requestor
-from reservoir.auditor import audit_cluster
 from reservoir.broker import BrokerError
+from reservoir.runtime.auditor import audit_cluster
 from reservoir.testing.rabbitmq_cluster import ClusterUnavailable, RabbitMqCluster
 from reservoir.testing.tls import TlsFiles, make_tls_files
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reservoir.audit import AuditReport, NodeSnapshot, audit
+from reservoir.protocol.audit import AuditReport, NodeSnapshot, audit
 from reservoir.protocol.ledger import Allocation
 
 

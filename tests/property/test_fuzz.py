@@ -44,7 +44,7 @@ from reservoir.protocol.node import NodeConfig, NodeMachine
 from reservoir.protocol.placement import PlacementRequest
 from reservoir.protocol.requestor import RequestorConfig, RequestorMachine
 from reservoir.protocol.timers import ConversationTimer, FreeTimer, TimerKind
-from reservoir.wire import Codec, DecodeError
+from reservoir.runtime.wire import Codec, DecodeError
 
 SLOW = os.environ.get("RESERVOIR_FUZZ_SLOW") == "1"
 #: the total of inputs fed in this module's default run, asserted by the last test

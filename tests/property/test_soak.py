@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from reservoir.demo import run_demo
+from reservoir.tools.demo import run_demo
 
 from . import test_invariants as base
 

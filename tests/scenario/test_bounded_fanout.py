@@ -13,7 +13,7 @@ from brokers.inprocess import Faults
 from reservoir import PlacementError
 from reservoir.broker import Delivery
 from reservoir.protocol.placement import Placement
-from reservoir.settings import Settings
+from reservoir.runtime.settings import Settings
 from reservoir.testing import Simulation
 
 

@@ -11,10 +11,10 @@ import pytest
 
 from brokers.inprocess import InProcessBroker
 from reservoir import NodeAgent, Requestor
-from reservoir.auditor import LedgerCollector, audit_cluster, read_placements, snapshot_of
 from reservoir.protocol.ledger import Allocation, Inventory
 from reservoir.protocol.messages import LedgerQuery
 from reservoir.protocol.node import LEDGER_REPORT_ENTRIES, NodeConfig, NodeMachine
+from reservoir.runtime.auditor import LedgerCollector, audit_cluster, read_placements, snapshot_of
 
 
 @pytest.fixture

@@ -14,8 +14,8 @@ import pytest
 from brokers.inprocess import Faults
 from reservoir.broker import Delivery
 from reservoir.protocol.placement import PlacementError
-from reservoir.requestor import Requestor
-from reservoir.store import MemoryStore
+from reservoir.runtime.requestor import Requestor
+from reservoir.runtime.store import MemoryStore
 from reservoir.testing.simulation import Simulation
 
 

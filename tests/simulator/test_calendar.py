@@ -8,7 +8,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reservoir.simulator.calendar import LaterSeconds
+from reservoir.tools.simulator.calendar import LaterSeconds
 
 SPILL = -9
 

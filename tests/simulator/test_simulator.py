@@ -17,14 +17,14 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from reservoir.audit import AuditReport
 from reservoir.cli import main
-from reservoir.simulator import SimulationConfig, parse_latency_ms, runner, simulate
-from reservoir.simulator.baselines import BaselineRun
-from reservoir.simulator.capacity import FreeIndex
-from reservoir.simulator.engine import ReservoirRun
-from reservoir.simulator.network import LatencyModel
-from reservoir.simulator.workload import make_cluster, make_workload
+from reservoir.protocol.audit import AuditReport
+from reservoir.tools.simulator import SimulationConfig, parse_latency_ms, runner, simulate
+from reservoir.tools.simulator.baselines import BaselineRun
+from reservoir.tools.simulator.capacity import FreeIndex
+from reservoir.tools.simulator.engine import ReservoirRun
+from reservoir.tools.simulator.network import LatencyModel
+from reservoir.tools.simulator.workload import make_cluster, make_workload
 
 ONE_MS = LatencyModel("fixed", 1.0)
 
@@ -241,7 +241,7 @@ def test_a_broken_invariant_makes_the_command_fail(monkeypatch: pytest.MonkeyPat
     def broken_audit(*args: Any, **kwargs: Any) -> AuditReport:
         return AuditReport(("node-0: VCPU: allocated 33 + reserved 0 > capacity 32",), (), (), ())
 
-    monkeypatch.setattr("reservoir.simulator.engine.audit", broken_audit)
+    monkeypatch.setattr("reservoir.tools.simulator.engine.audit", broken_audit)
     status, out, _ = run("simulate", "--nodes", "10", "--requests", "20",
                          "--loads", "0.5", "--systems", "reservoir", "--json")  # fmt: skip
     assert status == 2

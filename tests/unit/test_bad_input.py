@@ -9,9 +9,9 @@ import pytest
 
 from reservoir.broker import Delivery
 from reservoir.protocol.messages import Release, ReservationRequest, encode_message
-from reservoir.settings import Settings
+from reservoir.runtime.settings import Settings
+from reservoir.runtime.wire import Codec, DecodeError
 from reservoir.testing import Simulation
-from reservoir.wire import Codec, DecodeError
 
 SECRET = "a-shared-secret-of-some-length"
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from reservoir.chaos.harness import FAULT_KINDS, fault_schedule, live_per_requestor
-from reservoir.chaos.record import CallerRecord, judge
+from reservoir.tools.chaos.harness import FAULT_KINDS, fault_schedule, live_per_requestor
+from reservoir.tools.chaos.record import CallerRecord, judge
 
 NODES = [f"n{i}" for i in range(30)]
 REQUESTORS = [f"r{i}" for i in range(8)]

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("reservoir/protocol", "reservoir/simulator")
+PACKAGES = ("reservoir/protocol", "reservoir/tools/simulator")
 
 
 def setup_lists() -> tuple[list[str], dict[str, str]]:

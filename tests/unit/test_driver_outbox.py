@@ -15,10 +15,10 @@ import pytest
 
 from reservoir.broker import Broker, Endpoint, Handler
 from reservoir.clock import FakeClock, VirtualScheduler
-from reservoir.driver import Driver
 from reservoir.protocol.effects import Bind, Effect, Send, Unbind
 from reservoir.protocol.messages import Message, Release
-from reservoir.settings import Settings
+from reservoir.runtime.driver import Driver
+from reservoir.runtime.settings import Settings
 
 
 class RecordingEndpoint(Endpoint):

@@ -7,12 +7,12 @@ from __future__ import annotations
 from click.testing import CliRunner
 
 from reservoir.cli import main
-from reservoir.dry_run import DryRun
 from reservoir.protocol.effects import Send
 from reservoir.protocol.ledger import Inventory
 from reservoir.protocol.messages import Assessment, ReservationRequest
 from reservoir.protocol.node import NodeConfig, NodeMachine
 from reservoir.protocol.placement import PlacementRequest
+from reservoir.runtime.dry_run import DryRun
 from reservoir.testing import Simulation
 
 T0 = 1000.0

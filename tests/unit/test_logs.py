@@ -1,4 +1,4 @@
-"""Structured logs (reservoir.logs): JSON lines, and the request id on every line logged
+"""Structured logs (reservoir.observe.logs): JSON lines, and the request id on every line logged
 while a conversation is handled, by the requestor and by the nodes."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from reservoir.logs import REQUEST_ID, ConversationFilter, JsonFormatter
+from reservoir.observe.logs import REQUEST_ID, ConversationFilter, JsonFormatter
 from reservoir.testing import Simulation
 
 

@@ -17,8 +17,8 @@ from reservoir.protocol.messages import (
     encode_message,
 )
 from reservoir.protocol.placement import InvalidRequest, PlacementRequest, checked_request
+from reservoir.runtime.wire import Codec, DecodeError
 from reservoir.testing import Simulation
-from reservoir.wire import Codec, DecodeError
 
 REQUEST = ReservationRequest(
     request_id="r1",

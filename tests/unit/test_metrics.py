@@ -1,4 +1,4 @@
-"""Participants' Prometheus metrics (reservoir.metrics): what a node and a requestor count
+"""Participants' Prometheus metrics (reservoir.observe.metrics): what a node and a requestor count
 and report, in registries of their own or one they share, and nothing at all without
 prometheus_client."""
 
@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from reservoir import PlacementError
 from reservoir.broker import Delivery
-from reservoir.metrics import Metrics, failure_reason
+from reservoir.observe.metrics import Metrics, failure_reason
 from reservoir.testing import Simulation
 
 
@@ -208,7 +208,7 @@ BLOCKED = (
 def test_without_prometheus_client_nothing_is_counted_and_the_demo_still_runs() -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     code = BLOCKED + (
-        "from reservoir import metrics; assert not metrics.AVAILABLE; "
+        "from reservoir.observe import metrics; assert not metrics.AVAILABLE; "
         "from reservoir.cli import main; "
         "main(['demo', '--nodes', '4', '--requests', '20', '--json'])"
     )

@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 
 from reservoir import PlacementError
-from reservoir.plugins import PluginError, load_filters, load_weighers
 from reservoir.protocol.filters import NodeView, Verdict
 from reservoir.protocol.messages import Reason, ReservationRequest
-from reservoir.settings import Settings
+from reservoir.runtime.plugins import PluginError, load_filters, load_weighers
+from reservoir.runtime.settings import Settings
 from reservoir.testing import Simulation
 
 
@@ -49,7 +49,7 @@ def fake_entry_points(monkeypatch: pytest.MonkeyPatch) -> None:
     def entry_points(*, group: str) -> list[EntryPoint]:
         return extra.get(group, [])
 
-    monkeypatch.setattr("reservoir.plugins.entry_points", entry_points)
+    monkeypatch.setattr("reservoir.runtime.plugins.entry_points", entry_points)
 
 
 def test_the_built_in_checks_come_first_in_a_fixed_order() -> None:
@@ -104,6 +104,6 @@ def test_an_unknown_or_broken_plugin_is_a_clear_error(monkeypatch: pytest.Monkey
     def broken(*, group: str) -> list[Any]:
         return [EntryPoint("broken", "no.such.module:Thing", group)]
 
-    monkeypatch.setattr("reservoir.plugins.entry_points", broken)
+    monkeypatch.setattr("reservoir.runtime.plugins.entry_points", broken)
     with pytest.raises(PluginError, match="'broken' failed to load"):
         load_filters()

@@ -53,7 +53,7 @@ def test_the_protocol_core_imports_no_broker_library_and_nothing_that_does_io() 
         "pika", "kombu", "amqp", "brokers", "socket", "threading", "asyncio", "time",
         "datetime", "select", "selectors", "subprocess", "sqlite3", "random", "secrets",
         "uuid", "os", "logging", "concurrent", "reservoir.broker", "reservoir.clock",
-        "reservoir.driver", "reservoir.requestor", "reservoir.node_agent",
+        "reservoir.runtime", "reservoir.observe", "reservoir.service", "reservoir.tools",
     }  # fmt: skip
     files = sorted(PROTOCOL.glob("*.py"))
     assert len(files) >= 8

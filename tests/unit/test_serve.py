@@ -1,4 +1,4 @@
-"""The ``reservoir serve`` app (reservoir/serve.py) over HTTP, against a live in-process
+"""The ``reservoir serve`` app (reservoir/service/) over HTTP, against a live in-process
 cluster: node agents on their own threads and the app's one shared Requestor on one
 :class:`~brokers.inprocess.InProcessBroker`, driven through httpx's ASGI transport, with
 the invariant audit over the nodes' ledgers at the end."""
@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request
 from brokers.inprocess import Faults, InProcessBroker
 from reservoir import NodeAgent, Placement, PlacementRequest, RequestorClosed, audit
 from reservoir.cli import main
-from reservoir.serve import ReservoirService, create_app, reservoir_lifespan
+from reservoir.service import ReservoirService, create_app, reservoir_lifespan
 
 NODE_VCPUS = 16
 NODE_MEMORY_MB = 32768

@@ -14,7 +14,6 @@ import msgspec.structs
 import pytest
 
 from reservoir.broker import Delivery
-from reservoir.keys import Key, Keyring, generate, main, parse_keys
 from reservoir.protocol.messages import (
     NODE_KINDS,
     REQUESTOR_KINDS,
@@ -36,9 +35,10 @@ from reservoir.protocol.messages import (
     RollCall,
     encode_message,
 )
-from reservoir.settings import Settings
+from reservoir.runtime.keys import Key, Keyring, generate, main, parse_keys
+from reservoir.runtime.settings import Settings
+from reservoir.runtime.wire import Codec, DecodeError, DropWarnings
 from reservoir.testing import Simulation
-from reservoir.wire import Codec, DecodeError, DropWarnings
 
 NODE_SECRET = "node-secret-0123456789"
 REQUESTOR_SECRET = "requestor-secret-0123456789"

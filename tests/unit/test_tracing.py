@@ -1,4 +1,4 @@
-"""OpenTelemetry across the broker (reservoir.tracing): one trace from the HTTP call into
+"""OpenTelemetry across the broker (reservoir.observe.tracing): one trace from the HTTP call into
 ``reservoir serve`` through the requestor's placement to every node that evaluated the
 request and the one that took the award; and nothing at all while nobody traces."""
 
@@ -20,9 +20,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from brokers.inprocess import InProcessBroker
-from reservoir import NodeAgent, Placement, audit, tracing
+from reservoir import NodeAgent, Placement, audit
+from reservoir.observe import tracing
 from reservoir.protocol.messages import ReservationRequest, encode_message
-from reservoir.serve import create_app
+from reservoir.service import create_app
 from reservoir.testing import Simulation
 from tests.unit.test_serve import serving
 

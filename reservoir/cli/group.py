@@ -1,0 +1,32 @@
+"""The ``reservoir`` group: its options apply before any command (logging)."""
+
+from __future__ import annotations
+
+import click
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="reservoir", prog_name="reservoir")
+@click.option("-v", "--verbose", count=True, help="More logging on stderr (-vv for debug).")
+@click.option(
+    "--log-format",
+    type=click.Choice(["text", "json"]),
+    default="text",
+    show_default=True,
+    envvar="RESERVOIR_LOG_FORMAT",
+    help="Log lines on stderr as text, or as one JSON object each (with the request_id "
+    "of the conversation a line belongs to) [env: RESERVOIR_LOG_FORMAT].",
+)
+def main(verbose: int, log_format: str) -> None:
+    """reservoir places work on compute nodes with a fanout reservation protocol.
+
+    A requestor broadcasts a reservation request on utilisation-tiered topics; every node
+    that can take it reserves the resources and answers; the requestor awards a winner
+    and releases the rest; unclaimed reservations expire after a TTL (5 s).
+    """
+    from reservoir.observe.logs import configure
+
+    configure(verbose, "json" if log_format == "json" else "text")
+
+
+# -- demo ----------------------------------------------------------------------------------

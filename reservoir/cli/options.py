@@ -1,0 +1,168 @@
+"""What the ``reservoir`` commands share, each in one place: the options every command
+spells alike (``--broker``, ``--json``), reading the settings, the one line a bad setting
+or an unreachable broker gets, and the helpers of their output.
+
+A command module declares its own options and turns its input into the library's types;
+whatever two commands would otherwise write twice lives here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from types import FrameType
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
+
+import click
+from pydantic import ValidationError
+
+from brokers import BrokerUrl
+from reservoir.broker import BrokerError, UnsupportedBroker
+from reservoir.exit_status import EXIT_BROKER, EXIT_USAGE
+from reservoir.runtime.settings import Settings
+
+if TYPE_CHECKING:
+    from reservoir.runtime.requestor import Requestor
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+BROKER_HELP = (
+    "Broker URL: memory://, amqp://user:pass@host:5672/vhost or kombu+amqp://... "
+    "[env: RESERVOIR_BROKER_URL]"
+)
+
+
+def broker_option(default: str | None = None) -> Callable[[F], F]:
+    """``--broker URL`` (parameter ``broker_url``), read from ``RESERVOIR_BROKER_URL`` when
+    absent; ``default`` only where a command runs on its own broker (``demo``)."""
+    return click.option(
+        "--broker",
+        "broker_url",
+        envvar="RESERVOIR_BROKER_URL",
+        default=default,
+        show_default=default is not None,
+        help=BROKER_HELP,
+    )
+
+
+def json_option(help: str = "Print one JSON object.") -> Callable[[F], F]:
+    """``--json`` (parameter ``as_json``): machine-readable output on stdout."""
+    return click.option("--json", "as_json", is_flag=True, help=help)
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """The settings from ``RESERVOIR_*`` with the command's options over them (``None``
+    meaning "not given"), or one line naming what is wrong and exit status 2."""
+    try:
+        settings = Settings(**{k: v for k, v in overrides.items() if v is not None})
+    except UnsupportedBroker as error:
+        cannot_reach_broker(error)  # as when the broker is opened, as it always was
+    except ValidationError as error:
+        # One line naming each setting (and its environment variable) and what is wrong,
+        # not pydantic's report with its links.
+        problems = "; ".join(
+            f"{_setting_name(e['loc'])}{e['msg'].removeprefix('Value error, ')}"
+            for e in error.errors(include_url=False)
+        )
+        usage_error(problems if _is_the_broker(error) else f"bad setting: {problems}")
+    return settings
+
+
+def _is_the_broker(error: ValidationError) -> bool:
+    return [e["loc"][:1] for e in error.errors()] == [("broker_url",)]
+
+
+def _setting_name(loc: tuple[int | str, ...]) -> str:
+    """``ttl_s (RESERVOIR_TTL_S): `` for a field's error; nothing for one about several
+    settings together (its message names them)."""
+    if not loc:
+        return ""
+    field = str(loc[0])
+    if field == "broker_url":
+        # One line, naming what is wrong: a mistyped URL is not worth a usage screen.
+        return "--broker / RESERVOIR_BROKER_URL: "
+    return f"{field} (RESERVOIR_{field.upper()}): "
+
+
+def command_path() -> str:
+    """``reservoir request``, say: the words a message of the running command starts with."""
+    context = click.get_current_context(silent=True)
+    if context is None or context.parent is None:
+        return "reservoir"
+    # the program's name as users type it, whatever the test runner or entry point calls it
+    return f"reservoir {context.info_name}"
+
+
+def usage_error(problem: str) -> NoReturn:
+    """One line on stderr naming the command and the problem; exit status 2."""
+    click.echo(f"{command_path()}: {problem}", err=True)
+    sys.exit(EXIT_USAGE)
+
+
+def cannot_reach_broker(error: BaseException) -> NoReturn:
+    """The one line every command prints when its broker does not answer; exit status 3."""
+    click.echo(f"{command_path()}: cannot reach the broker: {error}", err=True)
+    sys.exit(EXIT_BROKER)
+
+
+def set_up_tracing(command: str) -> None:
+    """OpenTelemetry for this process, when OTEL_TRACES_EXPORTER asks for it."""
+    from reservoir.observe.tracing import configure_from_environment
+
+    problem = configure_from_environment(f"reservoir-{command}")
+    if problem is not None:
+        usage_error(problem)
+
+
+def shown_url(url: str | BrokerUrl | None) -> str:
+    """A broker URL fit to print: its password masked (the one owner of that: BrokerUrl)."""
+    try:
+        return BrokerUrl.parse(url or "memory://").display
+    except (ValueError, BrokerError):
+        return "(an unparseable broker URL)"
+
+
+def parse_pairs(values: Sequence[str], what: str) -> dict[str, str]:
+    """``KEY=VALUE`` options (repeatable) as a mapping, keys upper-cased; a malformed one
+    is a usage error naming it and ``what`` was expected."""
+    pairs = {}
+    for value in values:
+        key, sep, rest = value.partition("=")
+        if not sep or not key or not rest:
+            raise click.BadParameter(f"{value!r}: expected {what}")
+        pairs[key.strip().upper()] = rest.strip()
+    return pairs
+
+
+def open_requestor(broker_url: str | BrokerUrl | None) -> Requestor:
+    """A :class:`~reservoir.Requestor` on the command's broker, or the one line and exit 3."""
+    from reservoir.runtime.backoff import quietly_connecting
+    from reservoir.runtime.requestor import Requestor
+
+    settings = load_settings(broker_url=broker_url)
+    try:
+        with quietly_connecting():
+            return Requestor(settings.broker_url, settings=settings)
+    except BrokerError as error:
+        cannot_reach_broker(error)
+
+
+@contextlib.contextmanager
+def stopped_by_sigterm() -> Iterator[None]:
+    """SIGTERM stops a long run (bench, chaos, simulate) as Ctrl-C does, so the processes
+    and exchanges it started go too."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_sigterm(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

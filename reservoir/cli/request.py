@@ -1,0 +1,245 @@
+"""``reservoir request``: place one request, or with ``--dry-run`` only ask where it would fit."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import cast
+
+import click
+
+from reservoir.broker import BrokerError
+from reservoir.cli.options import (
+    broker_option,
+    cannot_reach_broker,
+    json_option,
+    load_settings,
+    open_requestor,
+    parse_pairs,
+    set_up_tracing,
+)
+from reservoir.exit_status import EXIT_NOT_PLACED
+from reservoir.protocol.messages import GroupPolicy, GroupSpec, NumaSpec
+from reservoir.protocol.placement import PlacementError, PlacementRequest, checked_request
+
+
+@click.command()
+@broker_option()
+@click.option("--vcpus", type=click.IntRange(0), help="VCPUs per instance.")
+@click.option("--memory-mb", type=click.IntRange(0), help="Memory per instance, MiB.")
+@click.option("--disk-gb", type=click.IntRange(0), help="Disk per instance, GiB.")
+@click.option(
+    "--resource",
+    "resources",
+    multiple=True,
+    metavar="CLASS=AMOUNT",
+    help="Any other resource class per instance, e.g. CUSTOM_GPU=1. Repeatable.",
+)
+@click.option(
+    "--count",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Instances wanted; all or nothing unless --min-count.",
+)
+@click.option(
+    "--min-count", type=click.IntRange(1), help="Accept a partial placement of this many."
+)
+@click.option(
+    "--require",
+    "required",
+    multiple=True,
+    metavar="TRAIT",
+    help="A trait the node must have. Repeatable.",
+)
+@click.option(
+    "--forbid",
+    "forbidden",
+    multiple=True,
+    metavar="TRAIT",
+    help="A trait the node must not have. Repeatable.",
+)
+@click.option("--group", help="Server group the instances join.")
+@click.option(
+    "--policy",
+    "group_policy",
+    type=click.Choice(["affinity", "anti-affinity", "soft-affinity", "soft-anti-affinity"]),
+    help="The server group's policy (with --group).",
+)
+@click.option(
+    "--numa-nodes", type=click.IntRange(1), help="Spread each instance over N NUMA cells."
+)
+@click.option("--pinned", is_flag=True, help="Dedicated (pinned) CPUs, with --numa-nodes.")
+@click.option(
+    "--hint",
+    "hints",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Free-form hint for node-side filters. Repeatable.",
+)
+@click.option("--request-id", help="Idempotency key: asking again returns the same placement.")
+@click.option(
+    "--explain/--no-explain",
+    default=True,
+    show_default=True,
+    help="Ask nodes that cannot take it to say why (each such node answers with its "
+    "reasons; --no-explain keeps them silent on broadcasts).",
+)
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=click.FloatRange(0.1),
+    default=30.0,
+    show_default=True,
+    help="Give up after this many seconds.",
+)
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Only ask: list the nodes that would take it and why the others would not, "
+    "reserving nothing (answers gathered for 1 s, or --timeout if shorter); exit status "
+    "1 when there is not room enough.",
+)
+@json_option()
+def request(
+    broker_url: str | None,
+    vcpus: int | None,
+    memory_mb: int | None,
+    disk_gb: int | None,
+    resources: tuple[str, ...],
+    count: int,
+    min_count: int | None,
+    required: tuple[str, ...],
+    forbidden: tuple[str, ...],
+    group: str | None,
+    group_policy: str | None,
+    numa_nodes: int | None,
+    pinned: bool,
+    hints: tuple[str, ...],
+    request_id: str | None,
+    explain: bool,
+    timeout_s: float,
+    dry_run: bool,
+    as_json: bool,
+) -> None:
+    """Place one request and print the placement, or the failure with its explanation
+    (exit status 1). With --dry-run, only say where it would fit."""
+
+    amounts: dict[str, int] = {}
+    for rc, given in {"VCPU": vcpus, "MEMORY_MB": memory_mb, "DISK_GB": disk_gb}.items():
+        if given:
+            amounts[rc] = given
+    for rc, text in parse_pairs(resources, "CLASS=AMOUNT").items():
+        try:
+            amounts[rc] = int(text)
+        except ValueError:
+            raise click.BadParameter(f"{rc}={text}: a whole number") from None
+    if (group is None) != (group_policy is None):
+        raise click.UsageError("--group and --policy go together")
+    if pinned and numa_nodes is None:
+        numa_nodes = 1
+    try:
+        spec = PlacementRequest(
+            resources=amounts,
+            count=count,
+            min_count=min_count,
+            required_traits=frozenset(t.upper() for t in required),
+            forbidden_traits=frozenset(t.upper() for t in forbidden),
+            group=GroupSpec(name=group, policy=cast(GroupPolicy, group_policy)) if group else None,
+            numa=NumaSpec(nodes=numa_nodes, dedicated_cpus=pinned) if numa_nodes else None,
+            explain=explain,
+            hints=dict(parse_pairs(hints, "KEY=VALUE")) if hints else {},
+            request_id=request_id,
+        )
+        spec = checked_request(spec)
+    except ValueError as error:
+        raise click.UsageError(f"not a valid request: {error}") from None
+    if dry_run:
+        _dry_run(spec, broker_url, min(timeout_s, DRY_RUN_WAIT_S), as_json)
+        return
+    set_up_tracing("request")
+    requestor = open_requestor(broker_url)
+    with requestor:
+        try:
+            placement = requestor.reserve(spec, timeout_s=timeout_s)
+        except PlacementError as error:
+            explanation = error.explanation
+            if as_json:
+                click.echo(
+                    json.dumps(
+                        {
+                            "placed": False,
+                            "request_id": explanation.request_id,
+                            "explanation": str(explanation),
+                            "reasons": dict(explanation.reasons),
+                            "tiers_tried": list(explanation.tiers_tried),
+                            "offers_received": explanation.offers_received,
+                            "timed_out": type(error).__name__ == "PlacementTimeout",
+                        },
+                        sort_keys=True,
+                    )
+                )
+            else:
+                click.echo(f"not placed: {explanation}", err=True)
+            sys.exit(EXIT_NOT_PLACED)
+    if as_json:
+        from reservoir.runtime.auditor import placement_record
+
+        click.echo(json.dumps(placement_record(placement), sort_keys=True))
+        return
+    placed = len(placement.allocations)
+    partly = f" (partial: {placed} of {placement.requested} asked for)" if placement.partial else ""
+    click.echo(
+        f"placed {placement.request_id}: {placed} instance(s){partly} "
+        f"after tiers {', '.join(f'{t}%' for t in placement.tiers_tried)}"
+    )
+    for allocation in placement.allocations:
+        shown = ", ".join(f"{rc}={n}" for rc, n in sorted(allocation.resources.items()))
+        click.echo(f"  {allocation.node}  {allocation.allocation_id}  {shown}")
+
+
+#: how long a dry run gathers the nodes' answers
+DRY_RUN_WAIT_S = 1.0
+
+
+def _dry_run(spec: PlacementRequest, broker_url: str | None, wait_s: float, as_json: bool) -> None:
+    from reservoir.runtime.backoff import quietly_connecting
+    from reservoir.runtime.dry_run import DryRun
+
+    settings = load_settings(broker_url=broker_url)
+    try:
+        with quietly_connecting():
+            asking = DryRun(spec, settings.broker_url, settings=settings)
+    except BrokerError as error:
+        cannot_reach_broker(error)
+    with asking:
+        asking.ask()
+        report = asking.collect(wait_s=wait_s)
+    if as_json:
+        click.echo(json.dumps(report.as_json(), sort_keys=True))
+    else:
+        shape = ", ".join(f"{rc}={n}" for rc, n in sorted(spec.resources.items()) if n)
+        if not report.answers:
+            click.echo(f"dry run of {spec.count} instance(s) of {shape}: no node answered")
+        else:
+            click.echo(
+                f"dry run of {spec.count} instance(s) of {shape}: "
+                f"{len(report.takers)} of {len(report.answers)} node(s) could take it, "
+                f"room for {report.room} instance(s) (wanted {report.wanted}); "
+                "nothing was reserved"
+            )
+        for answer in report.answers:
+            if answer.slots:
+                click.echo(
+                    f"  would take   {answer.node}: {answer.slots} instance(s), utilisation "
+                    f"{answer.utilisation:.0%}, tier {answer.tier}%, score {answer.score:.2f}"
+                )
+            else:
+                why = "; ".join(answer.reasons) or "no room"
+                busy = " (held by others' live reservations)" if answer.busy else ""
+                click.echo(f"  would not    {answer.node}: {why}{busy}")
+    if not report.would_place:
+        sys.exit(EXIT_NOT_PLACED)
+
+
+# -- free ----------------------------------------------------------------------------------

@@ -1,0 +1,163 @@
+"""``reservoir serve``: the placement service over HTTP on uvicorn, one requestor per
+process (:mod:`reservoir.service` is the service itself)."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+from types import FrameType
+
+import click
+
+from reservoir.broker import BrokerError
+from reservoir.cli.options import (
+    broker_option,
+    cannot_reach_broker,
+    load_settings,
+    set_up_tracing,
+    shown_url,
+    usage_error,
+)
+from reservoir.service.lifespan import DEFAULT_DRAIN_TIMEOUT_S
+
+
+def _stopped(signum: int, frame: FrameType | None) -> None:
+    """Stop here with status 0: raised again by uvicorn once its graceful stop is done,
+    or a stop before uvicorn took over the signals (the ``finally`` closes the broker)."""
+    raise SystemExit(0)
+
+
+@click.command()
+@broker_option()
+@click.option(
+    "--host",
+    envvar="RESERVOIR_SERVE_HOST",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address to listen on (0.0.0.0 in a container) [env: RESERVOIR_SERVE_HOST].",
+)
+@click.option(
+    "--port",
+    envvar="RESERVOIR_SERVE_PORT",
+    default=8000,
+    show_default=True,
+    type=click.IntRange(1, 65535),
+    help="TCP port to listen on [env: RESERVOIR_SERVE_PORT].",
+)
+@click.option(
+    "--explain/--no-explain",
+    envvar="RESERVOIR_SERVE_EXPLAIN",
+    default=True,
+    show_default=True,
+    help="Ask nodes that cannot take a request why, so a 409 names the short resource "
+    "[env: RESERVOIR_SERVE_EXPLAIN].",
+)
+@click.option(
+    "--drain-timeout",
+    "drain_timeout_s",
+    envvar="RESERVOIR_SERVE_DRAIN_TIMEOUT",
+    default=DEFAULT_DRAIN_TIMEOUT_S,
+    show_default=True,
+    type=click.FloatRange(0, 600),
+    help="On SIGTERM, seconds requests in flight get to finish before they fail "
+    "[env: RESERVOIR_SERVE_DRAIN_TIMEOUT].",
+)
+@click.option(
+    "--access-log/--no-access-log",
+    envvar="RESERVOIR_SERVE_ACCESS_LOG",
+    default=False,
+    show_default=True,
+    help="Log every request [env: RESERVOIR_SERVE_ACCESS_LOG].",
+)
+def serve(
+    broker_url: str | None,
+    host: str,
+    port: int,
+    explain: bool,
+    drain_timeout_s: float,
+    access_log: bool,
+) -> None:
+    """Serve placements over HTTP: an ASGI app (FastAPI on uvicorn) embedding one requestor.
+
+    \b
+    POST   /v1/reservations        place (Idempotency-Key header or request_id: the key)
+    GET    /v1/reservations/{id}   a placement this process made
+    DELETE /v1/reservations/{id}   release it
+    GET    /v1/nodes               every live node, its tier and usage
+    GET    /healthz, /readyz       the process; the broker connection
+    GET    /metrics                Prometheus metrics
+    GET    /docs                   the OpenAPI documentation
+
+    Errors are application/problem+json (RFC 9457). Settings come from RESERVOIR_*
+    environment variables as for every command. SIGTERM stops accepting connections,
+    lets requests in flight finish (--drain-timeout), closes the requestor and exits 0.
+    """
+    try:
+        import uvicorn
+
+        from reservoir.service.app import create_app
+    except ImportError:
+        usage_error("needs the api extra: pip install 'reservoir[api]'")
+    from reservoir.observe.logs import json_logs, say
+
+    settings = load_settings(broker_url=broker_url)
+    set_up_tracing("serve")
+    try:
+        listening = _listen(host, port)
+    except OSError as error:
+        usage_error(f"cannot listen on {host}:{port}: {error}")
+    from brokers import connect
+
+    try:
+        broker = connect(settings.broker_url)
+    except BrokerError as error:
+        listening.close()
+        # the adapters' errors name the URL with its password masked
+        cannot_reach_broker(error)
+    # (uvicorn does not say where it listens when it is handed the socket)
+    shown = shown_url(settings.broker_url)
+    say(f"reservoir serve: listening on http://{host}:{port}, broker {shown}")
+    # uvicorn handles SIGTERM and SIGINT itself (stop accepting, finish what is open, run
+    # the lifespan's shutdown), then raises the signal again under the handlers it found:
+    # with this one, a stop it completed ends in exit status 0, not death by the signal.
+    for stop in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(stop, _stopped)
+    try:
+        app = create_app(
+            broker, settings=settings, explain=explain, drain_timeout_s=drain_timeout_s
+        )
+        if json_logs():
+            # uvicorn's own handlers print text: let its lines reach ours instead
+            for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+                logging.getLogger(name).setLevel(logging.INFO)
+        config = uvicorn.Config(
+            app,
+            access_log=access_log,
+            log_level="info",
+            log_config=None if json_logs() else uvicorn.config.LOGGING_CONFIG,
+            # uvicorn waits this long for open connections after SIGTERM; the lifespan
+            # then drains the requestor's own work with the same allowance
+            timeout_graceful_shutdown=int(drain_timeout_s) or None,
+        )
+        uvicorn.Server(config).run(sockets=[listening])
+    finally:
+        listening.close()
+        broker.close()
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host``:``port``, bound here rather than by uvicorn so that a
+    port in use is one line and exit status 2, not uvicorn's log and status 1."""
+    family, kind, protocol, _name, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM
+    )[0]
+    listening = socket.socket(family, kind, protocol)
+    try:
+        listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listening.bind(address)
+    except BaseException:
+        listening.close()
+        raise
+    listening.set_inheritable(True)
+    return listening

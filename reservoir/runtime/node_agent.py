@@ -1,0 +1,339 @@
+"""``NodeAgent``: one compute node's participant, live.
+
+It drives a :class:`~reservoir.protocol.node.NodeMachine` with a broker endpoint named
+after the node (``reservoir.node.<name>``), a scheduler for its reservation-expiry timer and
+an allocation store, which is durable (SQLite) when a state directory is given.
+
+It also publishes what the machine only counts: the node's state and what became of its
+reservations as Prometheus metrics (read when scraped, see :mod:`reservoir.observe.metrics`), a
+``reservoir.node.evaluate`` or ``reservoir.node.award`` span for each traced request or
+award (:mod:`reservoir.observe.tracing`), and the request id on every log line of a conversation.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Final
+
+from brokers import BrokerUrl
+from reservoir.broker import Broker
+from reservoir.clock import Scheduler
+from reservoir.observe import tracing
+from reservoir.observe.metrics import Metrics
+from reservoir.protocol.audit import NodeSnapshot
+from reservoir.protocol.effects import DeleteAllocation, Effect, Publish, StoreAllocation
+from reservoir.protocol.filters import Filter, Weigher
+from reservoir.protocol.ledger import Allocation, Inventory
+from reservoir.protocol.messages import (
+    Message,
+    NodeStatus,
+    is_resource_class,
+)
+from reservoir.protocol.node import NodeConfig, NodeMachine
+from reservoir.protocol.numa import NumaTopology
+from reservoir.runtime.driver import Driver
+from reservoir.runtime.plugins import load_filters, load_weighers
+from reservoir.runtime.settings import Settings
+from reservoir.runtime.store import AllocationStore, MemoryStore, SqliteStore
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.core import Metric
+
+__all__ = ["REJOIN_CHECK_S", "NodeAgent", "node_address"]
+
+# the logger's name predates the runtime package: operators' logging configs name it
+log = logging.getLogger("reservoir.node_agent")
+
+#: How often a node agent on a broker that can lose its connection looks whether it came
+#: back (:attr:`Broker.connections`), to announce itself again (NodeMachine.rejoined).
+REJOIN_CHECK_S: Final = 1.0
+#: The timer key of that check; the machine's own timers are strings.
+_REJOIN_CHECK: Final = ("agent", "rejoin-check")
+
+
+def node_address(name: str) -> str:
+    """The inbox address of the node called ``name``: stable across its restarts."""
+    return f"reservoir.node.{name}"
+
+
+def _inventories(
+    inventories: Mapping[str, Inventory | int] | None,
+    vcpus: int | None,
+    memory_mb: int | None,
+    disk_gb: int | None,
+) -> dict[str, Inventory]:
+    result: dict[str, Inventory] = {}
+    for rc, amount in {"VCPU": vcpus, "MEMORY_MB": memory_mb, "DISK_GB": disk_gb}.items():
+        if amount is not None:
+            result[rc] = Inventory(total=amount)
+    for rc, inventory in (inventories or {}).items():
+        result[rc] = inventory if isinstance(inventory, Inventory) else Inventory(total=inventory)
+    unknown = sorted(rc for rc in result if not is_resource_class(rc))
+    if unknown:
+        raise ValueError(
+            f"unknown resource class {', '.join(unknown)} "
+            "(use VCPU, PCPU, MEMORY_MB, DISK_GB or CUSTOM_<NAME>)"
+        )
+    if not result:
+        raise ValueError("a node needs at least one inventory (e.g. vcpus=, memory_mb=)")
+    return result
+
+
+class NodeAgent(Driver):
+    """A node taking part in the protocol until :meth:`close`.
+
+    ``broker`` may be a :class:`~reservoir.broker.Broker` (shared with others, not closed
+    here), a URL, or None for ``settings.broker_url``; a broker opened here is closed here.
+    """
+
+    def __init__(
+        self,
+        broker: Broker | BrokerUrl | str | None = None,
+        *,
+        name: str,
+        inventories: Mapping[str, Inventory | int] | None = None,
+        vcpus: int | None = None,
+        memory_mb: int | None = None,
+        disk_gb: int | None = None,
+        traits: Iterable[str] = (),
+        numa: NumaTopology | None = None,
+        settings: Settings | None = None,
+        scheduler: Scheduler | None = None,
+        store: AllocationStore | None = None,
+        filters: Sequence[Filter] | None = None,
+        weighers: Sequence[Weigher] | None = None,
+        metrics: Metrics | None = None,
+        metrics_registry: CollectorRegistry | None = None,
+        start: bool = True,
+    ) -> None:
+        """``metrics_registry``: the Prometheus registry to count in (a registry of its
+        own by default, so many nodes in one process never collide)."""
+        settings = settings if settings is not None else Settings()
+        if metrics is None:
+            metrics = Metrics(name, registry=metrics_registry)
+        if store is None and settings.state_dir is not None:
+            store = SqliteStore.for_node(settings.state_dir, name)
+        self.store: AllocationStore = store if store is not None else MemoryStore()
+        config = NodeConfig(
+            name=name,
+            address=node_address(name),
+            inventories=_inventories(inventories, vcpus, memory_mb, disk_gb),
+            traits=frozenset(traits),
+            tiers=settings.ladder,
+            incarnation=secrets.token_hex(4),
+            filters=tuple(filters) if filters is not None else load_filters(settings.filters),
+            weighers=tuple(weighers) if weighers is not None else load_weighers(settings.weighers),
+            numa=numa,
+        )
+        self.machine = NodeMachine(config, allocations=self.store.load())
+        try:
+            super().__init__(
+                broker=broker,
+                settings=settings,
+                scheduler=scheduler,
+                metrics=metrics,
+                endpoint_name=config.address,
+                role="node",
+            )
+        except BaseException:
+            self.store.close()
+            raise
+        self._started = False
+        self._connections_seen = self.broker.connections
+        self.metrics.add_source(self._metric_families)
+        if start:
+            self.start()
+
+    @property
+    def name(self) -> str:
+        return self.machine.name
+
+    def start(self) -> None:
+        if not self._started:
+            self._started = True
+            self._run(self.machine.start)
+            if self.broker.reconnects:
+                with self._lock:
+                    if not self._closed:
+                        now = self.scheduler.clock.now()
+                        self._set_timer(_REJOIN_CHECK, now + REJOIN_CHECK_S)
+
+    def close(self) -> None:
+        """Stop hearing requests, withdraw live reservations, and let go of everything.
+        Allocations stay in the store. Idempotent."""
+        if self._closed:
+            return
+        if self._started:
+            self._run(self.machine.stop)
+        with self._lock:
+            self._closed = True
+            self._cancel_all_timers()
+        self.metrics.remove_source()
+        self._let_go()
+        self.store.close()
+
+    stop = close
+
+    def __enter__(self) -> NodeAgent:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- observing ---------------------------------------------------------------------
+
+    def snapshot(self) -> NodeSnapshot:
+        with self._lock:
+            return NodeSnapshot.of(
+                self.name, self.machine.ledger, self.scheduler.clock.now(), self.machine.tier()
+            )
+
+    def utilisation(self) -> float:
+        with self._lock:
+            return self.machine.utilisation()
+
+    def tier(self) -> int:
+        with self._lock:
+            return self.machine.tier()
+
+    def allocations(self) -> list[Allocation]:
+        with self._lock:
+            return list(self.machine.ledger.allocations.values())
+
+    def status(self) -> dict[str, object]:
+        """What the node holds and how full it is, as plain data (for a status file)."""
+        snapshot = self.snapshot()
+        now = snapshot.taken_at
+        return {
+            "node": self.name,
+            # False while the broker connection is down (the agent reconnects by itself)
+            "connected": self.broker.connected,
+            "utilisation": round(snapshot.utilisation, 4),
+            "tier": snapshot.tier,
+            "usages": {
+                rc: {"capacity": u.capacity, "allocated": u.allocated, "reserved": u.reserved}
+                for rc, u in snapshot.usages.items()
+            },
+            "allocations": len(snapshot.allocations),
+            "reservations": [
+                {
+                    "reservation_id": r.reservation_id,
+                    "request_id": r.request_id,
+                    "expires_in_s": round(r.deadline - now, 3),
+                }
+                for r in snapshot.reservations
+            ],
+            "violations": list(snapshot.violations),
+            "counters": self.metrics.snapshot(),
+        }
+
+    def write_status(self, path: Path) -> None:
+        """Write :meth:`status` as JSON, atomically (readers never see half a file)."""
+        partial = path.with_name(path.name + ".tmp")
+        partial.write_text(json.dumps(self.status(), sort_keys=True))
+        os.replace(partial, path)
+
+    def free_allocations(self, allocation_ids: Sequence[str]) -> None:
+        """Free allocations on the operator's word, without a requestor."""
+        self._run(lambda now: self.machine.free_local(allocation_ids))
+
+    # -- metrics -----------------------------------------------------------------------
+
+    def _metric_families(self) -> Iterator[Metric]:
+        """The node's state when Prometheus scrapes (see reservoir.observe.metrics)."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        snapshot = self.snapshot()
+        with self._lock:
+            counters = dict(self.machine.counters)
+        name = self.name
+        gauges: list[tuple[str, str, float]] = [
+            ("reservoir_node_utilisation", "Dominant share, reservations included (0..1)",
+             snapshot.utilisation),
+            ("reservoir_node_tier_percent", "Narrowest tier the node hears", snapshot.tier),
+            ("reservoir_node_allocations", "Allocations held", len(snapshot.allocations)),
+            ("reservoir_node_reservations", "Live reservations held",
+             len(snapshot.reservations)),
+        ]  # fmt: skip
+        for metric, documentation, value in gauges:
+            gauge = GaugeMetricFamily(metric, documentation, labels=["node"])
+            gauge.add_metric([name], value)
+            yield gauge
+        resources = GaugeMetricFamily(
+            "reservoir_node_resource", "Per resource class: capacity, allocated, reserved",
+            labels=["node", "class", "state"],
+        )  # fmt: skip
+        for rc, usage in snapshot.usages.items():
+            resources.add_metric([name, rc, "capacity"], usage.capacity)
+            resources.add_metric([name, rc, "allocated"], usage.allocated)
+            resources.add_metric([name, rc, "reserved"], usage.reserved)
+        yield resources
+        made = CounterMetricFamily(
+            "reservoir_node_reservations_made", "Reservations made (offers)", labels=["node"]
+        )
+        made.add_metric([name], counters.get("reserved", 0))
+        yield made
+        ended = CounterMetricFamily(
+            "reservoir_node_reservations_ended",
+            "Reservations ended, by how: awarded (turned into allocations), released, "
+            "expired (past their TTL), withdrawn (the node stopping, or a superseded award)",
+            labels=["node", "how"],
+        )
+        for how in ("awarded", "released", "expired", "withdrawn"):
+            ended.add_metric([name, how], counters.get(how, 0))
+        yield ended
+        dry_runs = CounterMetricFamily(
+            "reservoir_node_dry_runs", "Dry runs answered (nothing reserved)", labels=["node"]
+        )
+        dry_runs.add_metric([name], counters.get("dry_runs", 0))
+        yield dry_runs
+
+    # -- driver hooks ------------------------------------------------------------------
+
+    def _handle_message(self, message: Message, now: float) -> list[Effect]:
+        if getattr(message, "traceparent", None) is not None:
+            effects = tracing.node_span(
+                self.name, message, lambda: self.machine.handle(message, now)
+            )
+        else:
+            effects = self.machine.handle(message, now)
+        return self._logging_tier(effects)
+
+    def _logging_tier(self, effects: list[Effect]) -> list[Effect]:
+        # The node announces its tier exactly when it changes.
+        if any(isinstance(e, Publish) and isinstance(e.message, NodeStatus) for e in effects):
+            log.info(
+                "node %s now at %.0f%% utilisation: tier %d%%",
+                self.name,
+                100 * self.machine.utilisation(),
+                self.machine.tier(),
+            )
+        return effects
+
+    def _handle_timer(self, key: Hashable, now: float) -> list[Effect]:
+        if key == _REJOIN_CHECK:
+            return self._check_rejoined(now)
+        return self._logging_tier(self.machine.on_timer(key, now))
+
+    def _check_rejoined(self, now: float) -> list[Effect]:
+        """Under the lock, every REJOIN_CHECK_S: the connection came back since the last
+        look (a counter, so no outage between two looks goes unseen)."""
+        self._set_timer(_REJOIN_CHECK, now + REJOIN_CHECK_S)
+        connections = self.broker.connections
+        if connections == self._connections_seen or not self.broker.connected:
+            return []
+        self._connections_seen = connections
+        log.info("node %s is back on the broker: announcing itself again", self.name)
+        return self.machine.rejoined(now)
+
+    def _persist(self, effect: StoreAllocation | DeleteAllocation) -> None:
+        if isinstance(effect, StoreAllocation):
+            self.store.put(effect.allocation)
+        else:
+            self.store.delete(effect.allocation_id)

@@ -1,0 +1,484 @@
+"""``Requestor``: the public, thread-safe and asyncio-friendly way to place work.
+
+One ``Requestor`` runs any number of concurrent requests over one broker endpoint (its
+reply address). ``reserve`` blocks the calling thread; ``reserve_async`` awaits without
+blocking the event loop; ``submit`` returns a :class:`concurrent.futures.Future`. All three
+share the same state machine, so a request id placed through one is known to the others.
+
+    with Requestor("amqp://guest:guest@localhost/") as requestor:
+        placement = requestor.reserve(vcpus=2, memory_mb=4096)
+        ...
+        requestor.release(placement)
+
+Observability lives here, not in the protocol core: each outcome goes to the requestor's
+Prometheus metrics (:mod:`reservoir.observe.metrics`; ``metrics_registry=`` puts them in a registry
+of the caller's, e.g. the one its own ``/metrics`` serves), each placement is a
+``reservoir.place`` span when OpenTelemetry is set up (:mod:`reservoir.observe.tracing`), and every
+log line of a conversation carries its ``request_id`` (:mod:`reservoir.observe.logs`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import secrets
+import uuid
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+from brokers import BrokerUrl
+from reservoir.broker import Broker
+from reservoir.clock import Scheduler
+from reservoir.observe import tracing
+from reservoir.observe.logs import REQUEST_ID
+from reservoir.observe.metrics import Metrics
+from reservoir.protocol.effects import Effect, Failed, FreeCompleted, Placed
+from reservoir.protocol.messages import GroupSpec, Message, NumaSpec
+from reservoir.protocol.placement import (
+    Explanation,
+    Placement,
+    PlacementError,
+    PlacementRequest,
+    checked_request,
+)
+from reservoir.protocol.policies import Policy, policy_named
+from reservoir.protocol.requestor import RequestorConfig, RequestorMachine
+from reservoir.protocol.timers import ConversationTimer, FreeTimer
+from reservoir.runtime.driver import Driver, Outcome
+from reservoir.runtime.settings import Settings
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.core import Metric
+
+__all__ = ["FreeIncomplete", "Requestor", "RequestorClosed"]
+
+# the logger's name predates the runtime package: operators' logging configs name it
+log = logging.getLogger("reservoir.requestor")
+
+#: how much longer than its own deadline a blocking call waits for the machine's verdict
+_VERDICT_GRACE_S = 5.0
+
+
+class RequestorClosed(RuntimeError):
+    """The requestor was closed; it places and frees nothing more."""
+
+
+class FreeIncomplete(RuntimeError):
+    """Some nodes did not confirm freeing their allocations in time (they may be down;
+    the requestor goes on freeing there while it runs)."""
+
+    def __init__(self, request_id: str, missing: tuple[str, ...]) -> None:
+        super().__init__(f"request {request_id}: no confirmation from {', '.join(missing)}")
+        self.request_id = request_id
+        self.missing = missing
+
+
+def _shape(
+    request: PlacementRequest | None,
+    vcpus: int | None,
+    memory_mb: int | None,
+    disk_gb: int | None,
+    fields: dict[str, Any],
+) -> PlacementRequest:
+    shorthand = {"VCPU": vcpus, "MEMORY_MB": memory_mb, "DISK_GB": disk_gb}
+    if request is not None:
+        if fields or any(v is not None for v in shorthand.values()):
+            raise TypeError("pass either a PlacementRequest or keyword fields, not both")
+        return checked_request(request)
+    resources = dict(fields.pop("resources", None) or {})
+    resources.update({rc: amount for rc, amount in shorthand.items() if amount is not None})
+    return checked_request(PlacementRequest(resources=resources, **fields))
+
+
+class Requestor(Driver):
+    """Places requests on whatever nodes the broker reaches.
+
+    ``broker`` may be a :class:`~reservoir.broker.Broker` (shared, not closed here), a URL,
+    or None for ``settings.broker_url``.
+    """
+
+    def __init__(
+        self,
+        broker: Broker | BrokerUrl | str | None = None,
+        *,
+        name: str | None = None,
+        settings: Settings | None = None,
+        policy: Policy | str | None = None,
+        scheduler: Scheduler | None = None,
+        metrics: Metrics | None = None,
+        metrics_registry: CollectorRegistry | None = None,
+    ) -> None:
+        """``metrics_registry``: the Prometheus registry to count in (a registry of its
+        own by default; ``reservoir serve`` gives the service's, so that its ``/metrics``
+        shows the requestor's placements too)."""
+        settings = settings if settings is not None else Settings()
+        self.name = name or f"requestor-{secrets.token_hex(4)}"
+        if metrics is None:
+            metrics = Metrics(self.name, registry=metrics_registry)
+        if isinstance(policy, str) or policy is None:
+            policy = policy_named(policy or settings.policy)
+        # The machine exists before the endpoint does: a delivery can arrive the moment
+        # the endpoint is open. Every adapter makes a named endpoint's address its name.
+        address = f"reservoir.requestor.{self.name}"
+        self.machine = RequestorMachine(
+            RequestorConfig(
+                requestor_id=self.name,
+                reply_to=address,
+                tiers=settings.ladder,
+                policy=policy,
+                ttl_s=settings.ttl_s,
+                max_widen_s=settings.max_widen_s,
+                min_widen_s=settings.min_widen_s,
+                probe_factor=settings.probe_factor,
+                probe_rounds=settings.probe_rounds,
+            )
+        )
+        self._placing: dict[str, list[concurrent.futures.Future[Placement]]] = {}
+        self._freeing: dict[str, list[concurrent.futures.Future[None]]] = {}
+        #: request id -> its reservoir.place spans (one per caller joining it), if tracing
+        self._spans: dict[str, list[Any]] = {}
+        #: request ids answered from the machine's memory, not placed again
+        self._replays: set[str] = set()
+        super().__init__(
+            broker=broker,
+            settings=settings,
+            scheduler=scheduler,
+            metrics=metrics,
+            endpoint_name=address,
+            role="requestor",
+        )
+        try:
+            # Hear nodes' announcements and ask them all once where they stand.
+            self._run(self.machine.start)
+        except BaseException:
+            self._let_go()
+            raise
+        self.metrics.add_source(self._metric_families)
+
+    # -- placing -----------------------------------------------------------------------
+
+    def submit(
+        self,
+        request: PlacementRequest | None = None,
+        *,
+        timeout_s: float | None = None,
+        vcpus: int | None = None,
+        memory_mb: int | None = None,
+        disk_gb: int | None = None,
+        resources: Mapping[str, int] | None = None,
+        count: int | None = None,
+        min_count: int | None = None,
+        required_traits: Iterable[str] | None = None,
+        forbidden_traits: Iterable[str] | None = None,
+        group: GroupSpec | None = None,
+        numa: NumaSpec | None = None,
+        explain: bool | None = None,
+        hints: Mapping[str, Any] | None = None,
+        request_id: str | None = None,
+    ) -> concurrent.futures.Future[Placement]:
+        """Start placing; the future resolves to a :class:`Placement` or raises
+        :class:`PlacementError` (:class:`~reservoir.PlacementTimeout` when out of time).
+
+        Callbacks added to the future run on the thread that resolves it, which on RabbitMQ
+        is the broker's IO thread: keep them short, and never wait in one for another
+        placement (``reserve``, ``result()``), whose answer that thread would have to read,
+        nor open or close a participant there. Calling ``submit`` from a callback is fine."""
+        given = {
+            "resources": resources,
+            "count": count,
+            "min_count": min_count,
+            "required_traits": frozenset(required_traits) if required_traits else None,
+            "forbidden_traits": frozenset(forbidden_traits) if forbidden_traits else None,
+            "group": group,
+            "numa": numa,
+            "explain": explain,
+            "hints": dict(hints) if hints else None,
+            "request_id": request_id,
+        }
+        spec = _shape(
+            request, vcpus, memory_mb, disk_gb, {k: v for k, v in given.items() if v is not None}
+        )
+        request_id = spec.request_id or uuid.uuid4().hex
+        timeout_s = self.settings.request_timeout_s if timeout_s is None else timeout_s
+        span, traceparent = tracing.start_place(request_id, spec.resources, spec.count)
+        if span is not None:
+            with self._lock:
+                self._spans.setdefault(request_id, []).append(span)
+        return self._start(
+            self._placing,
+            request_id,
+            lambda now: self._place(spec, request_id, now, timeout_s, traceparent),
+        )
+
+    def _place(
+        self,
+        spec: PlacementRequest,
+        request_id: str,
+        now: float,
+        timeout_s: float,
+        traceparent: str | None,
+    ) -> list[Effect]:
+        if self.machine.placement_of(request_id) is not None:
+            # answered from memory: not a placement to time or count again
+            self._replays.add(request_id)
+        return self.machine.place(
+            spec,
+            request_id,
+            now,
+            timeout_s,
+            traceparent=traceparent,
+            requested_at_s=self.scheduler.clock.wall(),
+        )
+
+    def _start(
+        self,
+        waiting: dict[str, list[concurrent.futures.Future[Any]]],
+        request_id: str,
+        step: Callable[[float], list[Effect]],
+    ) -> concurrent.futures.Future[Any]:
+        """Register a waiter for ``request_id`` and feed the machine ``step``, atomically,
+        so the outcome cannot arrive before the waiter is there to receive it."""
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        outcomes: list[Outcome] = []
+        token = REQUEST_ID.set(request_id)
+        try:
+            with self._lock:
+                closed = self._closed
+                if not closed:
+                    waiting.setdefault(request_id, []).append(future)
+                    self._execute(step(self.scheduler.clock.now()), outcomes)
+            if closed:
+                self._end_spans(request_id, "closed")
+                raise RequestorClosed(f"{self.name} is closed")
+            self._settle(outcomes)
+        finally:
+            REQUEST_ID.reset(token)
+        return future
+
+    def reserve(
+        self,
+        request: PlacementRequest | None = None,
+        *,
+        timeout_s: float | None = None,
+        **fields: Any,
+    ) -> Placement:
+        """Place a request and wait for the outcome (blocking; thread-safe)."""
+        future = self.submit(request, timeout_s=timeout_s, **fields)
+        wait_s = self.settings.request_timeout_s if timeout_s is None else timeout_s
+        return future.result(timeout=wait_s + _VERDICT_GRACE_S)
+
+    async def reserve_async(
+        self,
+        request: PlacementRequest | None = None,
+        *,
+        timeout_s: float | None = None,
+        **fields: Any,
+    ) -> Placement:
+        """Place a request without blocking the running event loop."""
+        return await asyncio.wrap_future(self.submit(request, timeout_s=timeout_s, **fields))
+
+    # -- freeing -----------------------------------------------------------------------
+
+    def release_future(self, placement: Placement) -> concurrent.futures.Future[None]:
+        return self._start(
+            self._freeing, placement.request_id, lambda now: self.machine.free(placement, now)
+        )
+
+    def free_future(
+        self, request_id: str, node: str, allocation_ids: Iterable[str] = ()
+    ) -> concurrent.futures.Future[None]:
+        """Free a request's allocations on the node called ``node``: those named, or all
+        of them. Resolves once the node confirms (``FreeIncomplete`` if it does not within
+        the free attempts; the requestor goes on trying)."""
+        from reservoir.runtime.node_agent import node_address
+
+        address, ids = node_address(node), tuple(allocation_ids)
+        return self._start(
+            self._freeing,
+            request_id,
+            lambda now: self.machine.free_on_node(request_id, node, address, ids, now),
+        )
+
+    def release(self, placement: Placement, *, timeout_s: float = 30.0) -> None:
+        """Free a placement's allocations on their nodes (the instances were deleted).
+        Raises :class:`FreeIncomplete` if a node does not confirm within the free
+        attempts; the requestor goes on freeing there, less often, while it runs."""
+        self.release_future(placement).result(timeout=timeout_s)
+
+    async def release_async(self, placement: Placement) -> None:
+        await asyncio.wrap_future(self.release_future(placement))
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return self.machine.in_flight()
+
+    def close(self) -> None:
+        """Fail whatever is in flight (releasing what it holds) and let go. Idempotent."""
+        if self._closed:
+            return
+        outcomes: list[Outcome] = []
+        with self._lock:
+            self._execute(self.machine.abandon(self.scheduler.clock.now()), outcomes)
+            self._closed = True
+            self._cancel_all_timers()
+        self._settle(outcomes)
+        waiting: list[concurrent.futures.Future[Any]] = []
+        for placing in self._placing.values():
+            waiting += placing
+        for freeing in self._freeing.values():
+            waiting += freeing
+        for future in waiting:
+            if not future.done():
+                future.set_exception(RequestorClosed(f"{self.name} closed"))
+        with self._lock:
+            left = list(self._spans)
+        for request_id in left:
+            self._end_spans(request_id, "closed")
+        self.metrics.remove_source()
+        self._let_go()
+
+    def __enter__(self) -> Requestor:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> Requestor:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- observing ---------------------------------------------------------------------
+
+    def _metric_families(self) -> Iterator[Metric]:
+        """The requestor's state when Prometheus scrapes (see reservoir.observe.metrics)."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        with self._lock:
+            in_flight = self.machine.in_flight()
+            held = self.machine.held_reservations()
+            roster = len(self.machine.roster)
+            steps = dict(self.machine.counters)
+        labels = ["participant"]
+        for name, documentation, value in (
+            ("reservoir_requestor_in_flight", "Requests being placed now", in_flight),
+            ("reservoir_requestor_offers_held", "Offers held, not yet awarded or released",
+             held),
+            ("reservoir_requestor_roster_nodes", "Nodes the requestor knows of", roster),
+        ):  # fmt: skip
+            gauge = GaugeMetricFamily(name, documentation, labels=labels)
+            gauge.add_metric([self.name], value)
+            yield gauge
+        counter = CounterMetricFamily(
+            "reservoir_requestor_steps",
+            "How the requestor asked: probes (messages), probe_rounds, exhaustive_steps "
+            "(tier broadcasts), busy_retries, unheard_retries, room_rechecks (decliners that "
+            "told of more room, asked again before a failure)",
+            labels=["participant", "step"],
+        )
+        for step in ("probes", "probe_rounds", "exhaustive_steps", "busy_retries",
+                     "unheard_retries", "room_rechecks"):  # fmt: skip
+            counter.add_metric([self.name, step], steps.get(step, 0))
+        yield counter
+        reconciled = CounterMetricFamily(
+            "reservoir_requestor_reconciliations",
+            "One request id placed twice while a holder was away, found once it was back: "
+            "lookups_again (ids looked up again), superseded_frees (earlier placements "
+            "freed), superseded_placements (ours the earlier: forgotten)",
+            labels=["participant", "kind"],
+        )
+        for kind in ("lookups_again", "superseded_frees", "superseded_placements"):
+            reconciled.add_metric([self.name, kind], steps.get(kind, 0))
+        yield reconciled
+
+    def _end_spans(self, request_id: str, outcome: str, error: BaseException | None = None,
+                   **attributes: Any) -> None:  # fmt: skip
+        if not self._spans:
+            return  # not tracing: the usual case costs one truth test
+        with self._lock:
+            spans = self._spans.pop(request_id, ())
+        for span in spans:
+            tracing.end_place(span, outcome, error, **attributes)
+
+    # -- driver hooks ------------------------------------------------------------------
+
+    def _conversation_of(self, key: Hashable) -> str | None:
+        return key.request_id if isinstance(key, ConversationTimer | FreeTimer) else None
+
+    def _handle_message(self, message: Message, now: float) -> list[Effect]:
+        return self.machine.handle(message, now)
+
+    def _handle_returned(self, message: Message, now: float) -> list[Effect]:
+        return self.machine.on_unroutable(message, now)
+
+    def _handle_timer(self, key: Hashable, now: float) -> list[Effect]:
+        return self.machine.on_timer(key, now)
+
+    def _deliver(self, outcomes: list[Outcome]) -> None:
+        # A waiter may have given up (an asyncio task cancelled, a client gone): its future
+        # is done already and is skipped; everyone else still gets the answer.
+        for outcome in outcomes:
+            if isinstance(outcome, Placed):
+                placement = outcome.placement
+                if self._replays:
+                    replay = outcome.request_id in self._replays
+                    self._replays.discard(outcome.request_id)
+                else:
+                    replay = False
+                if not replay:
+                    self.metrics.placed(placement)
+                log.debug(
+                    "placed %s: %d instance(s) on %s in %.1f ms, tiers %s",
+                    outcome.request_id,
+                    len(placement.allocations),
+                    ", ".join(sorted(set(placement.nodes))) or "no node",
+                    placement.elapsed_s * 1000,
+                    placement.tiers_tried,
+                    extra={"request_id": outcome.request_id},
+                )
+                self._end_spans(
+                    outcome.request_id,
+                    "placed",
+                    instances=len(placement.allocations),
+                    offers=placement.offers_received,
+                    tiers_tried=len(placement.tiers_tried),
+                )
+                for future in self._pop(self._placing, outcome.request_id):
+                    if not future.done():
+                        future.set_result(outcome.placement)
+            elif isinstance(outcome, Failed):
+                explanation = outcome.error.explanation
+                self._replays.discard(outcome.request_id)
+                self.metrics.failed(outcome.error, explanation.elapsed_s)
+                log.debug("not placed: %s", explanation, extra={"request_id": outcome.request_id})
+                self._end_spans(
+                    outcome.request_id,
+                    "failed",
+                    outcome.error,
+                    offers=explanation.offers_received,
+                    tiers_tried=len(explanation.tiers_tried),
+                )
+                for future in self._pop(self._placing, outcome.request_id):
+                    if not future.done():
+                        future.set_exception(outcome.error)
+            elif isinstance(outcome, FreeCompleted):
+                for done in self._pop(self._freeing, outcome.request_id):
+                    if done.done():
+                        continue
+                    if outcome.missing:
+                        done.set_exception(FreeIncomplete(outcome.request_id, outcome.missing))
+                    else:
+                        done.set_result(None)
+
+    def _pop(self, waiting: dict[str, list[Any]], request_id: str) -> list[Any]:
+        with self._lock:
+            return waiting.pop(request_id, [])
+
+
+# Re-exported for callers that catch errors from this module.
+__all__ += ["Explanation", "PlacementError"]

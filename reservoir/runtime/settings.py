@@ -1,0 +1,141 @@
+"""Settings shared by every participant, read from ``RESERVOIR_*`` environment variables.
+
+Every field can also be passed directly (``Settings(ttl_s=3.0)``); command-line options
+override both. Defaults are those of docs/design.md. Signing keys come from here too
+(``RESERVOIR_SECRET``, or ``RESERVOIR_NODE_KEYS`` and ``RESERVOIR_REQUESTOR_KEYS``, or
+``RESERVOIR_KEYS_FILE``; see :mod:`reservoir.runtime.keys`) and are checked when the settings are
+made, so a bad key fails at start with the setting's name.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import (
+    Field,
+    PlainSerializer,
+    PlainValidator,
+    SecretStr,
+    field_validator,
+    model_validator,
+)
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from brokers import DEFAULT_BROKER_URL, BrokerUrl
+from reservoir.protocol.policies import POLICIES
+from reservoir.protocol.tiers import DEFAULT_TIERS, TierLadder
+from reservoir.runtime.keys import Keyring, Role
+from reservoir.runtime.wire import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_REPLAY_CACHE_ENTRIES, Codec
+
+__all__ = ["BrokerUrlSetting", "Settings"]
+
+#: a broker URL setting: parsed once, here, into a :class:`~brokers.BrokerUrl` (a bad one
+#: is a ValueError naming the setting; a scheme no adapter serves is
+#: :class:`~reservoir.broker.UnsupportedBroker`, which is a broker error, not a bad value),
+#: shown with its password masked
+BrokerUrlSetting = Annotated[
+    BrokerUrl,
+    NoDecode,  # the environment's text is the URL, not JSON
+    PlainValidator(BrokerUrl.parse),
+    PlainSerializer(lambda url: url.display),
+]
+
+
+class Settings(BaseSettings):
+    """reservoir's settings. Environment: ``RESERVOIR_<FIELD>``, e.g. ``RESERVOIR_TTL_S``."""
+
+    # Errors must not echo what was given: it may be a key.
+    model_config = SettingsConfigDict(
+        env_prefix="RESERVOIR_", frozen=True, extra="forbid", hide_input_in_errors=True
+    )
+
+    #: where the broker is; ``memory://`` is the in-process broker
+    broker_url: BrokerUrlSetting = BrokerUrl.parse(DEFAULT_BROKER_URL)
+    #: one shared secret for both roles (the first form of signing, still supported): when
+    #: set, every message is signed and unsigned ones are dropped, but any participant can
+    #: sign any kind; the per-role keys below separate the roles
+    secret: SecretStr | None = None
+    #: the node role's keys, ``id:secret,id:secret``, the current one first (see
+    #: reservoir.runtime.keys for Ed25519 entries); a node signs with the first, everyone verifies
+    #: node messages with any of them
+    node_keys: SecretStr | None = None
+    #: the requestor role's keys (requestors and auditors), in the same form
+    requestor_keys: SecretStr | None = None
+    #: a JSON or TOML file with both roles' keys, instead of the two settings above
+    keys_file: Path | None = None
+    max_message_bytes: int = Field(default=DEFAULT_MAX_MESSAGE_BYTES, ge=1024)
+    #: signed messages stamped further than this from the receiver's clock are dropped
+    replay_window_s: float = Field(default=30.0, gt=0)
+    #: the most recent message ids kept to refuse replays (bounds the codec's memory)
+    replay_cache_entries: int = Field(default=DEFAULT_REPLAY_CACHE_ENTRIES, ge=1000)
+    #: how long a node holds a reservation
+    ttl_s: float = Field(default=5.0, gt=0, le=3600)
+    tiers: tuple[int, ...] = DEFAULT_TIERS
+    #: longest wait for a first offer before widening to the next tier
+    max_widen_s: float = Field(default=2.0, gt=0)
+    #: shortest wait for a first offer before widening (when latency says nobody's coming)
+    min_widen_s: float = Field(default=0.05, gt=0)
+    #: how the requestor picks winners: spread, pack or least-utilised
+    policy: str = "spread"
+    #: nodes a requestor probes per instance wanted (at least two), sampled from the
+    #: emptiest tiers; more probes give the policy and node weighers more to choose from
+    probe_factor: float = Field(default=2.0, gt=0, le=1000)
+    #: sampling rounds, each twice as wide, before the exhaustive tier broadcast
+    #: (0: always broadcast to whole tiers, as the first version of the protocol did)
+    probe_rounds: int = Field(default=20, ge=0, le=40)
+    #: how long ``Requestor.reserve`` waits by default
+    request_timeout_s: float = Field(default=30.0, gt=0)
+    #: where a node agent keeps its durable ledger (None: in memory only)
+    state_dir: Path | None = None
+    #: broker users (RabbitMQ's validated ``user_id``) allowed to send what requestors send
+    #: (requests, awards, releases, frees); None: anyone the broker lets in
+    requestor_users: frozenset[str] | None = None
+    #: broker users allowed to send what nodes send (offers, acceptances, ...); None: anyone
+    node_users: frozenset[str] | None = None
+    #: node-side filters to run, by entry point name, in order (None: every one found)
+    filters: tuple[str, ...] | None = None
+    #: node-side weighers to use, by entry point name (None: every one found)
+    weighers: tuple[str, ...] | None = None
+
+    @field_validator("tiers")
+    @classmethod
+    def _valid_ladder(cls, tiers: tuple[int, ...]) -> tuple[int, ...]:
+        TierLadder(tiers)
+        return tiers
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, policy: str) -> str:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown policy {policy!r}; choose one of {sorted(POLICIES)}")
+        return policy
+
+    @model_validator(mode="after")
+    def _usable_keys(self) -> Settings:
+        self.keyring()  # raises KeyConfigError (a ValueError) naming the setting
+        return self
+
+    @property
+    def ladder(self) -> TierLadder:
+        return TierLadder(self.tiers)
+
+    def keyring(self) -> Keyring | None:
+        """The signing keys these settings describe (read afresh: a keys file may have
+        been rolled over), or None when messages are not signed."""
+        return Keyring.from_settings(
+            secret=self.secret.get_secret_value() if self.secret else None,
+            node_keys=self.node_keys.get_secret_value() if self.node_keys else None,
+            requestor_keys=self.requestor_keys.get_secret_value() if self.requestor_keys else None,
+            keys_file=self.keys_file,
+        )
+
+    def codec(self, role: Role | None = None) -> Codec:
+        """A codec speaking for ``role`` (None: any role, for tools)."""
+        return Codec(
+            max_bytes=self.max_message_bytes,
+            keys=self.keyring(),
+            role=role,
+            replay_window_s=self.replay_window_s,
+            replay_cache_entries=self.replay_cache_entries,
+        )

@@ -1,0 +1,56 @@
+"""The placement service over HTTP (``reservoir serve``), and the parts of it a user's own
+ASGI app mounts.
+
+- :mod:`.shapes`: the HTTP shapes (pydantic) and :class:`Problem`, answered as
+  ``application/problem+json`` (RFC 9457);
+- :mod:`.lifespan`: :class:`ReservoirService` (one shared requestor per process) and
+  :func:`reservoir_lifespan`, which opens it for an ASGI app's lifetime;
+- :mod:`.routes`: the routes as one FastAPI ``APIRouter``;
+- :mod:`.app`: :func:`create_app`, the app of ``reservoir serve``;
+- :mod:`.metrics`: the service's Prometheus metrics.
+
+FastAPI, uvicorn and prometheus_client come with the ``api`` extra; :mod:`.routes` and
+:mod:`.app` import FastAPI, so :func:`create_app` and :data:`router` are loaded from here
+only when asked for, and ``reservoir`` without the extra still imports.
+"""
+
+from typing import Any
+
+from reservoir.service.lifespan import DEFAULT_DRAIN_TIMEOUT_S, ReservoirService, reservoir_lifespan
+from reservoir.service.shapes import (
+    AllocationOut,
+    Identifier,
+    NodeOut,
+    PlacementOut,
+    Problem,
+    ReservationIn,
+    Trait,
+)
+
+__all__ = [
+    "DEFAULT_DRAIN_TIMEOUT_S",
+    "AllocationOut",
+    "Identifier",
+    "NodeOut",
+    "PlacementOut",
+    "Problem",
+    "ReservationIn",
+    "ReservoirService",
+    "Trait",
+    "create_app",
+    "reservoir_lifespan",
+    "router",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # FastAPI is imported only with the parts that need it (the api extra)
+    if name == "create_app":
+        from reservoir.service.app import create_app
+
+        return create_app
+    if name == "router":
+        from reservoir.service.routes import router
+
+        return router
+    raise AttributeError(f"module 'reservoir.service' has no attribute {name!r}")

@@ -1,0 +1,293 @@
+"""The service object an ASGI app holds for its lifetime, and the lifespan that opens it.
+
+This module owns :class:`ReservoirService`: ONE shared :class:`~reservoir.Requestor` per
+process (it is thread-safe, runs any number of concurrent requests over one reply queue
+and learns the offer latency that keeps tier widening short), the placements this process
+made, and the per-process record of idempotency key -> request body hash; and
+:func:`reservoir_lifespan`, which opens the service for an ASGI app's lifespan and closes
+it on shutdown (in-flight placements are given ``drain_timeout_s`` to finish, then the
+requestor closes, which fails what is still in flight and releases what it reserved).
+
+No FastAPI here: :func:`reservoir_lifespan` serves a Starlette app or any ASGI framework's
+lifespan as well.
+"""
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Coroutine
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+from brokers import BrokerUrl
+from reservoir.broker import Broker, BrokerError
+from reservoir.protocol.audit import NodeSnapshot
+from reservoir.protocol.placement import (
+    Placement,
+    PlacementError,
+    PlacementRequest,
+    PlacementTimeout,
+)
+from reservoir.runtime.auditor import LedgerCollector
+from reservoir.runtime.requestor import FreeIncomplete, Requestor, RequestorClosed
+from reservoir.runtime.settings import Settings
+from reservoir.service.shapes import Problem
+
+if TYPE_CHECKING:
+    from reservoir.service.metrics import ServiceMetrics
+
+__all__ = ["DEFAULT_DRAIN_TIMEOUT_S", "ReservoirService", "reservoir_lifespan"]
+
+# the logger's name predates the service package: operators' logging configs name it
+log = logging.getLogger("reservoir.serve")
+
+T = TypeVar("T")
+
+DEFAULT_DRAIN_TIMEOUT_S = 10.0
+
+
+class _HasState(Protocol):
+    state: Any
+
+
+@dataclass
+class ReservoirService:
+    """The shared requestor, what this process placed (by request id), and the
+    idempotency record.
+
+    The record lives in memory: the key -> body-hash check and ``GET``/``DELETE`` see only
+    this process's placements. The nodes still answer for a reused id across processes
+    (the same id gives the same placement from any replica), but only the process that
+    first saw a key can tell that a later body differs. Only the event loop's thread
+    touches the dictionaries, so there is no lock.
+    """
+
+    requestor: Requestor
+    broker: Broker
+    settings: Settings
+    explain: bool = True
+    metrics: "ServiceMetrics | None" = None
+    placements: dict[str, Placement] = field(default_factory=dict)
+    #: idempotency key -> fingerprint of the body first given with it
+    fingerprints: dict[str, str] = field(default_factory=dict)
+    freeing: set[str] = field(default_factory=set)
+    closing: bool = False
+    _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+
+    @property
+    def ready(self) -> bool:
+        """Whether requests can be placed: not shutting down, and the broker connected.
+        The in-process broker has no connection to lose and is always ready."""
+        if self.closing:
+            return False
+        return self.broker.connected
+
+    def check_ready(self) -> None:
+        if self.closing:
+            raise Problem(503, "shutting down", "the service is shutting down")
+        if not self.ready:
+            raise Problem(503, "broker unavailable", "the broker connection is down")
+
+    def claim_key(self, key: str, fingerprint: str) -> None:
+        """Remember the body first given with ``key``; a different one is a 422."""
+        seen = self.fingerprints.setdefault(key, fingerprint)
+        if seen != fingerprint:
+            raise Problem(
+                422,
+                "idempotency key reused",
+                f"request id {key!r} was given before with a different body; "
+                "use a new Idempotency-Key for a different request",
+                request_id=key,
+            )
+
+    async def place(self, spec: PlacementRequest, *, timeout_s: float | None = None) -> Placement:
+        """Place ``spec`` and record it, even should the caller go away (the retry with
+        the same key then finds it)."""
+        try:
+            self.check_ready()
+        except Problem:
+            if self.metrics is not None:
+                self.metrics.failures.labels("unavailable").inc()
+            raise
+        return await self._to_the_end(self._place(spec, timeout_s))
+
+    async def release(self, request_id: str) -> None:
+        """Release a placement this process made; 404 for any other id."""
+        placement = self.placements.pop(request_id, None)
+        if placement is None:
+            raise Problem(404, "no such reservation", f"this service holds no {request_id!r}")
+        # marked before the first await: a POST with this key in between must not find it
+        # neither listed nor being freed, and place it again under the release
+        self.freeing.add(request_id)
+        self._count_held()
+        await self._to_the_end(self._release(placement))
+
+    async def nodes(self, wait_s: float, expect_nodes: int | None = None) -> list[NodeSnapshot]:
+        """Every live node's ledger, asked for over the broker, gathered for ``wait_s``
+        (less once ``expect_nodes`` have answered)."""
+        self.check_ready()
+
+        def gather() -> list[NodeSnapshot]:
+            collector = LedgerCollector(self.broker, settings=self.settings)
+            try:
+                collector.ask()
+                return collector.collect(wait_s=wait_s, expect_nodes=expect_nodes)
+            finally:
+                collector.close()
+
+        return await asyncio.to_thread(gather)
+
+    async def drain(self, timeout_s: float) -> int:
+        """Wait up to ``timeout_s`` for the placements and releases in flight; returns how
+        many were still running."""
+        pending = set(self._tasks)
+        if pending:
+            _done, pending = await asyncio.wait(pending, timeout=timeout_s)
+        return len(pending)
+
+    async def _place(self, spec: PlacementRequest, timeout_s: float | None) -> Placement:
+        metrics = self.metrics
+        started = time.monotonic()
+        if metrics is not None:
+            metrics.in_flight.inc()
+        outcome = "placed"
+        try:
+            placement = await self.requestor.reserve_async(spec, timeout_s=timeout_s)
+        except PlacementTimeout:
+            outcome = "timeout"
+            raise
+        except PlacementError as error:
+            # abandoned by the shutdown, not refused by the nodes
+            outcome = "unavailable" if self.closing else "not_placed"
+            log.info(
+                "not placed: %s",
+                error.explanation,
+                extra={"request_id": error.explanation.request_id},
+            )
+            raise
+        except (RequestorClosed, BrokerError):
+            outcome = "unavailable"
+            raise
+        except BaseException:
+            outcome = "error"
+            raise
+        finally:
+            if metrics is not None:
+                metrics.in_flight.dec()
+                metrics.placement_seconds.labels(outcome).observe(time.monotonic() - started)
+                if outcome != "placed":
+                    metrics.failures.labels(outcome).inc()
+        if metrics is not None:
+            metrics.placements.labels(str(placement.partial).lower()).inc()
+        log.info(
+            "placed %s: %d instance(s) on %s in %.1f ms",
+            placement.request_id,
+            len(placement.allocations),
+            ", ".join(sorted(set(placement.nodes))),
+            placement.elapsed_s * 1000,
+            extra={"request_id": placement.request_id},
+        )
+        self.placements[placement.request_id] = placement
+        self._count_held()
+        return placement
+
+    async def _release(self, placement: Placement) -> None:
+        try:
+            await self.requestor.release_async(placement)
+        except FreeIncomplete:
+            # listed again, so that a retried DELETE can finish the job
+            self.placements[placement.request_id] = placement
+            self._count_held()
+            raise
+        else:
+            # the key is free again: a new body under it is a new request
+            self.fingerprints.pop(placement.request_id, None)
+        finally:
+            self.freeing.discard(placement.request_id)
+
+    def _count_held(self) -> None:
+        if self.metrics is not None:
+            self.metrics.held.set(len(self.placements))
+
+    async def _to_the_end(self, work: Coroutine[Any, Any, T]) -> T:
+        """Await ``work`` in a task of its own that a cancelled caller does not cancel.
+        (Shielding also keeps a cancelled await from cancelling the requestor's future,
+        which other waiters on the same id share.)"""
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._finished)
+        return await asyncio.shield(task)
+
+    def _finished(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: nobody may be left to await it
+
+
+@asynccontextmanager
+async def reservoir_lifespan(
+    app: _HasState | None = None,
+    broker: Broker | BrokerUrl | str | None = None,
+    *,
+    settings: Settings | None = None,
+    explain: bool = True,
+    metrics: "ServiceMetrics | None" = None,
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+) -> AsyncIterator[ReservoirService]:
+    """Open a :class:`ReservoirService` for an ASGI app's lifetime; put it in the app's
+    lifespan::
+
+        @asynccontextmanager
+        async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+            async with reservoir_lifespan(app, "amqp://guest:guest@127.0.0.1:5672/"):
+                yield
+
+        app = FastAPI(lifespan=lifespan)
+
+        @app.post("/servers")
+        async def create(request: Request) -> dict[str, str]:
+            service: ReservoirService = request.app.state.reservoir
+            placement = await service.place(PlacementRequest(resources={"VCPU": 2}))
+            ...
+
+    ``broker`` is a shared :class:`~reservoir.Broker` (left open), a URL, or None for
+    ``settings.broker_url``; a broker opened here is closed on exit. With ``app``, the
+    service is ``app.state.reservoir`` while open. ``explain`` asks nodes that cannot take
+    a request to say why (one more small message per such node, only on failure), so a
+    409 names the short resource. On exit, placements in flight get ``drain_timeout_s``
+    to finish; then the requestor closes, failing what is left (``RequestorClosed``) and
+    releasing whatever it had reserved for it.
+    """
+    settings = settings if settings is not None else Settings()
+    owned: Broker | None = None
+    if not isinstance(broker, Broker):
+        from brokers import connect
+
+        broker = owned = await asyncio.to_thread(connect, broker or settings.broker_url)
+    registry = metrics.registry if metrics is not None else None
+    try:
+        requestor = await asyncio.to_thread(
+            Requestor, broker, settings=settings, metrics_registry=registry
+        )
+    except BaseException:
+        if owned is not None:
+            await asyncio.to_thread(owned.close)
+        raise
+    service = ReservoirService(
+        requestor=requestor, broker=broker, settings=settings, explain=explain, metrics=metrics
+    )
+    if app is not None:
+        app.state.reservoir = service
+    try:
+        yield service
+    finally:
+        service.closing = True
+        left = await service.drain(drain_timeout_s)
+        if left:
+            log.warning("shutting down with %d placement(s) still in flight: failing them", left)
+        await asyncio.to_thread(requestor.close)
+        if app is not None:
+            app.state.reservoir = None
+        if owned is not None:
+            await asyncio.to_thread(owned.close)

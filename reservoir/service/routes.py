@@ -1,0 +1,192 @@
+"""The placement service's routes, as one :class:`~fastapi.APIRouter` a user's own FastAPI
+app can mount (``app.include_router(router)``) beside its own, with
+:func:`~reservoir.service.reservoir_lifespan` in its lifespan.
+
+Each route finds the service at ``request.app.state.reservoir`` (the lifespan puts it
+there) and the app's metrics, when it keeps them, at ``request.app.state.metrics``. Errors
+are raised as :class:`~reservoir.service.shapes.Problem` (or the library's own exceptions);
+:func:`reservoir.service.app.add_problem_handlers` turns them into problem+json.
+
+(No ``from __future__ import annotations``: FastAPI reads the endpoints' annotations.)
+"""
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Header, Query, Request, Response
+
+from reservoir.broker import BrokerError
+from reservoir.protocol.placement import Placement, PlacementError, PlacementRequest
+from reservoir.runtime.requestor import RequestorClosed
+from reservoir.service.lifespan import ReservoirService
+from reservoir.service.shapes import (
+    PROBLEM_JSON,
+    NodeOut,
+    PlacementOut,
+    Problem,
+    ProblemOut,
+    ReservationIn,
+)
+
+__all__ = ["DEFAULT_NODES_WAIT_S", "router", "service_of"]
+
+DEFAULT_NODES_WAIT_S = 1.0
+
+router = APIRouter()
+
+#: the problems the placement routes answer with, for the OpenAPI document
+PLACEMENT_PROBLEMS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ProblemOut, "content": {PROBLEM_JSON: {}}, "description": text}
+    for code, text in (
+        (409, "the nodes cannot take it; the detail says why"),
+        (422, "a bad body, or an idempotency key reused with another body"),
+        (503, "the broker connection is down, or the service is shutting down"),
+        (504, "not placed in time"),
+    )
+}
+
+
+def service_of(request: Request) -> ReservoirService:
+    """The app's open service, or a 503 while the lifespan has not opened it."""
+    service = getattr(request.app.state, "reservoir", None)
+    if not isinstance(service, ReservoirService):
+        raise Problem(503, "not started", "the requestor is not open")
+    return service
+
+
+@router.post(
+    "/v1/reservations",
+    status_code=201,
+    responses={200: {"model": PlacementOut, "description": "a replay"}, **PLACEMENT_PROBLEMS},
+)
+async def create_reservation(
+    body: ReservationIn,
+    request: Request,
+    response: Response,
+    idempotency_key: Annotated[str | None, Header()] = None,
+) -> PlacementOut:
+    """Place a request. The ``Idempotency-Key`` header (or the body's ``request_id``)
+    is its request id: 201 with the placement when this call placed it (or found it on
+    the nodes); 200 with the same placement when this process already answered for
+    that key; 422 when the key was given before with a different body."""
+    service = service_of(request)
+    key = _idempotency_key(body, idempotency_key)
+    spec = _placement_request(body, key, service.explain, key_in_header=idempotency_key is not None)
+    if key is not None:
+        replayed = _replay(service, key, body)
+        if replayed is not None:
+            response.status_code = 200
+            return PlacementOut.of(replayed)
+    return PlacementOut.of(await _place(service, spec, key, body.timeout_s))
+
+
+def _idempotency_key(body: ReservationIn, header: str | None) -> str | None:
+    """The request id: the ``Idempotency-Key`` header, else the body's ``request_id``."""
+    if header is not None and body.request_id not in (None, header):
+        raise Problem(
+            422,
+            "invalid request",
+            "the Idempotency-Key header and the body's request_id differ",
+            errors=[{"field": "header.Idempotency-Key", "message": "differs from request_id"}],
+        )
+    return header if header is not None else body.request_id
+
+
+def _placement_request(
+    body: ReservationIn, key: str | None, explain: bool, *, key_in_header: bool
+) -> PlacementRequest:
+    """The protocol's request, or a 422 naming the field the protocol refuses."""
+    try:
+        return body.to_placement_request(key, explain)
+    except ValueError as error:  # InvalidRequest, or how the fields fit together
+        field = getattr(error, "field", "")
+        loc: tuple[str, ...] = ("body", *field.split(".")) if field else ("body",)
+        if key_in_header and loc == ("body", "request_id"):
+            loc = ("header", "Idempotency-Key")  # name the key where it came from
+        message = getattr(error, "problem", str(error))
+        raise Problem.of_validation_error([{"loc": loc, "msg": message}]) from None
+
+
+def _replay(service: ReservoirService, key: str, body: ReservationIn) -> Placement | None:
+    """The placement this process already made under ``key``, if any; a 422 when the key
+    came before with another body, a 409 while it is being released."""
+    service.claim_key(key, body.fingerprint())
+    if key in service.freeing:
+        raise Problem(409, "being released", f"{key!r} is being released", request_id=key)
+    return service.placements.get(key)
+
+
+async def _place(
+    service: ReservoirService, spec: PlacementRequest, key: str | None, timeout_s: float | None
+) -> Placement:
+    try:
+        return await service.place(spec, timeout_s=timeout_s)
+    except (PlacementError, RequestorClosed, BrokerError, Problem) as error:
+        if key is not None and key not in service.placements:
+            # nothing is held under the key: let it be used again, for any body
+            service.fingerprints.pop(key, None)
+        if isinstance(error, PlacementError) and service.closing:
+            # abandoned by the shutdown, not refused by the nodes: retry elsewhere
+            problem = Problem.of_placement_error(error)
+            raise Problem(503, "shutting down", problem.detail, **problem.extensions) from None
+        raise
+
+
+@router.get(
+    "/v1/reservations/{request_id}",
+    responses={404: {"model": ProblemOut, "description": "not placed by this process"}},
+)
+async def get_reservation(request_id: str, request: Request) -> PlacementOut:
+    """A placement this service process made and has not released."""
+    placement = service_of(request).placements.get(request_id)
+    if placement is None:
+        raise Problem(404, "no such reservation", f"this service holds no {request_id!r}")
+    return PlacementOut.of(placement)
+
+
+@router.delete(
+    "/v1/reservations/{request_id}",
+    status_code=204,
+    responses={404: {"model": ProblemOut, "description": "not placed by this process"}},
+)
+async def delete_reservation(request_id: str, request: Request) -> Response:
+    """Release a placement (its instances are gone): 204 once every node confirms."""
+    await service_of(request).release(request_id)
+    return Response(status_code=204)
+
+
+@router.get("/v1/nodes")
+async def list_nodes(
+    request: Request,
+    wait_s: Annotated[float, Query(gt=0, le=30)] = DEFAULT_NODES_WAIT_S,
+    expect_nodes: Annotated[int | None, Query(ge=1)] = None,
+) -> list[NodeOut]:
+    """Every live node, its tier and usage, from the ledger reports the nodes send
+    within ``wait_s`` (sooner once ``expect_nodes`` have answered)."""
+    snapshots = await service_of(request).nodes(wait_s, expect_nodes)
+    return [NodeOut.of(snapshot) for snapshot in snapshots]
+
+
+@router.get("/healthz")
+async def healthz(request: Request) -> dict[str, Any]:
+    """The process is alive (it says nothing of the broker: see ``/readyz``)."""
+    service = getattr(request.app.state, "reservoir", None)
+    in_flight = service.requestor.in_flight() if isinstance(service, ReservoirService) else 0
+    return {"status": "ok", "in_flight": in_flight}
+
+
+@router.get("/readyz", responses={503: {"model": ProblemOut, "description": "not ready"}})
+async def readyz(request: Request) -> dict[str, str]:
+    """200 only while the broker connection is up and the service is not closing."""
+    service_of(request).check_ready()
+    return {"status": "ready"}
+
+
+@router.get("/metrics", response_class=Response)
+async def prometheus_metrics(request: Request) -> Response:
+    """This app's metrics in the Prometheus text format."""
+    from reservoir.service.metrics import CONTENT_TYPE_LATEST
+
+    metrics = getattr(request.app.state, "metrics", None)
+    if metrics is None:
+        raise Problem(404, "not found", "this app keeps no metrics")
+    return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)

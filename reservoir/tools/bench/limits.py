@@ -1,0 +1,151 @@
+"""What bounds ``reservoir bench``'s throughput on the machine it runs on, measured in the
+same run: the broker's bare message rate through the same adapter, and the CPU time one
+placement costs in each part of the system (requestors, nodes, the broker).
+
+Two bounds follow. ``broker_bound_placements_per_s`` is the bare message rate divided by
+the messages a placement takes: no protocol work at all could place faster through this
+broker and adapter. ``cpu_bound_placements_per_s`` is the machine's cores divided by the
+CPU seconds a placement costs, summed over every process of the run that could be
+measured: no scheduling of that work could place faster on these cores. (The in-process
+broker runs every participant in one CPython process, whose Python code runs one thread at
+a time: there the bound over all cores is optimistic, and the measured rate stays near one
+core's worth.) A target above a bound is out of reach on this machine, whatever the
+protocol does; the distance between the measured rate and the bounds says what is left
+to win.
+
+CPU times come from ``/proc`` (Linux); where a process cannot be read (a remote broker,
+another OS), its part is left out and the bound says so in its ``parts``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from brokers import BrokerUrl
+from reservoir.broker import Broker, Delivery
+
+__all__ = ["CpuMeter", "CpuSnapshot", "broker_processes", "cpu_bound", "measure_message_rate"]
+
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+_LOOPBACK = {"127.0.0.1", "localhost", "::1", ""}
+
+
+def measure_message_rate(broker: Broker, messages: int, body_bytes: int = 300) -> float:
+    """Messages per second from one endpoint to another through ``broker``, as fast as it
+    takes them; the receiving handler only counts."""
+    received = 0
+    done = threading.Event()
+
+    def count(delivery: Delivery) -> None:
+        nonlocal received
+        received += 1
+        if received >= messages:
+            done.set()
+
+    sink = broker.open_endpoint(count, inline=True)
+    source = broker.open_endpoint(lambda delivery: None, inline=True)
+    body = b"x" * body_bytes
+    try:
+        started = time.perf_counter()
+        for _ in range(messages):
+            source.send(sink.address, body)
+        if not done.wait(60.0):
+            raise TimeoutError(f"the broker delivered {received} of {messages} in 60 s")
+        return messages / (time.perf_counter() - started)
+    finally:
+        source.close()
+        sink.close()
+
+
+def _cpu_s_of(pid: int) -> float | None:
+    """User plus system CPU seconds of one process, or None when it cannot be read."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces: the fields after it start past ")".
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / _TICKS_PER_S
+
+
+def broker_processes(url: BrokerUrl) -> list[int]:
+    """The process that listens on the broker URL's port, when the URL points at loopback
+    (the broker of this machine, not some other RabbitMQ it may also run); none
+    otherwise. Behind a port forwarder (a container's published port) that forwarder is
+    what is found, and the broker's own CPU is not in the figures."""
+    if "amqp" not in url.scheme or (url.host or "") not in _LOOPBACK:
+        return []  # the in-process broker is this process; a remote one cannot be read
+    port = url.port or (5671 if url.scheme.endswith("amqps") else 5672)
+    inodes = _listening_inodes(port)
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            links = [os.readlink(fd) for fd in (entry / "fd").iterdir()]
+        except OSError:
+            continue
+        if any(link.startswith("socket:[") and link[8:-1] in inodes for link in links):
+            found.append(int(entry.name))
+    return found
+
+
+def _listening_inodes(port: int) -> set[str]:
+    """Inodes of the TCP sockets listening on ``port`` (state 0A in /proc/net/tcp*)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(fields[9])
+    return inodes
+
+
+@dataclass(frozen=True)
+class CpuSnapshot:
+    """CPU seconds so far of each measured part."""
+
+    seconds: dict[str, float]
+
+
+@dataclass
+class CpuMeter:
+    """CPU seconds of the parts of a run: ``this process`` plus named groups of pids."""
+
+    groups: dict[str, list[int]] = field(default_factory=dict)
+
+    def snapshot(self) -> CpuSnapshot:
+        own = os.times()
+        seconds = {"this process": own.user + own.system}
+        for name, pids in self.groups.items():
+            readings = [_cpu_s_of(pid) for pid in pids]
+            if pids and all(r is not None for r in readings):
+                seconds[name] = sum(r for r in readings if r is not None)
+        return CpuSnapshot(seconds)
+
+    @staticmethod
+    def per_placement_ms(
+        before: CpuSnapshot, after: CpuSnapshot, placements: int
+    ) -> dict[str, float]:
+        """CPU milliseconds per placement of each part measured at both ends."""
+        if placements <= 0:
+            return {}
+        return {
+            part: round(1000 * (after.seconds[part] - was) / placements, 3)
+            for part, was in before.seconds.items()
+            if part in after.seconds
+        }
+
+
+def cpu_bound(per_placement_ms: dict[str, float], cores: int) -> float:
+    """Placements per second the measured CPU cost allows on ``cores`` cores."""
+    total_ms = sum(per_placement_ms.values())
+    return round(cores * 1000 / total_ms, 1) if total_ms > 0 else 0.0

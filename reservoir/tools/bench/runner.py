@@ -1,0 +1,966 @@
+"""``reservoir bench``: how fast placement is on a broker, as ratios to that broker's own
+round trip measured in the same run.
+
+This module owns the command and everything one run does, in order:
+
+1. **round trip**: two endpoints of one ``brokers.connect(url)`` broker bounce a
+   :data:`RTT_BODY_BYTES`-byte body, one at a time (the baseline);
+2. **nodes**: ``--nodes`` node agents spread over ``--node-processes`` processes
+   (:mod:`reservoir.tools.bench.node_host`, several agents per broker connection), plus a small
+   cluster of :data:`FULL_NODES` nodes of its own; on ``memory://`` they run in this
+   process, since an in-process broker cannot be shared across processes;
+3. **sequential latency**: one requestor places ``--placements`` single-instance requests
+   one after the other;
+4. **throughput**: ``--requestors`` requestors, one thread each, place ``--placements``
+   requests between them as fast as they can;
+5. **messages per placement**: every participant's ``sent`` counters over the sequential
+   run (node processes report theirs on request);
+6. **time to a clear failure**: the small cluster is filled until a placement fails, then
+   a request that cannot fit is timed, with and without ``explain``.
+
+A run talks only to exchanges of its own (``reservoir.bench.<hex>`` and
+``reservoir.bench.<hex>.full``, with their ``.inbox`` exchanges), so it never reaches real
+nodes, and deletes them at the end; ``?exchange=NAME`` on the URL makes ``NAME`` their
+prefix instead (NAME itself is never declared nor deleted). Nodes hold every placement
+of the run (nothing is freed while measuring). Progress goes to stderr; stdout gets the
+table, or with ``--json`` exactly one JSON object.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import platform
+import queue
+import secrets
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import IO, Any, Final, Protocol
+
+from brokers import BrokerUrl
+from reservoir.broker import Broker, Delivery, Endpoint
+from reservoir.clock import SystemClock, ThreadScheduler
+from reservoir.exit_status import EXIT_BROKER, EXIT_RUN_FAILED
+from reservoir.protocol.placement import PlacementError
+from reservoir.runtime.backoff import quietly_connecting
+from reservoir.runtime.node_agent import NodeAgent
+from reservoir.runtime.plugins import load_filters, load_weighers
+from reservoir.runtime.requestor import Requestor
+from reservoir.runtime.settings import Settings
+from reservoir.tools.bench.limits import (
+    CpuMeter,
+    CpuSnapshot,
+    broker_processes,
+    cpu_bound,
+    measure_message_rate,
+)
+from reservoir.tools.bench.node_host import counters_of, echo_back, ledger_summary, node_inventories
+
+__all__ = ["BenchError", "BenchResult", "run_bench"]
+
+#: the size of the body the round trip bounces (a probe or an offer is 400-500 bytes)
+RTT_BODY_BYTES: Final = 512
+#: round trips before the measured ones, and the most measured
+RTT_WARMUP: Final = 100
+MAX_RTT_SAMPLES: Final = 2000
+#: messages sent back to back to measure the broker's bare rate (reservoir.tools.bench.limits)
+RATE_MESSAGES: Final = 20_000
+#: the one flavour placed: single-instance, small
+FLAVOUR_VCPUS: Final = 1
+FLAVOUR_MEMORY_MB: Final = 1024
+#: VCPUs are overcommitted 4:1, as clouds do
+VCPU_ALLOCATION_RATIO: Final = 4.0
+#: placements each requestor makes before it is measured (latency estimates settle)
+WARMUP_PLACEMENTS: Final = 20
+#: nodes hold this many times the run's placements between them
+CAPACITY_HEADROOM: Final = 3
+#: the small cluster filled for the failure measurement: nodes, and instances each holds
+FULL_NODES: Final = 4
+FULL_NODE_SLOTS: Final = 4
+#: failing requests timed with and without explain; the median is reported
+FAILURE_SAMPLES: Final = 3
+#: the longest a failing request may take before it counts as a timeout
+FAILURE_TIMEOUT_S: Final = 10.0
+PLACE_TIMEOUT_S: Final = 30.0
+READY_TIMEOUT_S: Final = 60.0
+#: how long node processes get to stop after SIGTERM before SIGKILL
+STOP_TIMEOUT_S: Final = 30.0
+COUNTERS_TIMEOUT_S: Final = 10.0
+EXCHANGE_PREFIX: Final = "reservoir.bench"
+#: schemes whose brokers are RabbitMQ (the targets for RabbitMQ apply)
+RABBITMQ_SCHEMES: Final = ("amqp", "amqps", "kombu+amqp", "kombu+amqps", "kombu+pyamqp")
+
+
+Progress = Callable[[str], None]
+
+
+class BenchError(RuntimeError):
+    """The run could not be carried out (a node process died, nodes never came up)."""
+
+    def __init__(self, message: str, exit_status: int = EXIT_RUN_FAILED) -> None:
+        super().__init__(message)
+        self.exit_status = exit_status
+
+
+@dataclass(frozen=True)
+class Target:
+    """A figure the project wants this command to show, and whether the run met it."""
+
+    figure: str
+    bound: float
+    at_most: bool
+    stated_for: str
+
+    def met_by(self, value: float) -> bool:
+        return value <= self.bound if self.at_most else value >= self.bound
+
+    def label(self) -> str:
+        return f"{'<=' if self.at_most else '>='} {self.bound:g}"
+
+
+RABBITMQ_TARGETS: Final = (
+    Target("place_p50_over_rtt", 3, True, "RabbitMQ, 50 nodes"),
+    Target("place_p99_over_rtt", 10, True, "RabbitMQ, 50 nodes"),
+    Target("placements_per_s", 1000, False, "RabbitMQ, 100 nodes, 8 requestors"),
+    Target("time_to_failure_ms", 1000, True, "any broker"),
+    Target("messages_per_placement", 12, True, "any broker"),
+)
+MEMORY_TARGETS: Final = (
+    Target("placements_per_s", 10_000, False, "memory://"),
+    Target("time_to_failure_ms", 1000, True, "any broker"),
+    Target("messages_per_placement", 12, True, "any broker"),
+)
+
+
+@dataclass
+class BenchResult:
+    """What one run measured. Times in milliseconds unless the name says otherwise."""
+
+    broker: str
+    exchanges: list[str]
+    nodes: int
+    node_processes: int
+    node_mode: str
+    requestors: int
+    requestor_mode: str
+    placements: int
+    rtt_samples: int
+    rtt_p50_ms: float
+    rtt_p99_ms: float
+    #: the round trip's p50 in each half of its samples: before the sequential run and
+    #: after it (the figures above pool both)
+    rtt_p50_before_ms: float
+    rtt_p50_after_ms: float
+    #: the same round trip to an echo in a node process (through that process's shared
+    #: connection), taking turns with the one above; None when the nodes run in this process
+    rtt_to_nodes_p50_ms: float | None
+    rtt_to_nodes_p99_ms: float | None
+    #: the least ``place_p50_over_rtt`` can be: a placement's two round trips to node
+    #: processes (probe and offer, award and acceptance) with no work at either end
+    place_floor_over_rtt: float | None
+    place_p50_ms: float
+    place_p95_ms: float
+    place_p99_ms: float
+    place_p50_over_rtt: float
+    place_p99_over_rtt: float
+    place_p99_over_rtt_p50: float
+    sequential_failed: int
+    placements_per_s: float
+    throughput_placed: int
+    throughput_failed: int
+    throughput_p50_ms: float
+    throughput_p99_ms: float
+    messages_per_placement: float
+    messages_per_placement_by_kind: dict[str, float]
+    exhaustive_steps: int
+    full_cluster_nodes: int
+    full_cluster_placed: int
+    time_to_failure_ms: float
+    time_to_failure_explain_ms: float
+    failure_explanation: str
+    #: the broker's bare message rate through the same adapter, and the placement rate it
+    #: allows at this run's messages per placement (see reservoir.tools.bench.limits)
+    broker_msgs_per_s: float
+    broker_bound_placements_per_s: float
+    #: CPU per placement in the throughput run, by part, and the rate it allows
+    cpu_ms_per_placement: dict[str, float]
+    cpu_bound_cores: int
+    cpu_bound_placements_per_s: float
+    machine: dict[str, Any]
+    elapsed_s: float
+    #: the invariant audit of every node's ledger at the end of the run
+    audit: dict[str, int] = field(default_factory=dict)
+    targets: dict[str, dict[str, Any]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def audit_ledgers(summaries: list[dict[str, Any]]) -> dict[str, int]:
+    """The invariant audit over ledger summaries from every node host: overcommitted
+    nodes, reservations leaked past their TTL, request ids holding more instances than
+    they asked for. All 0 when the protocol kept its rules."""
+    held: dict[str, list[int]] = {}
+    for summary in summaries:
+        for request_id, (count, asked) in summary["instances"].items():
+            total = held.setdefault(request_id, [0, asked])
+            total[0] += count
+    return {
+        "overcommitted": sum(len(s["overcommitted"]) for s in summaries),
+        "leaked_reservations": sum(s["leaked_reservations"] for s in summaries),
+        "duplicate_placements": sum(1 for count, asked in held.values() if count > asked),
+    }
+
+
+# -- the broker URL ---------------------------------------------------------------------
+
+
+def run_exchanges(url: BrokerUrl, run_id: str) -> tuple[str, str]:
+    """The two exchanges of a run: the main cluster's and the full cluster's, named after
+    the URL's ``?exchange=`` (a prefix here) or :data:`EXCHANGE_PREFIX`."""
+    prefix = url.exchange if url.exchange_given else EXCHANGE_PREFIX
+    main = f"{prefix}.{run_id}"
+    return main, f"{main}.full"
+
+
+def bench_url(url: str | BrokerUrl) -> BrokerUrl:
+    """``url`` parsed, when the bench can run on it: raises
+    :class:`~reservoir.broker.UnsupportedBroker` for a scheme no adapter serves and
+    ``ValueError`` for a prefix that makes no valid exchange name."""
+    parsed = BrokerUrl.parse(url)
+    if parsed.adapter != "memory":
+        for name in run_exchanges(parsed, "0" * 8):
+            parsed.with_exchange(name)  # checks the name
+    return parsed
+
+
+# -- measuring ----------------------------------------------------------------------------
+
+
+def percentile(samples: Sequence[float], fraction: float) -> float:
+    """The ``fraction`` quantile of ``samples``, interpolated between closest ranks."""
+    if not samples:
+        return 0.0
+    ordered = sorted(samples)
+    position = fraction * (len(ordered) - 1)
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000, 3)
+
+
+def _ratio(numerator: float, denominator: float) -> float:
+    return round(numerator / denominator, 2) if denominator > 0 else 0.0
+
+
+#: a baseline whose p50 moved more than this between its two halves gets a note
+BASELINE_MOVED_RATIO: Final = 1.25
+
+
+def _baseline_moved(before: float, after: float) -> str | None:
+    """A note when the baseline's p50 (seconds) moved much between its halves, else None."""
+    if min(before, after) <= 0 or max(before, after) / min(before, after) <= BASELINE_MOVED_RATIO:
+        return None
+    return (
+        f"the round trip's p50 moved from {_ms(before)} ms before the sequential run to "
+        f"{_ms(after)} ms after it (the machine's load changed): the ratios pool both; "
+        "compare them across several runs"
+    )
+
+
+def measure_round_trips(
+    broker: Broker, samples: int, elsewhere: Sequence[str] = ()
+) -> list[list[float]]:
+    """Seconds per round trip to each echo, one list per echo: first an echo endpoint on
+    ``broker`` itself, then each address in ``elsewhere`` (a node process's,
+    :func:`reservoir.tools.bench.node_host.echo_back`). Endpoint A sends a body to the echo, which
+    sends it back to the address on the body's first line. One round trip at a time,
+    taking turns between the echoes so that each sees the same moments of the machine,
+    after :data:`RTT_WARMUP` unmeasured ones each. Every endpoint is opened ``inline``, as
+    the participants' are: the baseline is the best round trip the adapter offers."""
+    replies: queue.SimpleQueue[bytes] = queue.SimpleQueue()
+    back = broker.open_endpoint(lambda delivery: replies.put(delivery.body), inline=True)
+    body = back.address.encode() + b"\n"
+    body += b"x" * max(0, RTT_BODY_BYTES - len(body))
+    local: Endpoint | None = None
+
+    def echo(delivery: Delivery) -> None:
+        if local is not None:
+            echo_back(local, delivery)
+
+    local = broker.open_endpoint(echo, inline=True)
+    addresses = [local.address, *elsewhere]
+    seconds: list[list[float]] = [[] for _ in addresses]
+    try:
+        for index in range(RTT_WARMUP + samples):
+            for address, measured in zip(addresses, seconds, strict=True):
+                started = time.perf_counter()
+                back.send(address, body)
+                try:
+                    replies.get(timeout=10.0)
+                except queue.Empty:
+                    raise BenchError(
+                        "a round trip through the broker took more than 10 s"
+                    ) from None
+                if index >= RTT_WARMUP:
+                    measured.append(time.perf_counter() - started)
+    finally:
+        local.close()
+        back.close()
+    return seconds
+
+
+# -- nodes --------------------------------------------------------------------------------
+
+
+class NodeHost(Protocol):
+    """Where a set of node agents runs: in this process, or in processes of their own."""
+
+    def wait_ready(self, timeout_s: float) -> None: ...
+
+    def sent(self) -> Counter[str]:
+        """Messages the nodes have sent so far, by kind."""
+        ...
+
+    def stop(self) -> Counter[str]:
+        """Stop every node; what they sent in all, by kind."""
+        ...
+
+    def ledgers(self) -> list[dict[str, Any]]:
+        """Each process's :func:`~reservoir.tools.bench.node_host.ledger_summary`."""
+        ...
+
+    @property
+    def echoes(self) -> list[str]:
+        """The round-trip echo of each node process (none when they run in this one)."""
+        ...
+
+
+class InProcessNodes:
+    """Node agents on a broker of this process, sharing one timer thread."""
+
+    def __init__(
+        self,
+        broker: Broker,
+        names: Sequence[str],
+        *,
+        vcpus: int,
+        memory_mb: int,
+        vcpu_ratio: float,
+        settings: Settings,
+    ) -> None:
+        self._timers = ThreadScheduler(SystemClock(), name="bench-node-timers")
+        filters, weighers = load_filters(settings.filters), load_weighers(settings.weighers)
+        inventories = node_inventories(vcpus, memory_mb, vcpu_ratio)
+        self._agents: list[NodeAgent] = []
+        try:
+            for name in names:
+                self._agents.append(
+                    NodeAgent(
+                        broker,
+                        name=name,
+                        inventories=inventories,
+                        settings=settings,
+                        scheduler=self._timers,
+                        filters=filters,
+                        weighers=weighers,
+                    )
+                )
+        except BaseException:
+            self.stop()
+            raise
+
+    def wait_ready(self, timeout_s: float) -> None:
+        return  # started in the constructor
+
+    @property
+    def echoes(self) -> list[str]:
+        return []
+
+    def sent(self) -> Counter[str]:
+        return Counter(counters_of(self._agents, "sent"))
+
+    def ledgers(self) -> list[dict[str, Any]]:
+        return [ledger_summary(self._agents)]
+
+    def stop(self) -> Counter[str]:
+        sent = self.sent()
+        for agent in self._agents:
+            agent.close()
+        self._timers.close()
+        return sent
+
+
+@dataclass
+class _Child:
+    process: subprocess.Popen[str]
+    nodes: int
+    events: queue.SimpleQueue[dict[str, Any]] = field(default_factory=queue.SimpleQueue)
+    #: its round-trip echo, from its ``ready`` event
+    echo: str = ""
+    stderr_tail: deque[str] = field(default_factory=lambda: deque(maxlen=20))
+
+    def next_event(self, event: str, timeout_s: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise BenchError(f"node process {self.process.pid} never said {event!r}")
+            try:
+                message = self.events.get(timeout=min(remaining, 0.5))
+            except queue.Empty:
+                if self.process.poll() is not None and self.events.empty():
+                    raise self.died() from None
+                continue
+            if message.get("event") == event:
+                return message
+
+    def died(self) -> BenchError:
+        status = self.process.wait()
+        tail = " | ".join(line.strip() for line in self.stderr_tail if line.strip())
+        exit_status = EXIT_BROKER if status == EXIT_BROKER else EXIT_RUN_FAILED
+        return BenchError(
+            f"node process {self.process.pid} exited with status {status}: {tail or 'no output'}",
+            exit_status,
+        )
+
+
+def _pump_events(stream: IO[str], events: queue.SimpleQueue[dict[str, Any]]) -> None:
+    for line in stream:
+        with contextlib.suppress(ValueError):
+            message = json.loads(line)
+            if isinstance(message, dict):
+                events.put(message)
+
+
+def _pump_lines(stream: IO[str], tail: deque[str]) -> None:
+    for line in stream:
+        tail.append(line)
+
+
+class ProcessNodes:
+    """Node agents in processes of their own (``python -m reservoir.tools.bench.node_host``), the
+    agents of one process sharing its broker connection."""
+
+    def __init__(
+        self,
+        url: BrokerUrl,
+        names: Sequence[str],
+        processes: int,
+        *,
+        vcpus: int,
+        memory_mb: int,
+        vcpu_ratio: float,
+    ) -> None:
+        # the directory holding the reservoir package: reservoir/tools/bench/runner.py
+        package_root = str(Path(__file__).resolve().parents[3])
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (package_root, env.get("PYTHONPATH", "")) if p
+        )
+        self._children: list[_Child] = []
+        shares = [list(names[index::processes]) for index in range(processes)]
+        for share in shares:
+            if not share:
+                continue
+            process = subprocess.Popen(
+                [sys.executable, "-m", "reservoir.tools.bench.node_host", "--broker", url.given,
+                 "--names", ",".join(share), "--vcpus", str(vcpus),
+                 "--memory-mb", str(memory_mb), "--vcpu-ratio", str(vcpu_ratio)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                text=True, env=env,
+            )  # fmt: skip
+            child = _Child(process, len(share))
+            assert process.stdout is not None and process.stderr is not None
+            threading.Thread(
+                target=_pump_events, args=(process.stdout, child.events), daemon=True
+            ).start()
+            threading.Thread(
+                target=_pump_lines, args=(process.stderr, child.stderr_tail), daemon=True
+            ).start()
+            self._children.append(child)
+
+    @property
+    def pids(self) -> list[int]:
+        return [child.process.pid for child in self._children]
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for child in self._children:
+            ready = child.next_event("ready", max(0.1, deadline - time.monotonic()))
+            child.echo = str(ready.get("echo", ""))
+
+    @property
+    def echoes(self) -> list[str]:
+        return [child.echo for child in self._children if child.echo]
+
+    def sent(self) -> Counter[str]:
+        for child in self._children:
+            self._tell(child, "counters")
+        total: Counter[str] = Counter()
+        for child in self._children:
+            total.update(child.next_event("counters", COUNTERS_TIMEOUT_S).get("sent", {}))
+        return total
+
+    def ledgers(self) -> list[dict[str, Any]]:
+        for child in self._children:
+            self._tell(child, "ledgers")
+        return [child.next_event("ledgers", COUNTERS_TIMEOUT_S) for child in self._children]
+
+    def _tell(self, child: _Child, command: str) -> None:
+        assert child.process.stdin is not None
+        try:
+            child.process.stdin.write(command + "\n")
+            child.process.stdin.flush()
+        except OSError:
+            raise child.died() from None
+
+    def stop(self) -> Counter[str]:
+        """SIGTERM every process, read what it sent, SIGKILL any still up after
+        :data:`STOP_TIMEOUT_S`."""
+        for child in self._children:
+            if child.process.poll() is None:
+                child.process.send_signal(signal.SIGTERM)
+        total: Counter[str] = Counter()
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for child in self._children:
+            with contextlib.suppress(BenchError):
+                stopped = child.next_event("stopped", max(0.1, deadline - time.monotonic()))
+                total.update(stopped.get("sent", {}))
+        for child in self._children:
+            try:
+                child.process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.process.kill()
+                child.process.wait()
+            if child.process.stdin is not None:
+                with contextlib.suppress(OSError):
+                    child.process.stdin.close()
+        return total
+
+
+# -- requestors -----------------------------------------------------------------------------
+
+
+def _wait_for_roster(requestor: Requestor, nodes: int, timeout_s: float) -> None:
+    """Until the requestor knows every node (roll call answers and announcements)."""
+    deadline = time.monotonic() + timeout_s
+    while len(requestor.machine.roster) < nodes:
+        if time.monotonic() > deadline:
+            raise BenchError(
+                f"only {len(requestor.machine.roster)} of {nodes} nodes answered "
+                f"{requestor.name}'s roll call within {timeout_s:.0f} s"
+            )
+        time.sleep(0.01)
+
+
+def _place(
+    requestor: Requestor, *, explain: bool = False, timeout_s: float = PLACE_TIMEOUT_S
+) -> None:
+    requestor.reserve(
+        vcpus=FLAVOUR_VCPUS, memory_mb=FLAVOUR_MEMORY_MB, explain=explain, timeout_s=timeout_s
+    )
+
+
+@dataclass
+class _Sequential:
+    latencies_s: list[float]
+    failed: int
+    sent: Counter[str]
+    exhaustive_steps: int
+
+
+def _run_sequential(requestor: Requestor, nodes: NodeHost, placements: int) -> _Sequential:
+    for _ in range(WARMUP_PLACEMENTS):
+        _place(requestor)
+    nodes_before = nodes.sent()
+    requestor_before = Counter(requestor.metrics.by_label("sent"))
+    steps_before = requestor.machine.counters["exhaustive_steps"]
+    latencies_s: list[float] = []
+    failed = 0
+    for _ in range(placements):
+        started = time.perf_counter()
+        try:
+            _place(requestor)
+        except PlacementError:
+            failed += 1
+        else:
+            latencies_s.append(time.perf_counter() - started)
+    sent = Counter(requestor.metrics.by_label("sent")) - requestor_before
+    sent.update(nodes.sent() - nodes_before)
+    steps = requestor.machine.counters["exhaustive_steps"] - steps_before
+    return _Sequential(latencies_s, failed, sent, steps)
+
+
+@dataclass
+class _Throughput:
+    placed: int
+    failed: int
+    elapsed_s: float
+    latencies_s: list[float]
+    cpu_ms_per_placement: dict[str, float]
+
+
+def _run_threads(requestors: Sequence[Requestor], placements: int, meter: CpuMeter) -> _Throughput:
+    """Each requestor places its share in a thread of its own, all starting together."""
+    shares = [
+        placements // len(requestors) + (1 if index < placements % len(requestors) else 0)
+        for index in range(len(requestors))
+    ]
+    start = threading.Barrier(len(requestors) + 1)
+    lock = threading.Lock()
+    latencies_s: list[float] = []
+    failures = [0]
+
+    def worker(requestor: Requestor, share: int) -> None:
+        for _ in range(WARMUP_PLACEMENTS):
+            with contextlib.suppress(PlacementError):
+                _place(requestor)
+        start.wait()
+        mine: list[float] = []
+        failed = 0
+        for _ in range(share):
+            started = time.perf_counter()
+            try:
+                _place(requestor)
+            except PlacementError:
+                failed += 1
+            else:
+                mine.append(time.perf_counter() - started)
+        with lock:
+            latencies_s.extend(mine)
+            failures[0] += failed
+
+    threads = [
+        threading.Thread(target=worker, args=(r, s), name=f"bench-requestor-{i}", daemon=True)
+        for i, (r, s) in enumerate(zip(requestors, shares, strict=True))
+    ]
+    for thread in threads:
+        thread.start()
+    start.wait()
+    started = time.perf_counter()
+    cpu_before: CpuSnapshot = meter.snapshot()
+    for thread in threads:
+        thread.join()
+    elapsed_s = time.perf_counter() - started
+    cpu = CpuMeter.per_placement_ms(cpu_before, meter.snapshot(), len(latencies_s))
+    return _Throughput(len(latencies_s), failures[0], elapsed_s, latencies_s, cpu)
+
+
+@dataclass
+class _Failure:
+    filled: int
+    plain_s: list[float]
+    explained_s: list[float]
+    explanation: str
+
+
+def _time_failures(requestor: Requestor, capacity: int) -> _Failure:
+    """Fill the small cluster until a placement fails, then time requests that cannot fit."""
+    filled = 0
+    for _ in range(capacity + FULL_NODES):
+        try:
+            _place(requestor, timeout_s=FAILURE_TIMEOUT_S)
+        except PlacementError:
+            break
+        filled += 1
+    else:
+        raise BenchError(f"the full cluster took {filled} placements and never filled up")
+    timings: dict[bool, list[float]] = {False: [], True: []}
+    explanation = ""
+    for explain in (False, True):
+        for _ in range(FAILURE_SAMPLES):
+            started = time.perf_counter()
+            try:
+                _place(requestor, explain=explain, timeout_s=FAILURE_TIMEOUT_S)
+            except PlacementError as error:
+                timings[explain].append(time.perf_counter() - started)
+                if explain:
+                    explanation = str(error.explanation)
+            else:
+                raise BenchError("a request fitted on the cluster that was full")
+    return _Failure(filled, timings[False], timings[True], explanation)
+
+
+# -- one run --------------------------------------------------------------------------------
+
+
+def _say_nothing(message: str) -> None:
+    return
+
+
+def _slots_per_node(nodes: int, requestors: int, placements: int) -> int:
+    """Instances each node can hold: every placement of the run, CAPACITY_HEADROOM times
+    over (so nothing needs freeing while measuring, and nodes stay in the lower tiers)."""
+    total = WARMUP_PLACEMENTS * (1 + requestors) + 2 * placements
+    slots = math.ceil(CAPACITY_HEADROOM * total / nodes)
+    return max(16, math.ceil(slots / VCPU_ALLOCATION_RATIO) * int(VCPU_ALLOCATION_RATIO))
+
+
+def _machine() -> dict[str, Any]:
+    return {
+        "cores": os.cpu_count() or 0,
+        "python": platform.python_version(),
+        "implementation": platform.python_implementation(),
+        "platform": platform.platform(terse=True),
+    }
+
+
+def _delete_exchanges(url: BrokerUrl) -> None:
+    """Delete the run's own exchanges (nothing to do on memory://)."""
+    from brokers import admin
+
+    topology = admin(url)
+    if topology is not None:
+        topology.delete_reservoir_exchanges()
+
+
+@contextlib.contextmanager
+def _broker(url: BrokerUrl, *, own_exchanges: bool) -> Iterator[Broker]:
+    from brokers import connect
+
+    broker = connect(url)
+    try:
+        yield broker
+    finally:
+        broker.close()
+        if own_exchanges:
+            _delete_exchanges(url)
+
+
+def run_bench(
+    *,
+    broker_url: str | BrokerUrl,
+    nodes: int = 50,
+    requestors: int = 8,
+    node_processes: int = 2,
+    placements: int = 2000,
+    progress: Progress = _say_nothing,
+) -> BenchResult:
+    """One run of the bench; see the module docstring. Raises :class:`BrokerError` when
+    the broker cannot be used and :class:`BenchError` when the run cannot be carried out."""
+    url = bench_url(broker_url)
+    run_started = time.perf_counter()
+    in_process = url.adapter == "memory"
+    run_id = secrets.token_hex(4)
+    notes: list[str] = []
+    if in_process:
+        main_url = full_url = url
+        exchanges: list[str] = []
+        node_processes = 0
+        notes.append(
+            "memory:// cannot be shared across processes: the node agents ran in this "
+            "process, on its broker's one delivery thread"
+        )
+    else:
+        main_exchange, full_exchange = run_exchanges(url, run_id)
+        main_url = url.with_exchange(main_exchange)
+        full_url = url.with_exchange(full_exchange)
+        exchanges = [main_exchange, full_exchange]
+        node_processes = min(node_processes, nodes)
+    slots = _slots_per_node(nodes, requestors, placements)
+    vcpus, memory_mb = slots // int(VCPU_ALLOCATION_RATIO), slots * FLAVOUR_MEMORY_MB
+    settings = Settings(broker_url=main_url)
+    full_settings = Settings(broker_url=full_url)
+    names = [f"bench-{run_id}-node-{index:04d}" for index in range(nodes)]
+    full_names = [f"bench-{run_id}-full-{index}" for index in range(FULL_NODES)]
+
+    notes.append(
+        f"the {requestors} requestors of the throughput run were threads of this process, "
+        "sharing its broker connection"
+    )
+    with contextlib.ExitStack() as stack:
+        with quietly_connecting():
+            broker = stack.enter_context(_broker(main_url, own_exchanges=not in_process))
+        full_broker = stack.enter_context(_broker(full_url, own_exchanges=not in_process))
+        where = "this process" if in_process else f"{node_processes} processes"
+        progress(f"starting {nodes} node agents in {where} ({slots} instances each)")
+        host: NodeHost
+        full_host: NodeHost
+        if in_process:
+            host = InProcessNodes(
+                broker, names, vcpus=vcpus, memory_mb=memory_mb,
+                vcpu_ratio=VCPU_ALLOCATION_RATIO, settings=settings,
+            )  # fmt: skip
+            stack.callback(host.stop)
+            full_host = InProcessNodes(
+                full_broker, full_names, vcpus=FULL_NODE_SLOTS,
+                memory_mb=FULL_NODE_SLOTS * FLAVOUR_MEMORY_MB, vcpu_ratio=1.0,
+                settings=full_settings,
+            )  # fmt: skip
+            stack.callback(full_host.stop)
+        else:
+            host = ProcessNodes(
+                main_url, names, node_processes, vcpus=vcpus, memory_mb=memory_mb,
+                vcpu_ratio=VCPU_ALLOCATION_RATIO,
+            )  # fmt: skip
+            stack.callback(host.stop)
+            full_host = ProcessNodes(
+                full_url, full_names, 1, vcpus=FULL_NODE_SLOTS,
+                memory_mb=FULL_NODE_SLOTS * FLAVOUR_MEMORY_MB, vcpu_ratio=1.0,
+            )  # fmt: skip
+            stack.callback(full_host.stop)
+        host.wait_ready(READY_TIMEOUT_S)
+        full_host.wait_ready(READY_TIMEOUT_S)
+        if isinstance(host, ProcessNodes):
+            progress(f"node processes: {', '.join(map(str, host.pids))}")
+
+        timers = ThreadScheduler(SystemClock(), name="bench-requestor-timers")
+        stack.callback(timers.close)
+        opened: list[Requestor] = []
+
+        def open_requestor(on: Broker, name: str, req_settings: Settings) -> Requestor:
+            requestor = Requestor(
+                on, name=f"bench-{run_id}-{name}", settings=req_settings, scheduler=timers
+            )
+            opened.append(requestor)
+            return requestor
+
+        def close_requestors() -> None:
+            for requestor in opened:
+                requestor.close()
+
+        stack.callback(close_requestors)
+        sequential_requestor = open_requestor(broker, "sequential", settings)
+        _wait_for_roster(sequential_requestor, nodes, READY_TIMEOUT_S)
+
+        rtt_samples = max(100, min(placements, MAX_RTT_SAMPLES)) // 2
+        node_echo = host.echoes[:1]
+        progress(
+            f"round trip: {rtt_samples} sequential {RTT_BODY_BYTES}-byte round trips within "
+            "this process" + (", taking turns with as many to a node process" if node_echo else "")
+        )
+        rtt_before = measure_round_trips(broker, rtt_samples, node_echo)
+        progress(f"message rate: {RATE_MESSAGES} messages through the broker, pipelined")
+        broker_msgs_per_s = measure_message_rate(broker, RATE_MESSAGES)
+
+        progress(f"sequential: {placements} placements, one at a time")
+        sequential = _run_sequential(sequential_requestor, host, placements)
+        # The baseline again, so that a moment's load on a shared machine on either side of
+        # the sequential run does not decide the ratios alone: they use both, pooled.
+        progress(f"round trip again: {rtt_samples} more, after the sequential run")
+        rtt_after = measure_round_trips(broker, rtt_samples, node_echo)
+        rtt_s = rtt_before[0] + rtt_after[0]
+        rtt_to_nodes = [b + a for b, a in zip(rtt_before[1:], rtt_after[1:], strict=True)]
+        rtt_p50_before = percentile(rtt_before[0], 0.50)
+        rtt_p50_after = percentile(rtt_after[0], 0.50)
+        moved = _baseline_moved(rtt_p50_before, rtt_p50_after)
+        if moved:
+            notes.append(moved)
+
+        progress(f"throughput: {placements} placements by {requestors} requestors (threads)")
+        concurrent_requestors = [
+            open_requestor(broker, f"throughput-{index}", settings) for index in range(requestors)
+        ]
+        for requestor in concurrent_requestors:
+            _wait_for_roster(requestor, nodes, READY_TIMEOUT_S)
+        meter = CpuMeter(
+            {
+                "nodes": host.pids if isinstance(host, ProcessNodes) else [],
+                "broker": broker_processes(url),
+            }
+        )
+        throughput = _run_threads(concurrent_requestors, placements, meter)
+
+        progress(f"failure: filling {FULL_NODES} nodes of {FULL_NODE_SLOTS} instances each")
+        full_requestor = open_requestor(full_broker, "full", full_settings)
+        _wait_for_roster(full_requestor, FULL_NODES, READY_TIMEOUT_S)
+        failure = _time_failures(full_requestor, FULL_NODES * FULL_NODE_SLOTS)
+        progress("auditing the nodes' ledgers")
+        audit = audit_ledgers(host.ledgers() + full_host.ledgers())
+        progress("stopping the nodes and removing the run's exchanges")
+
+    rtt_p50, rtt_p99 = percentile(rtt_s, 0.50), percentile(rtt_s, 0.99)
+    to_nodes_p50 = percentile(rtt_to_nodes[0], 0.50) if rtt_to_nodes else None
+    to_nodes_p99 = percentile(rtt_to_nodes[0], 0.99) if rtt_to_nodes else None
+    place_p50 = percentile(sequential.latencies_s, 0.50)
+    place_p95 = percentile(sequential.latencies_s, 0.95)
+    place_p99 = percentile(sequential.latencies_s, 0.99)
+    placed = len(sequential.latencies_s)
+    messages = sum(sequential.sent.values())
+    messages_per_placement = round(messages / placed, 2) if placed else 0.0
+    cores = os.cpu_count() or 1
+    result = BenchResult(
+        broker=url.display,
+        exchanges=exchanges,
+        nodes=nodes,
+        node_processes=node_processes,
+        node_mode="in-process" if in_process else "processes",
+        requestors=requestors,
+        requestor_mode="threads",
+        placements=placements,
+        rtt_samples=len(rtt_s),
+        rtt_p50_ms=_ms(rtt_p50),
+        rtt_p99_ms=_ms(rtt_p99),
+        rtt_p50_before_ms=_ms(rtt_p50_before),
+        rtt_p50_after_ms=_ms(rtt_p50_after),
+        rtt_to_nodes_p50_ms=None if to_nodes_p50 is None else _ms(to_nodes_p50),
+        rtt_to_nodes_p99_ms=None if to_nodes_p99 is None else _ms(to_nodes_p99),
+        place_floor_over_rtt=None if to_nodes_p50 is None else _ratio(2 * to_nodes_p50, rtt_p50),
+        place_p50_ms=_ms(place_p50),
+        place_p95_ms=_ms(place_p95),
+        place_p99_ms=_ms(place_p99),
+        place_p50_over_rtt=_ratio(place_p50, rtt_p50),
+        place_p99_over_rtt=_ratio(place_p99, rtt_p99),
+        place_p99_over_rtt_p50=_ratio(place_p99, rtt_p50),
+        sequential_failed=sequential.failed,
+        placements_per_s=round(throughput.placed / throughput.elapsed_s, 1)
+        if throughput.elapsed_s > 0
+        else 0.0,
+        throughput_placed=throughput.placed,
+        throughput_failed=throughput.failed,
+        throughput_p50_ms=_ms(percentile(throughput.latencies_s, 0.50)),
+        throughput_p99_ms=_ms(percentile(throughput.latencies_s, 0.99)),
+        messages_per_placement=messages_per_placement,
+        messages_per_placement_by_kind={
+            kind: round(count / placed, 2) for kind, count in sorted(sequential.sent.items())
+        }
+        if placed
+        else {},
+        exhaustive_steps=sequential.exhaustive_steps,
+        full_cluster_nodes=FULL_NODES,
+        full_cluster_placed=failure.filled,
+        time_to_failure_ms=_ms(statistics.median(failure.plain_s)),
+        time_to_failure_explain_ms=_ms(statistics.median(failure.explained_s)),
+        broker_msgs_per_s=round(broker_msgs_per_s, 1),
+        broker_bound_placements_per_s=round(broker_msgs_per_s / messages_per_placement, 1)
+        if messages_per_placement
+        else 0.0,
+        cpu_ms_per_placement=throughput.cpu_ms_per_placement,
+        cpu_bound_cores=cores,
+        cpu_bound_placements_per_s=cpu_bound(throughput.cpu_ms_per_placement, cores),
+        failure_explanation=failure.explanation,
+        machine=_machine(),
+        elapsed_s=round(time.perf_counter() - run_started, 1),
+        audit=audit,
+        notes=notes,
+    )
+    targets: tuple[Target, ...] = ()
+    if in_process:
+        targets = MEMORY_TARGETS
+    elif url.scheme in RABBITMQ_SCHEMES:
+        targets = RABBITMQ_TARGETS
+    figures = result.as_json()
+    result.targets = {
+        t.figure: {
+            "target": t.label(),
+            "stated_for": t.stated_for,
+            "met": t.met_by(float(figures[t.figure])),
+        }
+        for t in targets
+    }
+    return result

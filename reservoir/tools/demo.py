@@ -1,0 +1,272 @@
+"""``reservoir demo``: a whole cloud in one process, placing a mixed workload, then audited.
+
+It starts N node agents with varied capacities and K requestors (one worker thread each)
+placing M requests of mixed flavours concurrently, over any broker: the in-process one by
+default, RabbitMQ with ``--broker amqp://...``. When the run is over it audits every node's
+ledger, independently of what the requestors believe, and reports the invariants next to
+the latency and throughput figures.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import random
+import secrets
+import statistics
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from reservoir.broker import Broker
+from reservoir.clock import SystemClock, ThreadScheduler
+from reservoir.protocol.audit import AuditReport, audit
+from reservoir.protocol.ledger import Inventory
+from reservoir.protocol.placement import Placement, PlacementError
+from reservoir.runtime.node_agent import NodeAgent
+from reservoir.runtime.plugins import load_filters, load_weighers
+from reservoir.runtime.requestor import Requestor
+from reservoir.runtime.settings import Settings
+
+__all__ = ["FLAVOURS", "DemoResult", "run_demo"]
+
+
+@dataclass(frozen=True)
+class Flavour:
+    name: str
+    vcpus: int
+    memory_mb: int
+    disk_gb: int
+    weight: int
+
+
+#: The workload's instance sizes and how often each is asked for.
+FLAVOURS = (
+    Flavour("tiny", 1, 512, 10, 20),
+    Flavour("small", 1, 2048, 20, 30),
+    Flavour("medium", 2, 4096, 40, 25),
+    Flavour("large", 4, 8192, 80, 15),
+    Flavour("xlarge", 8, 16384, 160, 10),
+)
+
+#: Node shapes: (vcpus, memory_mb, disk_gb). VCPU is overcommitted 4:1, as clouds do.
+NODE_SHAPES = ((32, 262144, 2000), (48, 393216, 4000), (64, 524288, 4000), (96, 786432, 8000))
+VCPU_ALLOCATION_RATIO = 4.0
+
+
+@dataclass
+class DemoResult:
+    placed: int
+    failed: int
+    overcommitted: int
+    leaked_reservations: int
+    duplicate_placements: int
+    p50_ms: float
+    p99_ms: float
+    placements_per_s: float
+    #: None without prometheus-client, which counts the messages
+    messages_per_placement: float | None
+    elapsed_s: float
+    nodes: int
+    requests: int
+    concurrency: int
+    broker: str
+    tiers_used: dict[str, int] = field(default_factory=dict)
+    node_tiers: dict[str, int] = field(default_factory=dict)
+    mean_utilisation: float = 0.0
+    failures: list[str] = field(default_factory=list)
+    dropped: dict[str, int] = field(default_factory=dict)
+    audit: AuditReport | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        data = {k: v for k, v in self.__dict__.items() if k != "audit"}
+        data["failures"] = self.failures[:10]
+        return data
+
+    @property
+    def invariants_hold(self) -> bool:
+        return not (self.overcommitted or self.leaked_reservations or self.duplicate_placements)
+
+
+def _percentile(samples: list[float], fraction: float) -> float:
+    if not samples:
+        return 0.0
+    ordered = sorted(samples)
+    index = min(len(ordered) - 1, max(0, round(fraction * (len(ordered) - 1))))
+    return ordered[index]
+
+
+@contextlib.contextmanager
+def _opened(url: str, run_id: str) -> Iterator[Broker]:
+    """A broker on exchanges of the demo's own: a fresh ``reservoir-demo-<run>`` unless
+    the URL names one, which must not exist yet (an existing exchange belongs to a live
+    deployment: the demo refuses it rather than talk to its nodes, or delete it after).
+    Deleted when the demo ends."""
+    from brokers import connect, own_exchange
+
+    with own_exchange(url, name=f"reservoir-demo-{run_id}") as run_url, connect(run_url) as broker:
+        yield broker
+
+
+def run_demo(
+    *,
+    nodes: int = 50,
+    requests: int = 2000,
+    concurrency: int = 8,
+    seed: int = 0,
+    broker_url: str = "memory://",
+    settings: Settings | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> DemoResult:
+    """Run the demo and return what it measured. ``progress`` is called once per request
+    decided (placed or failed)."""
+    settings = settings or Settings()
+    rng = random.Random(seed)
+    run_id = secrets.token_hex(3)
+    flavours = rng.choices(FLAVOURS, weights=[f.weight for f in FLAVOURS], k=requests)
+    work: queue.SimpleQueue[Flavour | None] = queue.SimpleQueue()
+    for flavour in flavours:
+        work.put(flavour)
+    latencies_s: list[float] = []
+    placements: list[Placement] = []
+    failures: list[str] = []
+    lock = threading.Lock()
+
+    with _opened(broker_url, run_id) as broker:
+        shown_url = broker.url  # the run's own exchange, password masked
+        node_timers = ThreadScheduler(SystemClock(), name="demo-node-timers")
+        requestor_timers = ThreadScheduler(SystemClock(), name="demo-requestor-timers")
+        agents: list[NodeAgent] = []
+        requestors: list[Requestor] = []
+        # Discovering entry points reads every installed package's metadata: once will do.
+        filters = load_filters(settings.filters)
+        weighers = load_weighers(settings.weighers)
+        try:
+            for index in range(nodes):
+                vcpus, memory_mb, disk_gb = rng.choice(NODE_SHAPES)
+                agents.append(
+                    NodeAgent(
+                        broker,
+                        name=f"demo-{run_id}-node-{index:03d}",
+                        inventories={
+                            "VCPU": Inventory(total=vcpus, allocation_ratio=VCPU_ALLOCATION_RATIO),
+                            "MEMORY_MB": Inventory(total=memory_mb, reserved=4096),
+                            "DISK_GB": Inventory(total=disk_gb),
+                        },
+                        settings=settings,
+                        scheduler=node_timers,
+                        filters=filters,
+                        weighers=weighers,
+                    )
+                )
+            requestors = [
+                Requestor(
+                    broker,
+                    name=f"demo-{run_id}-requestor-{i}",
+                    settings=settings,
+                    scheduler=requestor_timers,
+                )
+                for i in range(concurrency)
+            ]
+
+            def worker(requestor: Requestor) -> None:
+                while (flavour := work.get()) is not None:
+                    started = time.perf_counter()
+                    try:
+                        placement = requestor.reserve(
+                            vcpus=flavour.vcpus,
+                            memory_mb=flavour.memory_mb,
+                            disk_gb=flavour.disk_gb,
+                        )
+                    except PlacementError as error:
+                        with lock:
+                            failures.append(str(error))
+                    else:
+                        with lock:
+                            placements.append(placement)
+                            latencies_s.append(time.perf_counter() - started)
+                    if progress is not None:
+                        progress(1)
+
+            started = time.perf_counter()
+            threads = [
+                threading.Thread(target=worker, args=(r,), name=f"demo-worker-{i}", daemon=True)
+                for i, r in enumerate(requestors)
+            ]
+            for thread in threads:
+                work.put(None)  # one stop sign per worker, after the work
+                thread.start()
+            for thread in threads:
+                thread.join()
+            elapsed_s = time.perf_counter() - started
+
+            report = _audit_after_ttl(agents, placements, settings.ttl_s)
+            messages = sum(
+                participant.metrics.total("sent") for participant in [*agents, *requestors]
+            )
+            counted = all(p.metrics.enabled for p in [*agents, *requestors])
+            dropped: Counter[str] = Counter()
+            for participant in [*agents, *requestors]:
+                dropped.update(participant.metrics.by_label("dropped"))
+            tiers_used: Counter[str] = Counter(
+                f"{p.tiers_tried[-1]}%" for p in placements if p.tiers_tried
+            )
+            snapshots = [agent.snapshot() for agent in agents]
+        finally:
+            for requestor in requestors:
+                requestor.close()
+            for agent in agents:
+                agent.close()
+            node_timers.close()
+            requestor_timers.close()
+
+    placed = len(placements)
+    return DemoResult(
+        placed=placed,
+        failed=len(failures),
+        overcommitted=len(report.overcommitted),
+        leaked_reservations=len(report.leaked_reservations),
+        duplicate_placements=len(report.duplicate_placements),
+        p50_ms=round(statistics.median(latencies_s) * 1000, 2) if latencies_s else 0.0,
+        p99_ms=round(_percentile(latencies_s, 0.99) * 1000, 2),
+        placements_per_s=round(placed / elapsed_s, 1) if elapsed_s else 0.0,
+        messages_per_placement=(
+            None if not counted else round(messages / placed, 1) if placed else 0.0
+        ),
+        elapsed_s=round(elapsed_s, 3),
+        nodes=nodes,
+        requests=requests,
+        concurrency=concurrency,
+        broker=shown_url,
+        tiers_used=dict(sorted(tiers_used.items(), key=lambda kv: int(kv[0][:-1]))),
+        node_tiers=dict(
+            sorted(Counter(f"{s.tier}%" for s in snapshots).items(), key=lambda kv: int(kv[0][:-1]))
+        ),
+        mean_utilisation=round(statistics.fmean(s.utilisation for s in snapshots), 3)
+        if snapshots
+        else 0.0,
+        failures=failures,
+        dropped=dict(dropped),
+        audit=report,
+    )
+
+
+def _audit_after_ttl(
+    agents: list[NodeAgent], placements: list[Placement], ttl_s: float
+) -> AuditReport:
+    """Audit once every reservation made during the run is past its deadline.
+
+    Reservations are normally released long before: only if some are still held does this
+    wait, until the latest deadline (at most a TTL) plus a little slack for the timer.
+    """
+    clock = SystemClock()
+    grace_s = 0.25
+    deadline = max(
+        (r.deadline for agent in agents for r in agent.snapshot().reservations), default=None
+    )
+    if deadline is not None:
+        time.sleep(max(0.0, min(deadline - clock.now(), ttl_s)) + grace_s)
+    return audit([agent.snapshot() for agent in agents], placements, grace_s=grace_s)

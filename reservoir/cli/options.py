@@ -125,15 +125,16 @@ def shown_url(url: str | BrokerUrl | None) -> str:
         return "(an unparseable broker URL)"
 
 
-def parse_pairs(values: Sequence[str], what: str) -> dict[str, str]:
-    """``KEY=VALUE`` options (repeatable) as a mapping, keys upper-cased; a malformed one
-    is a usage error naming it and ``what`` was expected."""
+def parse_pairs(values: Sequence[str], what: str, *, upper: bool = True) -> dict[str, str]:
+    """``KEY=VALUE`` options (repeatable) as a mapping, keys upper-cased unless ``upper``
+    is false; a malformed one is a usage error naming it and ``what`` was expected."""
     pairs = {}
     for value in values:
         key, sep, rest = value.partition("=")
         if not sep or not key or not rest:
             raise click.BadParameter(f"{value!r}: expected {what}")
-        pairs[key.strip().upper()] = rest.strip()
+        key = key.strip()
+        pairs[key.upper() if upper else key] = rest.strip()
     return pairs
 
 

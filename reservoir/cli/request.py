@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import cast
+from typing import Any, cast
 
 import click
 
@@ -20,7 +20,13 @@ from reservoir.cli.options import (
 )
 from reservoir.exit_status import EXIT_NOT_PLACED
 from reservoir.protocol.messages import GroupPolicy, GroupSpec, NumaSpec
-from reservoir.protocol.placement import PlacementError, PlacementRequest, checked_request
+from reservoir.protocol.placement import (
+    Placement,
+    PlacementError,
+    PlacementRequest,
+    PlacementTimeout,
+    request_of,
+)
 
 
 @click.command()
@@ -59,6 +65,13 @@ from reservoir.protocol.placement import PlacementError, PlacementRequest, check
     metavar="TRAIT",
     help="A trait the node must not have. Repeatable.",
 )
+@click.option(
+    "--any-of",
+    "any_of",
+    multiple=True,
+    metavar="TRAIT,TRAIT",
+    help="The node must have at least one of these traits. Repeatable: each is one more such set.",
+)
 @click.option("--group", help="Server group the instances join.")
 @click.option(
     "--policy",
@@ -70,6 +83,11 @@ from reservoir.protocol.placement import PlacementError, PlacementRequest, check
     "--numa-nodes", type=click.IntRange(1), help="Spread each instance over N NUMA cells."
 )
 @click.option("--pinned", is_flag=True, help="Dedicated (pinned) CPUs, with --numa-nodes.")
+@click.option(
+    "--hugepage-kb",
+    type=click.IntRange(1),
+    help="Back each instance's memory with huge pages of this size (KiB), e.g. 2048.",
+)
 @click.option(
     "--hint",
     "hints",
@@ -111,10 +129,12 @@ def request(
     min_count: int | None,
     required: tuple[str, ...],
     forbidden: tuple[str, ...],
+    any_of: tuple[str, ...],
     group: str | None,
     group_policy: str | None,
     numa_nodes: int | None,
     pinned: bool,
+    hugepage_kb: int | None,
     hints: tuple[str, ...],
     request_id: str | None,
     explain: bool,
@@ -123,65 +143,87 @@ def request(
     as_json: bool,
 ) -> None:
     """Place one request and print the placement, or the failure with its explanation
-    (exit status 1). With --dry-run, only say where it would fit."""
+    (exit status 1). With --dry-run, only say where it would fit.
 
-    amounts: dict[str, int] = {}
-    for rc, given in {"VCPU": vcpus, "MEMORY_MB": memory_mb, "DISK_GB": disk_gb}.items():
-        if given:
-            amounts[rc] = given
-    for rc, text in parse_pairs(resources, "CLASS=AMOUNT").items():
-        try:
-            amounts[rc] = int(text)
-        except ValueError:
-            raise click.BadParameter(f"{rc}={text}: a whole number") from None
+    Resource classes and traits are written as the nodes know them (VCPU, CUSTOM_GPU,
+    HW_CPU_X86_AVX2), exactly as in the library and the HTTP API."""
     if (group is None) != (group_policy is None):
         raise click.UsageError("--group and --policy go together")
-    if pinned and numa_nodes is None:
-        numa_nodes = 1
-    try:
-        spec = PlacementRequest(
-            resources=amounts,
-            count=count,
-            min_count=min_count,
-            required_traits=frozenset(t.upper() for t in required),
-            forbidden_traits=frozenset(t.upper() for t in forbidden),
-            group=GroupSpec(name=group, policy=cast(GroupPolicy, group_policy)) if group else None,
-            numa=NumaSpec(nodes=numa_nodes, dedicated_cpus=pinned) if numa_nodes else None,
-            explain=explain,
-            hints=dict(parse_pairs(hints, "KEY=VALUE")) if hints else {},
-            request_id=request_id,
-        )
-        spec = checked_request(spec)
-    except ValueError as error:
-        raise click.UsageError(f"not a valid request: {error}") from None
+    numa = None
+    if numa_nodes is not None or pinned or hugepage_kb is not None:
+        numa = NumaSpec(nodes=numa_nodes or 1, dedicated_cpus=pinned, hugepage_kb=hugepage_kb)
+    spec = _request_of(
+        vcpus=vcpus,
+        memory_mb=memory_mb,
+        disk_gb=disk_gb,
+        resources=_amounts(resources),
+        count=count,
+        min_count=min_count,
+        required_traits=frozenset(required),
+        forbidden_traits=frozenset(forbidden),
+        any_of_traits=tuple(frozenset(t.strip() for t in one.split(",")) for one in any_of),
+        group=GroupSpec(name=group, policy=cast(GroupPolicy, group_policy)) if group else None,
+        numa=numa,
+        explain=explain,
+        hints=parse_pairs(hints, "KEY=VALUE", upper=False),
+        request_id=request_id,
+    )
     if dry_run:
         _dry_run(spec, broker_url, min(timeout_s, DRY_RUN_WAIT_S), as_json)
         return
     set_up_tracing("request")
-    requestor = open_requestor(broker_url)
-    with requestor:
+    placement = _place(spec, broker_url, timeout_s, as_json)
+    _print_placement(placement, as_json)
+
+
+def _amounts(pairs: tuple[str, ...]) -> dict[str, int]:
+    amounts = {}
+    for resource_class, text in parse_pairs(pairs, "CLASS=AMOUNT", upper=False).items():
         try:
-            placement = requestor.reserve(spec, timeout_s=timeout_s)
+            amounts[resource_class] = int(text)
+        except ValueError:
+            raise click.BadParameter(f"{resource_class}={text}: a whole number") from None
+    return amounts
+
+
+def _request_of(**fields: Any) -> PlacementRequest:
+    """The options' request, built as every front door builds it, or a usage error."""
+    try:
+        return request_of(**fields)
+    except ValueError as error:
+        raise click.UsageError(f"not a valid request: {error}") from None
+
+
+def _place(
+    spec: PlacementRequest, broker_url: str | None, timeout_s: float, as_json: bool
+) -> Placement:
+    """The placement, or the failure printed and exit status 1."""
+    with open_requestor(broker_url) as requestor:
+        try:
+            return requestor.reserve(spec, timeout_s=timeout_s)
         except PlacementError as error:
-            explanation = error.explanation
-            if as_json:
-                click.echo(
-                    json.dumps(
-                        {
-                            "placed": False,
-                            "request_id": explanation.request_id,
-                            "explanation": str(explanation),
-                            "reasons": dict(explanation.reasons),
-                            "tiers_tried": list(explanation.tiers_tried),
-                            "offers_received": explanation.offers_received,
-                            "timed_out": type(error).__name__ == "PlacementTimeout",
-                        },
-                        sort_keys=True,
-                    )
-                )
-            else:
-                click.echo(f"not placed: {explanation}", err=True)
+            _print_failure(error, as_json)
             sys.exit(EXIT_NOT_PLACED)
+
+
+def _print_failure(error: PlacementError, as_json: bool) -> None:
+    explanation = error.explanation
+    if not as_json:
+        click.echo(f"not placed: {explanation}", err=True)
+        return
+    failure = {
+        "placed": False,
+        "request_id": explanation.request_id,
+        "explanation": str(explanation),
+        "reasons": dict(explanation.reasons),
+        "tiers_tried": list(explanation.tiers_tried),
+        "offers_received": explanation.offers_received,
+        "timed_out": isinstance(error, PlacementTimeout),
+    }
+    click.echo(json.dumps(failure, sort_keys=True))
+
+
+def _print_placement(placement: Placement, as_json: bool) -> None:
     if as_json:
         from reservoir.runtime.auditor import placement_record
 

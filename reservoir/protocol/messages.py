@@ -211,8 +211,10 @@ def _unknown_resource_classes(names: Mapping[str, int]) -> str | None:
     unknown = sorted(rc for rc in names if not is_resource_class(rc))
     if not unknown:
         return None
+    cased = [rc.upper() for rc in unknown if is_resource_class(rc.upper())]
+    hint = f" (classes are upper case: {', '.join(cased)})" if cased else ""
     return (
-        f"unknown resource class {', '.join(unknown)}: use one of "
+        f"unknown resource class {', '.join(unknown)}{hint}: use one of "
         f"{', '.join(sorted(STANDARD_RESOURCE_CLASSES))} or CUSTOM_<NAME>"
     )
 

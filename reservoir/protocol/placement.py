@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any, Final
 
 import msgspec
 
@@ -21,6 +22,7 @@ from reservoir.protocol.messages import (
 )
 
 __all__ = [
+    "SHORTHAND_CLASSES",
     "Explanation",
     "InvalidRequest",
     "PlacedAllocation",
@@ -30,6 +32,7 @@ __all__ = [
     "PlacementTimeout",
     "checked_request",
     "reason_label",
+    "request_of",
 ]
 
 
@@ -64,6 +67,46 @@ def checked_request(request: PlacementRequest) -> PlacementRequest:
     except (msgspec.EncodeError, TypeError) as error:
         raise InvalidRequest("hints", f"not JSON: {error}") from None
     return checked
+
+
+#: The shorthands every front door takes for the three commonest resource classes
+#: (``vcpus=2`` is ``resources={"VCPU": 2}``): the one mapping of them.
+SHORTHAND_CLASSES: Final[Mapping[str, str]] = {
+    "vcpus": "VCPU",
+    "memory_mb": "MEMORY_MB",
+    "disk_gb": "DISK_GB",
+}
+
+
+def request_of(**fields: Any) -> PlacementRequest:
+    """The request a front door's caller described, checked: the one way the library's
+    keywords, ``reservoir request`` and ``POST /v1/reservations`` build a
+    :class:`PlacementRequest`, so that the same words make the same request everywhere.
+
+    ``fields`` are :class:`PlacementRequest`'s (a new field is reachable from every front
+    door that passes it on) and the shorthands of :data:`SHORTHAND_CLASSES`; ``None``
+    means not given. A shorthand and ``resources`` giving one class two different amounts
+    is an :class:`InvalidRequest`, as is every shape :func:`checked_request` refuses
+    (resource classes and traits are taken as written: ``vcpu`` is not ``VCPU``)."""
+    given = {name: value for name, value in fields.items() if value is not None}
+    resources = dict(given.pop("resources", None) or {})
+    for name, resource_class in SHORTHAND_CLASSES.items():
+        amount = given.pop(name, None)
+        if amount is None:
+            continue
+        if resources.setdefault(resource_class, amount) != amount:
+            raise InvalidRequest(
+                "resources",
+                f"{name}={amount} and {resource_class}={resources[resource_class]} disagree: "
+                "give the amount once",
+            )
+    try:
+        request = PlacementRequest(resources=resources, **given)
+    except TypeError as error:  # a field PlacementRequest does not have
+        raise TypeError(f"not a field of a request: {error}") from None
+    except ValueError as error:  # how the fields fit together
+        raise InvalidRequest("", str(error)) from None
+    return checked_request(request)
 
 
 @dataclass(frozen=True)

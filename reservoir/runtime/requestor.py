@@ -24,7 +24,7 @@ import concurrent.futures
 import logging
 import secrets
 import uuid
-from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from brokers import BrokerUrl
@@ -34,13 +34,14 @@ from reservoir.observe import tracing
 from reservoir.observe.logs import REQUEST_ID
 from reservoir.observe.metrics import Metrics
 from reservoir.protocol.effects import Effect, Failed, FreeCompleted, Placed
-from reservoir.protocol.messages import GroupSpec, Message, NumaSpec
+from reservoir.protocol.messages import Message
 from reservoir.protocol.placement import (
     Explanation,
     Placement,
     PlacementError,
     PlacementRequest,
     checked_request,
+    request_of,
 )
 from reservoir.protocol.policies import Policy, policy_named
 from reservoir.protocol.requestor import RequestorConfig, RequestorMachine
@@ -75,21 +76,14 @@ class FreeIncomplete(RuntimeError):
         self.missing = missing
 
 
-def _shape(
-    request: PlacementRequest | None,
-    vcpus: int | None,
-    memory_mb: int | None,
-    disk_gb: int | None,
-    fields: dict[str, Any],
-) -> PlacementRequest:
-    shorthand = {"VCPU": vcpus, "MEMORY_MB": memory_mb, "DISK_GB": disk_gb}
+def _shape(request: PlacementRequest | None, fields: dict[str, Any]) -> PlacementRequest:
+    """The request to place: ``request`` as it is, or one built from the caller's keywords
+    by :func:`~reservoir.protocol.placement.request_of`, the same as every front door's."""
     if request is not None:
-        if fields or any(v is not None for v in shorthand.values()):
+        if any(value is not None for value in fields.values()):
             raise TypeError("pass either a PlacementRequest or keyword fields, not both")
         return checked_request(request)
-    resources = dict(fields.pop("resources", None) or {})
-    resources.update({rc: amount for rc, amount in shorthand.items() if amount is not None})
-    return checked_request(PlacementRequest(resources=resources, **fields))
+    return request_of(**fields)
 
 
 class Requestor(Driver):
@@ -164,42 +158,21 @@ class Requestor(Driver):
         request: PlacementRequest | None = None,
         *,
         timeout_s: float | None = None,
-        vcpus: int | None = None,
-        memory_mb: int | None = None,
-        disk_gb: int | None = None,
-        resources: Mapping[str, int] | None = None,
-        count: int | None = None,
-        min_count: int | None = None,
-        required_traits: Iterable[str] | None = None,
-        forbidden_traits: Iterable[str] | None = None,
-        group: GroupSpec | None = None,
-        numa: NumaSpec | None = None,
-        explain: bool | None = None,
-        hints: Mapping[str, Any] | None = None,
-        request_id: str | None = None,
+        **fields: Any,
     ) -> concurrent.futures.Future[Placement]:
-        """Start placing; the future resolves to a :class:`Placement` or raises
-        :class:`PlacementError` (:class:`~reservoir.PlacementTimeout` when out of time).
+        """Start placing ``request``, or the request ``fields`` describe: any field of
+        :class:`~reservoir.PlacementRequest` (``resources``, ``count``, ``min_count``,
+        ``required_traits``, ``forbidden_traits``, ``any_of_traits``, ``numa``, ``group``,
+        ``explain``, ``hints``, ``request_id``) and the shorthands ``vcpus``,
+        ``memory_mb`` and ``disk_gb``, e.g. ``submit(vcpus=2, memory_mb=4096)``. The future
+        resolves to a :class:`Placement` or raises :class:`PlacementError`
+        (:class:`~reservoir.PlacementTimeout` when out of time).
 
         Callbacks added to the future run on the thread that resolves it, which on RabbitMQ
         is the broker's IO thread: keep them short, and never wait in one for another
         placement (``reserve``, ``result()``), whose answer that thread would have to read,
         nor open or close a participant there. Calling ``submit`` from a callback is fine."""
-        given = {
-            "resources": resources,
-            "count": count,
-            "min_count": min_count,
-            "required_traits": frozenset(required_traits) if required_traits else None,
-            "forbidden_traits": frozenset(forbidden_traits) if forbidden_traits else None,
-            "group": group,
-            "numa": numa,
-            "explain": explain,
-            "hints": dict(hints) if hints else None,
-            "request_id": request_id,
-        }
-        spec = _shape(
-            request, vcpus, memory_mb, disk_gb, {k: v for k, v in given.items() if v is not None}
-        )
+        spec = _shape(request, fields)
         request_id = spec.request_id or uuid.uuid4().hex
         timeout_s = self.settings.request_timeout_s if timeout_s is None else timeout_s
         span, traceparent = tracing.start_place(request_id, spec.resources, spec.count)

@@ -19,13 +19,14 @@ from reservoir.protocol.messages import (
     TRAIT_PATTERN,
     GroupPolicy,
     GroupSpec,
+    NumaSpec,
 )
 from reservoir.protocol.placement import (
     Placement,
     PlacementError,
     PlacementRequest,
     PlacementTimeout,
-    checked_request,
+    request_of,
 )
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "AllocationOut",
     "Identifier",
     "NodeOut",
+    "NumaIn",
     "PlacementOut",
     "Problem",
     "ProblemOut",
@@ -66,8 +68,25 @@ Trait = Annotated[
 ]
 
 
+class NumaIn(BaseModel):
+    """The NUMA shape of each instance."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    #: split each instance across this many NUMA cells
+    nodes: int = Field(default=1, ge=1, le=16)
+    #: dedicated (pinned) CPUs
+    dedicated_cpus: bool = False
+    #: back the instance's memory with huge pages of this size (KiB)
+    hugepage_kb: int | None = Field(default=None, gt=0)
+
+
 class ReservationIn(BaseModel):
-    """``POST /v1/reservations``: what each instance needs, how many, and where."""
+    """``POST /v1/reservations``: what each instance needs, how many, and where.
+
+    The fields are those of the library's request (:class:`~reservoir.PlacementRequest`),
+    with the shorthands ``vcpus``, ``memory_mb`` and ``disk_gb``; resource classes and
+    traits are written as the nodes know them (``VCPU``, ``CUSTOM_GPU``)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -84,6 +103,13 @@ class ReservationIn(BaseModel):
     policy: GroupPolicy | None = None
     required_traits: list[Trait] = Field(default_factory=list)
     forbidden_traits: list[Trait] = Field(default_factory=list)
+    #: each inner list is satisfied when the node has at least one of its traits
+    any_of_traits: list[list[Trait]] = Field(default_factory=list)
+    numa: NumaIn | None = None
+    #: free-form JSON for operators' node-side filters and weighers
+    hints: dict[str, Any] = Field(default_factory=dict)
+    #: ask nodes that cannot take it to say why (default: the service's ``--explain``)
+    explain: bool | None = None
     #: idempotency key; the ``Idempotency-Key`` header is the usual way to give it
     request_id: Identifier | None = None
     #: how long to try before answering 504 (default: the ``request_timeout_s`` setting)
@@ -103,32 +129,30 @@ class ReservationIn(BaseModel):
         return hashlib.sha256(canonical.encode()).hexdigest()
 
     def to_placement_request(self, request_id: str | None, explain: bool) -> PlacementRequest:
-        """The protocol's request; raises :class:`ValueError` for a shape the protocol
-        refuses (no positive amount, min_count > count, an unknown class); when one field
-        is at fault the error is an :class:`~reservoir.protocol.placement.InvalidRequest`,
-        whose ``field`` names it."""
-        resources = dict(self.resources)
-        for name, amount in (
-            ("VCPU", self.vcpus),
-            ("MEMORY_MB", self.memory_mb),
-            ("DISK_GB", self.disk_gb),
-        ):
-            if amount is not None:
-                resources[name] = amount
+        """The protocol's request, built as every front door builds it
+        (:func:`~reservoir.protocol.placement.request_of`); ``explain`` is the service's
+        default. Raises :class:`ValueError` for a shape the protocol refuses; when one
+        field is at fault the error is an
+        :class:`~reservoir.protocol.placement.InvalidRequest`, whose ``field`` names it."""
         group = None
         if self.group is not None:
             group = GroupSpec(name=self.group, policy=self.policy or "anti-affinity")
-        return checked_request(
-            PlacementRequest(
-                resources=resources,
-                count=self.count,
-                min_count=self.min_count,
-                group=group,
-                required_traits=frozenset(self.required_traits),
-                forbidden_traits=frozenset(self.forbidden_traits),
-                explain=explain,
-                request_id=request_id,
-            )
+        numa = NumaSpec(**self.numa.model_dump()) if self.numa is not None else None
+        return request_of(
+            vcpus=self.vcpus,
+            memory_mb=self.memory_mb,
+            disk_gb=self.disk_gb,
+            resources=self.resources,
+            count=self.count,
+            min_count=self.min_count,
+            group=group,
+            required_traits=frozenset(self.required_traits),
+            forbidden_traits=frozenset(self.forbidden_traits),
+            any_of_traits=tuple(frozenset(one) for one in self.any_of_traits),
+            numa=numa,
+            hints=self.hints,
+            explain=explain if self.explain is None else self.explain,
+            request_id=request_id,
         )
 
 

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Iterable, Iterator, MutableMapping
-from contextlib import asynccontextmanager
-from typing import Any
+from collections.abc import Iterable, Iterator
 
 import httpx
 import pytest
@@ -18,6 +16,7 @@ from brokers.inprocess import InProcessBroker
 from examples.asgi_service import PlacementOut, create_app
 from reservoir import NodeAgent, Placement, Requestor, RequestorClosed, Settings, audit
 from reservoir.service import ReservoirService
+from reservoir.testing.asgi import serving
 
 NODE_VCPUS = 16
 NODE_MEMORY_MB = 32768
@@ -39,34 +38,6 @@ def nodes(broker: InProcessBroker) -> Iterator[list[NodeAgent]]:
     yield nodes
     for node in nodes:
         node.close()
-
-
-@asynccontextmanager
-async def running(app: FastAPI) -> AsyncIterator[None]:
-    """Start and stop the app through the ASGI lifespan protocol, as uvicorn does."""
-    to_app: asyncio.Queue[MutableMapping[str, Any]] = asyncio.Queue()
-    from_app: asyncio.Queue[MutableMapping[str, Any]] = asyncio.Queue()
-    scope = {"type": "lifespan", "asgi": {"version": "3.0", "spec_version": "2.0"}}
-    lifespan = asyncio.create_task(app(scope, to_app.get, from_app.put))
-    await to_app.put({"type": "lifespan.startup"})
-    started = await from_app.get()
-    assert started["type"] == "lifespan.startup.complete", started
-    try:
-        yield
-    finally:
-        await to_app.put({"type": "lifespan.shutdown"})
-        stopped = await from_app.get()
-        await lifespan
-        assert stopped["type"] == "lifespan.shutdown.complete", stopped
-
-
-@asynccontextmanager
-async def serving(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
-    """The app started, and a client talking to it in this event loop."""
-    async with running(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://api.test") as client:
-            yield client
 
 
 def service_of(app: FastAPI) -> ReservoirService:

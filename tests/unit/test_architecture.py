@@ -53,9 +53,9 @@ def test_no_module_takes_a_private_name_from_another_package() -> None:
             source_package = node.module.rpartition(".")[0] or node.module
             same_package = source_package == here or node.module == here
             for alias in node.names:
-                if alias.name.startswith("_") and not alias.name.startswith("__"):
-                    if not same_package:
-                        found.append(f"{module} takes {alias.name} from {node.module}")
+                private = alias.name.startswith("_") and not alias.name.startswith("__")
+                if private and not same_package:
+                    found.append(f"{module} takes {alias.name} from {node.module}")
     assert not found, "\n".join(found)
 
 

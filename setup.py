@@ -47,6 +47,7 @@ INTERPRETED = {
     "(plugins are checked against them), which a compiled class cannot be",
     "reservoir/protocol/errors.py": "a subclass of a built-in exception",
     "reservoir/protocol/audit.py": "runs once per audit, never per message",
+    "reservoir/protocol/addresses.py": "called when a participant starts and per free",
     "reservoir/tools/simulator/__init__.py": "re-exports only",
     "reservoir/tools/simulator/baselines.py": "the baselines' own loops are a small share of a run",
     "reservoir/tools/simulator/capacity.py": "numpy does the work",

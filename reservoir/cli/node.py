@@ -21,8 +21,10 @@ from reservoir.cli.options import (
     shown_url,
 )
 from reservoir.exit_status import EXIT_BROKER, EXIT_USAGE
+from reservoir.protocol.addresses import node_address
 from reservoir.protocol.ledger import Inventory
 from reservoir.protocol.numa import NumaTopology
+from reservoir.protocol.placement import SHORTHAND_CLASSES
 
 
 def _node_inventories(
@@ -33,10 +35,10 @@ def _node_inventories(
     ratio: Sequence[str],
     reserved: Sequence[str],
 ) -> dict[str, Inventory]:
-    totals: dict[str, int] = {}
-    for rc, amount in {"VCPU": vcpus, "MEMORY_MB": memory_mb, "DISK_GB": disk_gb}.items():
-        if amount is not None:
-            totals[rc] = amount
+    shorthands = {"vcpus": vcpus, "memory_mb": memory_mb, "disk_gb": disk_gb}
+    totals = {
+        SHORTHAND_CLASSES[name]: amount for name, amount in shorthands.items() if amount is not None
+    }
     for rc, total in parse_pairs(inventory, "CLASS=TOTAL").items():
         try:
             totals[rc] = int(total)
@@ -225,7 +227,7 @@ def _node_broker_problem(name: str, error: BaseException) -> str:
         # Its inbox is an exclusive queue named after it: another connection holds it.
         return (
             f"a node named {name} is already connected to this broker (its inbox "
-            f"reservoir.node.{name} is taken); give this one another --name, or stop the "
+            f"{node_address(name)} is taken); give this one another --name, or stop the "
             "other (one that just died is let go within the heartbeat, 30 s)"
         )
     return f"cannot reach the broker: {error}"

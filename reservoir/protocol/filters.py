@@ -9,7 +9,7 @@ requestor's policy can prefer it. Operators add their own through the entry poin
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -18,6 +18,8 @@ from reservoir.protocol.messages import NumaPlacement, Reason, ReservationReques
 from reservoir.protocol.numa import NumaTopology, fit_numa
 
 __all__ = [
+    "BUILT_IN_FILTERS",
+    "BUILT_IN_WEIGHERS",
     "DEFAULT_FILTERS",
     "DEFAULT_WEIGHERS",
     "Filter",
@@ -218,8 +220,19 @@ class SoftGroupWeigher:
         return closeness if group.policy == "soft-affinity" else -closeness
 
 
-DEFAULT_FILTERS: tuple[Filter, ...] = (TraitFilter(), ResourceFilter(), GroupFilter(), NumaFilter())
-DEFAULT_WEIGHERS: tuple[Weigher, ...] = (SoftGroupWeigher(),)
+#: The built-in filters by the name they are registered under (the ``reservoir.filters``
+#: entry points in pyproject.toml, which a test holds to this), cheap checks first: the one
+#: list of them. A node without plugins runs :data:`DEFAULT_FILTERS`, one of each.
+BUILT_IN_FILTERS: Mapping[str, type[Filter]] = {
+    "traits": TraitFilter,
+    "resources": ResourceFilter,
+    "server_group": GroupFilter,
+    "numa": NumaFilter,
+}
+BUILT_IN_WEIGHERS: Mapping[str, type[Weigher]] = {"soft_server_group": SoftGroupWeigher}
+
+DEFAULT_FILTERS: tuple[Filter, ...] = tuple(kind() for kind in BUILT_IN_FILTERS.values())
+DEFAULT_WEIGHERS: tuple[Weigher, ...] = tuple(kind() for kind in BUILT_IN_WEIGHERS.values())
 
 
 @dataclass(slots=True)

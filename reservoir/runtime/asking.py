@@ -19,6 +19,7 @@ from brokers import BrokerUrl
 from reservoir.broker import Broker
 from reservoir.clock import Scheduler
 from reservoir.observe.metrics import Metrics
+from reservoir.protocol.addresses import requestor_address
 from reservoir.protocol.effects import Dropped, Effect, Publish
 from reservoir.protocol.messages import Message
 from reservoir.runtime.driver import Driver
@@ -53,7 +54,7 @@ class AskEveryNode(Driver):
             settings=settings if settings is not None else Settings(),
             scheduler=scheduler,
             metrics=metrics,
-            endpoint_name=f"reservoir.requestor.{name}",
+            endpoint_name=requestor_address(name),
             role="requestor",
         )
 

@@ -32,12 +32,12 @@ from brokers import BrokerUrl
 from reservoir.broker import Broker
 from reservoir.clock import Scheduler
 from reservoir.observe.metrics import Metrics
+from reservoir.protocol.addresses import node_address
 from reservoir.protocol.audit import AuditReport, NodeSnapshot, audit
 from reservoir.protocol.ledger import Allocation, Reservation, ResourceUsage
 from reservoir.protocol.messages import LedgerQuery, LedgerReport, Message
 from reservoir.protocol.placement import PlacedAllocation, Placement
 from reservoir.runtime.asking import AskEveryNode
-from reservoir.runtime.node_agent import node_address
 from reservoir.runtime.settings import Settings
 
 __all__ = [

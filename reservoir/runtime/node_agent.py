@@ -25,6 +25,7 @@ from reservoir.broker import Broker
 from reservoir.clock import Scheduler
 from reservoir.observe import tracing
 from reservoir.observe.metrics import Metrics
+from reservoir.protocol.addresses import node_address
 from reservoir.protocol.audit import NodeSnapshot
 from reservoir.protocol.effects import DeleteAllocation, Effect, Publish, StoreAllocation
 from reservoir.protocol.filters import Filter, Weigher
@@ -36,6 +37,7 @@ from reservoir.protocol.messages import (
 )
 from reservoir.protocol.node import NodeConfig, NodeMachine
 from reservoir.protocol.numa import NumaTopology
+from reservoir.protocol.placement import SHORTHAND_CLASSES
 from reservoir.runtime.driver import Driver
 from reservoir.runtime.plugins import load_filters, load_weighers
 from reservoir.runtime.settings import Settings
@@ -57,21 +59,18 @@ REJOIN_CHECK_S: Final = 1.0
 _REJOIN_CHECK: Final = ("agent", "rejoin-check")
 
 
-def node_address(name: str) -> str:
-    """The inbox address of the node called ``name``: stable across its restarts."""
-    return f"reservoir.node.{name}"
-
-
 def _inventories(
     inventories: Mapping[str, Inventory | int] | None,
     vcpus: int | None,
     memory_mb: int | None,
     disk_gb: int | None,
 ) -> dict[str, Inventory]:
-    result: dict[str, Inventory] = {}
-    for rc, amount in {"VCPU": vcpus, "MEMORY_MB": memory_mb, "DISK_GB": disk_gb}.items():
-        if amount is not None:
-            result[rc] = Inventory(total=amount)
+    shorthands = {"vcpus": vcpus, "memory_mb": memory_mb, "disk_gb": disk_gb}
+    result: dict[str, Inventory] = {
+        SHORTHAND_CLASSES[name]: Inventory(total=amount)
+        for name, amount in shorthands.items()
+        if amount is not None
+    }
     for rc, inventory in (inventories or {}).items():
         result[rc] = inventory if isinstance(inventory, Inventory) else Inventory(total=inventory)
     unknown = sorted(rc for rc in result if not is_resource_class(rc))

@@ -12,31 +12,15 @@ in order, when an operator wants to choose.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from importlib.metadata import EntryPoint, entry_points
 
-from reservoir.protocol.filters import (
-    Filter,
-    GroupFilter,
-    NumaFilter,
-    ResourceFilter,
-    SoftGroupWeigher,
-    TraitFilter,
-    Weigher,
-)
+from reservoir.protocol.filters import BUILT_IN_FILTERS, BUILT_IN_WEIGHERS, Filter, Weigher
 
 __all__ = ["BUILT_IN_FILTERS", "BUILT_IN_WEIGHERS", "PluginError", "load_filters", "load_weighers"]
 
 FILTER_GROUP = "reservoir.filters"
 WEIGHER_GROUP = "reservoir.weighers"
-
-BUILT_IN_FILTERS: dict[str, type] = {
-    "traits": TraitFilter,
-    "resources": ResourceFilter,
-    "server_group": GroupFilter,
-    "numa": NumaFilter,
-}
-BUILT_IN_WEIGHERS: dict[str, type] = {"soft_server_group": SoftGroupWeigher}
 
 
 class PluginError(RuntimeError):
@@ -51,7 +35,7 @@ class PluginError(RuntimeError):
 _installed: dict[tuple[str, object], tuple[EntryPoint, ...]] = {}
 
 
-def _discovered(group: str, built_in: dict[str, type]) -> dict[str, EntryPoint | type]:
+def _discovered(group: str, built_in: Mapping[str, type]) -> dict[str, EntryPoint | type]:
     finder = entry_points
     installed = _installed.get((group, finder))
     if installed is None:
@@ -73,7 +57,7 @@ def _load(group: str, name: str, source: EntryPoint | type) -> object:
 
 
 def _load_all(
-    group: str, built_in: dict[str, type], names: Sequence[str] | None, kind: type, what: str
+    group: str, built_in: Mapping[str, type], names: Sequence[str] | None, kind: type, what: str
 ) -> list[object]:
     found = _discovered(group, built_in)
     loaded: list[object] = []

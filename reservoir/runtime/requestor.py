@@ -33,6 +33,7 @@ from reservoir.clock import Scheduler
 from reservoir.observe import tracing
 from reservoir.observe.logs import REQUEST_ID
 from reservoir.observe.metrics import Metrics
+from reservoir.protocol.addresses import node_address, requestor_address
 from reservoir.protocol.effects import Effect, Failed, FreeCompleted, Placed
 from reservoir.protocol.messages import Message
 from reservoir.protocol.placement import (
@@ -115,7 +116,7 @@ class Requestor(Driver):
             policy = policy_named(policy or settings.policy)
         # The machine exists before the endpoint does: a delivery can arrive the moment
         # the endpoint is open. Every adapter makes a named endpoint's address its name.
-        address = f"reservoir.requestor.{self.name}"
+        address = requestor_address(self.name)
         self.machine = RequestorMachine(
             RequestorConfig(
                 requestor_id=self.name,
@@ -265,8 +266,6 @@ class Requestor(Driver):
         """Free a request's allocations on the node called ``node``: those named, or all
         of them. Resolves once the node confirms (``FreeIncomplete`` if it does not within
         the free attempts; the requestor goes on trying)."""
-        from reservoir.runtime.node_agent import node_address
-
         address, ids = node_address(node), tuple(allocation_ids)
         return self._start(
             self._freeing,

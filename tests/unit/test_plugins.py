@@ -107,3 +107,21 @@ def test_an_unknown_or_broken_plugin_is_a_clear_error(monkeypatch: pytest.Monkey
     monkeypatch.setattr("reservoir.runtime.plugins.entry_points", broken)
     with pytest.raises(PluginError, match="'broken' failed to load"):
         load_filters()
+
+
+def test_the_entry_points_register_exactly_the_built_in_filters_and_weighers() -> None:
+    import tomllib
+    from pathlib import Path
+
+    from reservoir.protocol.filters import BUILT_IN_FILTERS, BUILT_IN_WEIGHERS
+
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    groups = tomllib.loads(pyproject.read_text())["project"]["entry-points"]
+    for group, built_in in (
+        ("reservoir.filters", BUILT_IN_FILTERS),
+        ("reservoir.weighers", BUILT_IN_WEIGHERS),
+    ):
+        expected = {
+            name: f"{kind.__module__}:{kind.__qualname__}" for name, kind in built_in.items()
+        }
+        assert groups[group] == expected

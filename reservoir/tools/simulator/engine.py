@@ -42,6 +42,7 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, Final, NamedTuple
 
 from brokers.routing import BindingTable
+from reservoir.protocol.addresses import node_address, requestor_address
 from reservoir.protocol.audit import Claim, NodeSnapshot, audit
 from reservoir.protocol.effects import (
     Bind,
@@ -86,14 +87,6 @@ _SPILL: Final = 7  # a second's later events go into the heap (calendar.LaterSec
 PROGRESS_EVERY: Final = 500
 
 Progress = Callable[[int], None]
-
-
-def node_address(name: str) -> str:
-    return f"reservoir.node.{name}"
-
-
-def requestor_address(name: str) -> str:
-    return f"reservoir.requestor.{name}"
 
 
 def broadcasts_of(machines: Sequence[RequestorMachine], publishes_by_kind: dict[str, int]) -> int:

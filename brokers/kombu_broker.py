@@ -28,18 +28,18 @@ What kombu's public API cannot do, and what this module uses instead:
 - *No poll before every publish*: when the server supports ``connection.blocked``, py-amqp
   reads the socket (``drain_events(timeout=0)``) before every ``basic_publish`` to notice a
   ``connection.blocked`` early. This IO thread reads the socket whenever it is readable
-  anyway, so the poll only costs syscalls (measured: it halves a connection's rate, 8 000 ->
-  4 000 msg/s). After the handshake, the driver sets ``connection.blocked`` to False in the
+  anyway, so the poll only costs syscalls (it halved a connection's rate: docs/performance.md,
+  "Adapter speed"). After the handshake, the driver sets ``connection.blocked`` to False in the
   ``capabilities`` of py-amqp's ``Connection.client_properties`` (a public attribute, but
   editing it after the handshake relies on py-amqp reading it at every publish): the server
   has already seen the capability, so Blocked/Unblocked still arrive.
 
 - *Publishing without kombu's* ``Producer``: the driver builds the ``amqp.Message`` and calls
   the publish channel's ``basic_publish`` (public methods of py-amqp, which kombu's
-  ``Producer.publish`` ends in after re-deriving the same properties on every call). The
-  ``Producer`` layer cost about 10 % of the IO thread per message (measured with py-spy on
-  ``benchmarks/adapter_speed.py``'s message rate); returned messages come from the channel's
-  ``events["basic_return"]``, where the ``Producer`` would have registered the same callback.
+  ``Producer.publish`` ends in after re-deriving the same properties on every call), a
+  layer that cost a tenth of the IO thread per message (docs/performance.md); returned
+  messages come from the channel's ``events["basic_return"]``, where the ``Producer``
+  would have registered the same callback.
 
 kombu turns an exclusive ``Queue`` into an auto-delete one; the driver sets ``auto_delete``
 back to False on the entity, so that the queue survives its consumer being cancelled, as the

@@ -352,8 +352,8 @@ class RequestorMachine:
     def handle(self, message: Message, now: float) -> list[Effect]:
         effects: list[Effect] = []
         # Dispatched on the wire's discriminator, not by isinstance: a status, the message
-        # a requestor hears most (every node's announcements), took 17 isinstance tests
-        # to reach its branch (each 0.3 us through ABCMeta when messages were pydantic).
+        # a requestor hears most (every node's announcements), would go through a test per
+        # kind before its branch (docs/performance.md, under reservoir simulate).
         if type(message) not in MESSAGE_CLASSES:
             effects.append(
                 Dropped("unexpected", f"a requestor does not take a {type(message).__name__}")

@@ -28,7 +28,7 @@ class PluginError(RuntimeError):
 
 
 #: (group, the finder that read it) -> its entry points, sorted by name. Reading them
-#: scans every installed distribution's metadata (17 ms here), and every node agent asks
+#: scans every installed distribution's metadata (milliseconds), and every node agent asks
 #: twice: once per process is enough, since what is installed does not change under a
 #: running process. Keyed by the finder too, so a test that replaces ``entry_points``
 #: reads its own.

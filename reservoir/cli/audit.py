@@ -12,8 +12,10 @@ from reservoir.broker import BrokerError
 from reservoir.cli.options import (
     broker_option,
     cannot_reach_broker,
+    expect_nodes_option,
     json_option,
     load_settings,
+    seconds_option,
 )
 from reservoir.exit_status import EXIT_USAGE
 
@@ -28,19 +30,8 @@ from reservoir.exit_status import EXIT_USAGE
     "it, every placement a caller heard of must be on the nodes, and allocations no caller "
     "heard of are listed as orphans with the command that frees each.",
 )
-@click.option(
-    "--wait",
-    "wait_s",
-    type=click.FloatRange(0.1),
-    default=2.0,
-    show_default=True,
-    help="How long to wait for the nodes' ledgers (seconds).",
-)
-@click.option(
-    "--expect-nodes",
-    type=click.IntRange(1),
-    help="Stop waiting once this many nodes answered; fewer is a failure.",
-)
+@seconds_option("--wait", 2.0, "How long to wait for the nodes' ledgers (seconds).")
+@expect_nodes_option("Stop waiting once this many nodes answered; fewer is a failure.")
 @json_option()
 def audit_command(
     broker_url: str | None,

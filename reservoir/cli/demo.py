@@ -14,6 +14,7 @@ from reservoir.cli.options import (
     broker_option,
     json_option,
     load_settings,
+    progress_bar,
     shown_url,
 )
 from reservoir.exit_status import EXIT_BROKER, EXIT_USAGE
@@ -68,23 +69,11 @@ def demo(
     no resource class overcommitted on any node, no reservation alive past its TTL, no
     request placed more than once.
     """
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-
     from reservoir.tools.demo import run_demo
 
     settings = load_settings(broker_url=broker_url, policy=policy)
-    stderr = Console(stderr=True)
-    columns = (
-        "[progress.description]{task.description}",
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-    )
     try:
-        with Progress(
-            *columns, console=stderr, transient=as_json, disable=not stderr.is_terminal
-        ) as bar:
+        with progress_bar(as_json) as bar:
             task = bar.add_task("placing", total=requests)
             result = run_demo(
                 nodes=nodes,

@@ -6,12 +6,12 @@ import sys
 
 import click
 
-from reservoir.broker import BrokerError
 from reservoir.cli.options import (
     broker_option,
-    cannot_reach_broker,
+    ledgers,
     load_settings,
     open_requestor,
+    seconds_option,
 )
 from reservoir.exit_status import EXIT_NOT_PLACED
 from reservoir.runtime.settings import Settings
@@ -32,14 +32,7 @@ from reservoir.runtime.settings import Settings
     metavar="ID",
     help="Free only these allocations [default: all of the request on the node].",
 )
-@click.option(
-    "--timeout",
-    "timeout_s",
-    type=click.FloatRange(0.1),
-    default=30.0,
-    show_default=True,
-    help="Give up waiting for the node's confirmation after this.",
-)
+@seconds_option("--timeout", 30.0, "Give up waiting for the node's confirmation after this.")
 def free(
     broker_url: str | None,
     request_id: str,
@@ -82,19 +75,7 @@ def free(
 def _nodes_holding(settings: Settings, request_id: str, wait_s: float = 1.0) -> list[str]:
     """The live nodes that hold allocations of ``request_id``, asked over the broker (every
     node answers with its ledger: an operator's command, O(N) once, not per placement)."""
-    from reservoir.runtime.auditor import LedgerCollector
-    from reservoir.runtime.backoff import quietly_connecting
-
-    try:
-        with quietly_connecting():
-            collector = LedgerCollector(settings.broker_url, settings=settings)
-    except BrokerError as error:
-        cannot_reach_broker(error)
-    try:
-        collector.ask()
-        snapshots = collector.collect(wait_s=wait_s)
-    finally:
-        collector.close()
+    snapshots = ledgers(settings, wait_s)
     return sorted(
         s.name for s in snapshots if any(a.request_id == request_id for a in s.allocations)
     )

@@ -6,30 +6,20 @@ import json
 
 import click
 
-from reservoir.broker import BrokerError
 from reservoir.cli.options import (
     broker_option,
-    cannot_reach_broker,
+    expect_nodes_option,
     json_option,
+    ledgers,
     load_settings,
+    seconds_option,
 )
 
 
 @click.command("nodes")
 @broker_option()
-@click.option(
-    "--wait",
-    "wait_s",
-    type=click.FloatRange(0.1),
-    default=1.0,
-    show_default=True,
-    help="How long to wait for the nodes to answer (seconds).",
-)
-@click.option(
-    "--expect-nodes",
-    type=click.IntRange(1),
-    help="Stop waiting once this many nodes answered.",
-)
+@seconds_option("--wait", 1.0, "How long to wait for the nodes to answer (seconds).")
+@expect_nodes_option("Stop waiting once this many nodes answered.")
 @json_option()
 def nodes_command(
     broker_url: str | None, wait_s: float, expect_nodes: int | None, as_json: bool
@@ -39,21 +29,7 @@ def nodes_command(
 
     Gathered over the broker (every serving node answers one query with its ledger), so
     it shows what the nodes themselves hold, within --wait seconds."""
-    from reservoir.runtime.auditor import LedgerCollector
-
-    settings = load_settings(broker_url=broker_url)
-    from reservoir.runtime.backoff import quietly_connecting
-
-    try:
-        with quietly_connecting():
-            collector = LedgerCollector(settings.broker_url, settings=settings)
-    except BrokerError as error:
-        cannot_reach_broker(error)
-    try:
-        collector.ask()
-        snapshots = collector.collect(wait_s=wait_s, expect_nodes=expect_nodes)
-    finally:
-        collector.close()
+    snapshots = ledgers(load_settings(broker_url=broker_url), wait_s, expect_nodes)
     listed = [
         {
             "node": s.name,

@@ -25,6 +25,9 @@ from reservoir.exit_status import EXIT_BROKER, EXIT_USAGE
 from reservoir.runtime.settings import Settings
 
 if TYPE_CHECKING:
+    from rich.progress import Progress
+
+    from reservoir.protocol.audit import NodeSnapshot
     from reservoir.runtime.requestor import Requestor
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -51,6 +54,43 @@ def broker_option(default: str | None = None) -> Callable[[F], F]:
 def json_option(help: str = "Print one JSON object.") -> Callable[[F], F]:
     """``--json`` (parameter ``as_json``): machine-readable output on stdout."""
     return click.option("--json", "as_json", is_flag=True, help=help)
+
+
+def seconds_option(
+    name: str, default: float, help: str, *, minimum: float = 0.1
+) -> Callable[[F], F]:
+    """A duration in seconds (``--timeout`` as ``timeout_s``, ``--wait`` as ``wait_s``)."""
+    return click.option(
+        name,
+        f"{name.removeprefix('--').replace('-', '_')}_s",
+        type=click.FloatRange(minimum),
+        default=default,
+        show_default=True,
+        help=help,
+    )
+
+
+def expect_nodes_option(help: str) -> Callable[[F], F]:
+    """``--expect-nodes N``: stop waiting once this many nodes answered."""
+    return click.option("--expect-nodes", type=click.IntRange(1), help=help)
+
+
+def progress_bar(as_json: bool) -> Progress:
+    """A bar on stderr while a long run goes on: only on a terminal, and gone at the end
+    when stdout carries JSON."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    stderr = Console(stderr=True)
+    return Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=stderr,
+        transient=as_json,
+        disable=not stderr.is_terminal,
+    )
 
 
 def load_settings(**overrides: Any) -> Settings:
@@ -136,6 +176,26 @@ def parse_pairs(values: Sequence[str], what: str, *, upper: bool = True) -> dict
         key = key.strip()
         pairs[key.upper() if upper else key] = rest.strip()
     return pairs
+
+
+def ledgers(
+    settings: Settings, wait_s: float, expect_nodes: int | None = None
+) -> list[NodeSnapshot]:
+    """Every live node's ledger, asked for over the broker and gathered for ``wait_s``
+    (less once ``expect_nodes`` answered), or the one line and exit 3."""
+    from reservoir.runtime.auditor import LedgerCollector
+    from reservoir.runtime.backoff import quietly_connecting
+
+    try:
+        with quietly_connecting():
+            collector = LedgerCollector(settings.broker_url, settings=settings)
+    except BrokerError as error:
+        cannot_reach_broker(error)
+    try:
+        collector.ask()
+        return collector.collect(wait_s=wait_s, expect_nodes=expect_nodes)
+    finally:
+        collector.close()
 
 
 def open_requestor(broker_url: str | BrokerUrl | None) -> Requestor:

@@ -16,6 +16,7 @@ from reservoir.cli.options import (
     load_settings,
     open_requestor,
     parse_pairs,
+    seconds_option,
     set_up_tracing,
 )
 from reservoir.exit_status import EXIT_NOT_PLACED
@@ -103,14 +104,7 @@ from reservoir.protocol.placement import (
     help="Ask nodes that cannot take it to say why (each such node answers with its "
     "reasons; --no-explain keeps them silent on broadcasts).",
 )
-@click.option(
-    "--timeout",
-    "timeout_s",
-    type=click.FloatRange(0.1),
-    default=30.0,
-    show_default=True,
-    help="Give up after this many seconds.",
-)
+@seconds_option("--timeout", 30.0, "Give up after this many seconds.")
 @click.option(
     "--dry-run",
     is_flag=True,

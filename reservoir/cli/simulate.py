@@ -11,6 +11,7 @@ import click
 
 from reservoir.cli.options import (
     json_option,
+    progress_bar,
     stopped_by_sigterm,
 )
 from reservoir.exit_status import EXIT_INTERRUPTED, EXIT_USAGE
@@ -191,9 +192,6 @@ def simulate(
     (README, "The compiled build") runs it about 1.3x faster, with the same results. The
     output says which build ran.
     """
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-
     simulator = _simulator()
     from reservoir.tools.simulator.report import print_table, require_matplotlib, write_outputs
 
@@ -219,16 +217,7 @@ def simulate(
         mean_lifetime_s=lifetime_s,
         prefill=prefill,
     )
-    stderr = Console(stderr=True)
-    columns = (
-        "[progress.description]{task.description}",
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-    )
-    with Progress(
-        *columns, console=stderr, transient=as_json, disable=not stderr.is_terminal
-    ) as bar:
+    with progress_bar(as_json) as bar:
         task = bar.add_task("simulating", total=requests * len(loads) * len(systems))
         try:
             with stopped_by_sigterm():

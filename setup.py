@@ -24,6 +24,7 @@ COMPILED = [
     "reservoir/protocol/dry_run.py",
     "reservoir/protocol/effects.py",
     "reservoir/protocol/freeing.py",
+    "reservoir/protocol/keeper.py",
     "reservoir/protocol/ledger.py",
     "reservoir/protocol/node.py",
     "reservoir/protocol/numa.py",

@@ -115,6 +115,14 @@ def _parse_latency(ctx: click.Context, param: click.Parameter, value: str) -> An
     help="reservoir: requestors placing concurrently (arrivals go round robin).",
 )
 @click.option(
+    "--keepers",
+    default=0,
+    show_default=True,
+    type=click.IntRange(0, 16),
+    help="reservoir: roster keepers; with any, requestors take their rosters from them "
+    "rather than following every node's announcements (docs/design.md, 'The roster').",
+)
+@click.option(
     "--latency-ms",
     "latency",
     default="1",
@@ -170,6 +178,7 @@ def simulate(
     refresh_s: float,
     probes: int,
     requestors: int,
+    keepers: int,
     latency: Any,
     loss: float,
     lifetime_s: float,
@@ -209,6 +218,7 @@ def simulate(
         systems=systems,
         schedulers=schedulers,
         requestors=requestors,
+        keepers=keepers,
         refresh_s=refresh_s,
         probes=probes,
         latency=latency,

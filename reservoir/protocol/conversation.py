@@ -7,7 +7,8 @@ holds, the awards it is waiting on, the allocations placed, what it has tried. I
 the machine and raises :class:`ProtocolBug` (as h11's ``_state.py`` does).
 
     phase          what is going on                          events that leave it
-    NEW            nothing sent yet                          PROBE, BROADCAST
+    NEW            nothing sent yet                          PROBE, BROADCAST, BACK_OFF (a
+                                                             keeper's sample is awaited)
     PROBING        the request is out to sampled nodes,      PROBE (next round), BROADCAST
                    each of which answers                     (the exhaustive step), AWARD,
                                                              BACK_OFF, FOLLOW
@@ -78,7 +79,7 @@ _EVERY_EVENT: Final = frozenset(Event)
 
 #: phase -> the events allowed in it; each event leads to one phase (``_TARGET``)
 TRANSITIONS: Final[dict[Phase, frozenset[Event]]] = {
-    Phase.NEW: frozenset({Event.PROBE, Event.BROADCAST}),
+    Phase.NEW: frozenset({Event.PROBE, Event.BROADCAST, Event.BACK_OFF}),
     Phase.PROBING: _EVERY_EVENT,
     Phase.BROADCASTING: _EVERY_EVENT,
     Phase.AWARDING: _EVERY_EVENT,
@@ -158,6 +159,8 @@ class Conversation:
     #: sampling ran and found too little: tier broadcasts ask every node to answer
     exhaustive: bool = False
     probe_round: int = 0
+    #: sampling came up short once already and waited for a keeper's sample
+    waited_for_sample: bool = False
     #: the nodes that declined and told of more room since were asked again (once)
     rooms_rechecked: bool = False
     #: every node probed so far, not to be probed again by a later round

@@ -61,11 +61,15 @@ __all__ = [
     "AUDIT_ID",
     "IDENTIFIER_MAX_LENGTH",
     "IDENTIFIER_PATTERN",
+    "KEEPER_TOPIC",
     "LOOKUP_BUCKETS",
+    "MAX_SAMPLE",
     "MESSAGE_CLASSES",
     "NODE_KINDS",
     "PROTOCOL_VERSION",
+    "REJOINED_TOPIC",
     "REQUESTOR_KINDS",
+    "ROOM_TOPIC",
     "ROSTER_ID",
     "ROSTER_TOPIC",
     "STANDARD_RESOURCE_CLASSES",
@@ -99,6 +103,9 @@ __all__ = [
     "ReservationRequest",
     "ResourceTally",
     "RollCall",
+    "RosterMember",
+    "RosterQuery",
+    "RosterSample",
     "bucket_bitmap",
     "buckets_in",
     "check_ids",
@@ -118,6 +125,17 @@ STANDARD_RESOURCE_CLASSES: Final = frozenset({"VCPU", "PCPU", "MEMORY_MB", "DISK
 
 #: Nodes announce their tier on this topic of the request exchange; requestors bind it.
 ROSTER_TOPIC: Final = "roster"
+#: A node that is back publishes the lookup buckets of the ids it holds on this topic
+#: (design.md, "Lookups"); every requestor binds it, whoever keeps its roster.
+REJOINED_TOPIC: Final = "rejoined"
+#: Roster keepers bind this topic: a requestor that takes its roster from a keeper asks
+#: for a sample here (design.md, "The roster").
+KEEPER_TOPIC: Final = "keeper"
+#: Nodes publish every change of their room on this topic once a keeper has roll-called
+#: them; only keepers bind it.
+ROOM_TOPIC: Final = "roster.room"
+#: The most nodes one :class:`RosterSample` names (it stays well inside a message's size).
+MAX_SAMPLE: Final = 256
 #: The ``request_id`` of membership messages, which belong to no conversation.
 ROSTER_ID: Final = "roster"
 #: The ``request_id`` of audit messages.
@@ -682,6 +700,46 @@ class RollCall(_Message, tag="roll_call", frozen=True, kw_only=True):
     kind: ClassVar[Literal["roll_call"]] = "roll_call"
     request_id: Identifier = ROSTER_ID
     reply_to: Identifier
+    #: sent by a roster keeper: the node then publishes every change of its room on
+    #: :data:`ROOM_TOPIC` (which only keepers bind), not only its tier changes
+    from_keeper: bool = False
+
+
+class RosterQuery(_Message, tag="roster_query", frozen=True, kw_only=True):
+    """Published on :data:`KEEPER_TOPIC` by a requestor that takes its roster from a
+    keeper: "name me up to ``wanted`` nodes, emptiest tiers first". Every keeper bound
+    answers with a :class:`RosterSample`."""
+
+    kind: ClassVar[Literal["roster_query"]] = "roster_query"
+    request_id: Identifier = ROSTER_ID
+    reply_to: Identifier
+    wanted: Annotated[int, Meta(ge=1, le=MAX_SAMPLE)]
+    #: one instance's resources: only nodes whose room may take it, emptiest tiers
+    #: first (a requestor whose own sample had none); empty: any node, uniformly
+    needs: dict[str, Amount] = field(default_factory=dict)
+
+
+class RosterMember(_Frozen, frozen=True, kw_only=True):
+    """A node as a keeper last heard of it: where to probe it, its tier and its room."""
+
+    name: Identifier
+    address: Identifier
+    tier: Annotated[int, Meta(ge=1, le=100)]
+    room: Room = field(default_factory=dict)
+
+
+class RosterSample(_Message, tag="roster_sample", frozen=True, kw_only=True):
+    """A keeper's answer to a :class:`RosterQuery`: nodes sampled uniformly from the
+    emptiest tiers of its roster. A hint, like every roster: the nodes still decide."""
+
+    kind: ClassVar[Literal["roster_sample"]] = "roster_sample"
+    request_id: Identifier = ROSTER_ID
+    reply_to: Identifier
+    members: tuple[RosterMember, ...] = ()
+
+    def __post_init__(self) -> None:
+        if len(self.members) > MAX_SAMPLE:
+            raise ValueError(f"a sample names at most {MAX_SAMPLE} nodes")
 
 
 class LedgerQuery(_Message, tag="ledger_query", frozen=True, kw_only=True):
@@ -769,6 +827,8 @@ Message = (
     | Freed
     | NodeStatus
     | RollCall
+    | RosterQuery
+    | RosterSample
     | LedgerQuery
     | LedgerReport
 )
@@ -779,7 +839,18 @@ MESSAGE_CLASSES: Final[frozenset[type]] = frozenset(get_args(Message))
 
 #: The kinds only a requestor sends, and the kinds only a node sends.
 REQUESTOR_KINDS: Final = frozenset(
-    {"request", "lookup", "award", "release", "free", "roll_call", "ledger_query"}
+    {
+        "request",
+        "lookup",
+        "award",
+        "release",
+        "free",
+        "roll_call",
+        "ledger_query",
+        # a roster keeper runs with a requestor's credentials
+        "roster_query",
+        "roster_sample",
+    }
 )
 NODE_KINDS: Final = frozenset(
     {

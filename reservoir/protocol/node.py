@@ -68,6 +68,8 @@ from reservoir.protocol.filters import (
 from reservoir.protocol.ledger import Allocation, Inventory, Ledger, Reservation
 from reservoir.protocol.messages import (
     MESSAGE_CLASSES,
+    REJOINED_TOPIC,
+    ROOM_TOPIC,
     ROSTER_TOPIC,
     Accepted,
     AlreadyPlaced,
@@ -147,6 +149,8 @@ class NodeMachine:
         self._bucket_holds: dict[str, set[str]] = {}
         self._bucket_of: dict[str, str] = {}
         self.stopping = False
+        #: a keeper roll-called this node: it publishes every change of room for keepers
+        self._keepers_listen = False
         self._last_status: NodeStatus | None = None
         self._last_status_room: dict[str, int] | None = None
         self._sequence = 0
@@ -197,6 +201,14 @@ class NodeMachine:
         self._schedule_expiry(effects)
         return effects
 
+    def on_unroutable(self, message: Message, now: float) -> list[Effect]:
+        """What the node published reached nobody. A status nobody hears means no keeper
+        listens any more: stop announcing every change of room until one roll-calls the
+        node again (its tier changes are still announced, for requestors)."""
+        if message.kind == "status":
+            self._keepers_listen = False
+        return [Dropped("returned", f"{message.kind} for {message.request_id} reached nobody")]
+
     def stop(self, now: float) -> list[Effect]:
         """Stop hearing requests, withdraw every live reservation, and tell requestors
         the node is leaving."""
@@ -243,6 +255,7 @@ class NodeMachine:
         elif message.kind == "lookup":
             self._on_lookup(message, effects)
         elif message.kind == "roll_call":
+            self._keepers_listen = self._keepers_listen or message.from_keeper
             if not self.stopping:
                 effects.append(Send(message.reply_to, self._status(answering=True)))
         elif message.kind == "ledger_query":
@@ -333,7 +346,9 @@ class NodeMachine:
             status = msgspec.structs.replace(
                 self._status(), rejoined_buckets=bucket_bitmap(buckets)
             )
-            effects.append(Publish(ROSTER_TOPIC, status))
+            # on a topic of its own: every requestor hears it, whether or not it follows
+            # the roster's announcements (a keeper's requestors do not)
+            effects.append(Publish(REJOINED_TOPIC, status))
 
     def _status(self, *, leaving: bool = False, answering: bool = False) -> NodeStatus:
         tier, room = self.tier(), self.ledger.room()
@@ -738,6 +753,10 @@ class NodeMachine:
             # out tells that requestor. Below the last tier the tier itself says enough.
             if _grew(before, room) and self._in_last_tier():
                 effects.append(Publish(ROSTER_TOPIC, self._status()))
+            elif self._keepers_listen and room != before:
+                # Keepers hear every change of room, so that the samples they hand out
+                # are as fresh as a requestor following every announcement would be.
+                effects.append(Publish(ROOM_TOPIC, self._status()))
             return
         # Bind before unbinding so the node is never deaf to every tier at once.
         effects.extend(Bind(topic) for topic in sorted(wanted - self.bound_topics))

@@ -55,9 +55,9 @@ from __future__ import annotations
 
 import math
 from collections import Counter, OrderedDict
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, Literal
 
 import msgspec.structs
 
@@ -78,7 +78,9 @@ from reservoir.protocol.effects import (
 )
 from reservoir.protocol.freeing import Freeing, FreeTarget
 from reservoir.protocol.messages import (
+    KEEPER_TOPIC,
     MESSAGE_CLASSES,
+    REJOINED_TOPIC,
     ROSTER_TOPIC,
     AllocationInfo,
     Award,
@@ -91,6 +93,8 @@ from reservoir.protocol.messages import (
     Release,
     ReservationRequest,
     RollCall,
+    RosterQuery,
+    RosterSample,
     buckets_in,
     lookup_bucket,
     lookup_topic,
@@ -174,6 +178,20 @@ class RequestorConfig:
     probe_rounds: int = 20
     #: seeds the roster's sampling (None: the requestor id), so runs are reproducible
     sample_seed: int | str | None = None
+    #: where the roster comes from (design.md, "The roster"): ``announcements``, every
+    #: node's statuses and a roll call of every node at start (K deliveries per status,
+    #: N answers per start), or ``keeper``, samples from a roster keeper (none bound: the
+    #: requestor falls back to the announcements)
+    roster_from: Literal["announcements", "keeper"] = "announcements"
+    #: with a keeper: nodes asked for per sample, placements between two samples, and
+    #: the most nodes the roster keeps (the least recently sampled go first)
+    keeper_sample: int = 128
+    keeper_refresh_every: int = 32
+    #: with a keeper: nodes asked for when the sample had none that may fit a request
+    keeper_shape_sample: int = 16
+    #: with a keeper: a sample older than this is refreshed at the next placement
+    keeper_refresh_s: float = 10.0
+    roster_limit: int = 1024
 
 
 class LatencyEstimate:
@@ -207,6 +225,15 @@ class RequestorMachine:
         self.counters: Counter[str] = Counter()
         self.latency = LatencyEstimate()
         self._roll_called_at: float | None = None
+        #: whether this requestor follows the nodes' announcements itself (always
+        #: without a keeper; with one, only once it found none)
+        self._follows_announcements = False
+        #: with a keeper: when the sample asked for went out (None: none outstanding),
+        #: placements since the last one, the sampled nodes oldest first
+        self._sample_asked_at: float | None = None
+        self._since_sample = 0
+        self._sample_at = -math.inf
+        self._sampled: OrderedDict[str, None] = OrderedDict()
         self._active: dict[str, Conversation] = {}
         self._finished: OrderedDict[str, Placement | None] = OrderedDict()
         #: the caller-chosen ids placed here, and when their placements were asked for:
@@ -238,14 +265,59 @@ class RequestorMachine:
     # -- driving -----------------------------------------------------------------------
 
     def start(self, now: float) -> list[Effect]:
-        """Hear nodes' announcements, and ask every node where it stands (once: from then
-        on the announcements keep the roster current)."""
+        """Hear of nodes that are back, and fill the roster: from a keeper (one query),
+        or from the announcements, asking every node once where it stands."""
+        effects: list[Effect] = [Bind(REJOINED_TOPIC)]
+        if self.config.roster_from == "keeper":
+            self._ask_keeper(now, effects)
+        else:
+            self._follow_announcements(now, effects)
+        return effects
+
+    def _follow_announcements(self, now: float, effects: list[Effect]) -> None:
+        """Hear every node's statuses, and roll-call them all: O(N) once."""
         call = RollCall(sender=self.config.requestor_id, reply_to=self.config.reply_to)
         self._roll_called_at = now
-        return [
-            Bind(ROSTER_TOPIC),
-            Publish(TierLadder.topic(self.config.tiers.percents[-1]), call),
-        ]
+        self._follows_announcements = True
+        effects.append(Bind(ROSTER_TOPIC))
+        effects.append(Publish(TierLadder.topic(self.config.tiers.percents[-1]), call))
+
+    def _ask_keeper(
+        self, now: float, effects: list[Effect], needs: Mapping[str, int] | None = None
+    ) -> None:
+        """Ask a keeper for a fresh sample, unless one is on its way; with ``needs``, for
+        nodes whose room may take such an instance (asked whatever else is on its way)."""
+        config = self.config
+        asked = self._sample_asked_at
+        if needs is None and asked is not None and now - asked < config.max_widen_s:
+            return
+        self._sample_asked_at = now
+        self._since_sample = 0
+        self.counters["samples_asked"] += 1
+        query = RosterQuery(
+            sender=config.requestor_id,
+            reply_to=config.reply_to,
+            wanted=config.keeper_sample if needs is None else config.keeper_shape_sample,
+            needs=dict(needs or {}),
+        )
+        effects.append(Publish(KEEPER_TOPIC, query))
+
+    def _on_sample(self, sample: RosterSample, now: float) -> None:
+        """A keeper's sample: into the roster, the oldest sampled nodes out past the limit."""
+        asked = self._sample_asked_at
+        if asked is not None and self.latency.samples < _LATENCY_SAMPLES_TRUSTED:
+            # a new requestor's first latency samples, as a roll call's answers would be
+            self.latency.add(now - asked)
+        self._sample_asked_at = None
+        self._sample_at = now
+        sampled = self._sampled
+        for member in sample.members:
+            self.roster.update(member.name, member.address, member.tier, member.room)
+            sampled.pop(member.name, None)
+            sampled[member.name] = None
+        while len(sampled) > self.config.roster_limit:
+            name, _ = sampled.popitem(last=False)
+            self.roster.remove(name)
 
     def place(
         self,
@@ -301,6 +373,12 @@ class RequestorMachine:
             conversation.sampling = self.config.probe_rounds > 0
         self._active[request_id] = conversation
         self._set_timer(conversation, TimerKind.DEADLINE, conversation.deadline, effects)
+        if self._keeps_no_roster():
+            self._since_sample += 1
+            config = self.config
+            stale = now - self._sample_at >= config.keeper_refresh_s
+            if stale or self._since_sample >= config.keeper_refresh_every:
+                self._ask_keeper(now, effects)
         self._broadcast(conversation, now, effects)
         return effects
 
@@ -403,6 +481,8 @@ class RequestorMachine:
         elif message.kind == "freed":
             self.roster.note_room(message.sender, message.room)
             self._frees.on_freed(message, effects)
+        elif message.kind == "roster_sample":
+            self._on_sample(message, now)
         else:
             effects.append(Dropped("unexpected", f"a requestor does not take {message.kind!r}"))
         return effects
@@ -461,6 +541,13 @@ class RequestorMachine:
             return effects
         if isinstance(message, RollCall):
             return effects  # no node is up yet: they announce themselves as they start
+        if isinstance(message, RosterQuery):
+            # No keeper is bound: keep a roster of our own, as without keepers.
+            self._sample_asked_at = None
+            if not self._follows_announcements:
+                self.counters["no_keeper"] += 1
+                self._follow_announcements(now, effects)
+            return effects
         if not isinstance(message, ReservationRequest):
             effects.append(Dropped("unroutable", f"{message.kind} for {message.request_id}"))
             return effects
@@ -540,6 +627,10 @@ class RequestorMachine:
                     self.counters["probe_rounds"] += 1
                     self._probe_nodes(c, [(m.name, m.address) for m in members], now, effects)
                     return
+                if self._keeps_no_roster() and not c.waited_for_sample:
+                    # Before asking every node, ask a keeper for nodes we have not seen.
+                    self._wait_for_sample(c, now, effects)
+                    return
             # Sampling found too little (or nothing to sample): ask every node, tier by
             # tier, so that no node where the request fits goes unasked.
             c.sampling = False
@@ -557,6 +648,20 @@ class RequestorMachine:
             wait_s = min(max(wait_s * config.verdict_factor, config.min_verdict_s),
                          config.max_widen_s)  # fmt: skip
         self._set_timer(c, TimerKind.WIDEN, now + wait_s, effects)
+
+    def _keeps_no_roster(self) -> bool:
+        """Whether the roster comes from a keeper (and not, failing one, from following
+        the announcements)."""
+        return self.config.roster_from == "keeper" and not self._follows_announcements
+
+    def _wait_for_sample(self, c: Conversation, now: float, effects: list[Effect]) -> None:
+        """Sampling found too little: ask a keeper for a fresh sample and sample again
+        once it can be back, rather than ask every node at once."""
+        c.waited_for_sample = True
+        self.counters["sample_waits"] += 1
+        self._ask_keeper(now, effects, needs=c.spec.resources)
+        c.enter(Event.BACK_OFF)
+        self._set_timer(c, TimerKind.RETRY, now + self._widen_wait_s(), effects)
 
     def _request(self, c: Conversation, tier: int) -> ReservationRequest:
         if tier not in c.tiers_tried:

@@ -270,6 +270,20 @@ class Roster:
                         break
         return chosen
 
+    def sample_uniform(self, wanted: int) -> list[Member]:
+        """Up to ``wanted`` distinct members drawn uniformly from every tier and room:
+        O(tiers x rooms + wanted)."""
+        groups = [members for rooms in self._by_tier for members in rooms.values()]
+        population = sum(map(len, groups))
+        if population <= wanted:
+            return [entry.member() for members in groups for entry in members]
+        starts = list(itertools.accumulate((len(members) for members in groups), initial=0))
+        chosen = []
+        for position in self._rng.positions(population, wanted):
+            group = bisect.bisect_right(starts, position) - 1
+            chosen.append(groups[group][position - starts[group]].member())
+        return chosen
+
     def roomier_since(
         self, answers: Mapping[str, HasRoom], needs: Mapping[str, int]
     ) -> list[Member]:

@@ -31,6 +31,7 @@ from reservoir.protocol.effects import DeleteAllocation, Effect, Publish, StoreA
 from reservoir.protocol.filters import Filter, Weigher
 from reservoir.protocol.ledger import Allocation, Inventory
 from reservoir.protocol.messages import (
+    ROSTER_TOPIC,
     Message,
     NodeStatus,
     is_resource_class,
@@ -304,9 +305,16 @@ class NodeAgent(Driver):
             effects = self.machine.handle(message, now)
         return self._logging_tier(effects)
 
+    def _handle_returned(self, message: Message, now: float) -> list[Effect]:
+        return self.machine.on_unroutable(message, now)
+
     def _logging_tier(self, effects: list[Effect]) -> list[Effect]:
-        # The node announces its tier exactly when it changes.
-        if any(isinstance(e, Publish) and isinstance(e.message, NodeStatus) for e in effects):
+        # The node announces its tier on the roster topic exactly when it changes (its
+        # room, for keepers, on a topic of its own).
+        if any(
+            isinstance(e, Publish) and e.topic == ROSTER_TOPIC and isinstance(e.message, NodeStatus)
+            for e in effects
+        ):
             log.info(
                 "node %s now at %.0f%% utilisation: tier %d%%",
                 self.name,

@@ -128,6 +128,7 @@ class Requestor(Driver):
                 min_widen_s=settings.min_widen_s,
                 probe_factor=settings.probe_factor,
                 probe_rounds=settings.probe_rounds,
+                roster_from=settings.roster_from,
             )
         )
         self._placing: dict[str, list[concurrent.futures.Future[Placement]]] = {}
@@ -145,7 +146,7 @@ class Requestor(Driver):
             role="requestor",
         )
         try:
-            # Hear nodes' announcements and ask them all once where they stand.
+            # Fill the roster: from a keeper, or from the nodes' announcements.
             self._run(self.machine.start)
         except BaseException:
             self._let_go()

@@ -10,7 +10,7 @@ made, so a bad key fails at start with the setting's name.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import (
     Field,
@@ -84,6 +84,10 @@ class Settings(BaseSettings):
     #: sampling rounds, each twice as wide, before the exhaustive tier broadcast
     #: (0: always broadcast to whole tiers, as the first version of the protocol did)
     probe_rounds: int = Field(default=20, ge=0, le=40)
+    #: where a requestor's roster comes from: ``announcements`` (every node's statuses,
+    #: and a roll call of every node at start) or ``keeper`` (samples from a roster keeper,
+    #: ``reservoir keeper``; with none running, the announcements): docs/design.md
+    roster_from: Literal["announcements", "keeper"] = "announcements"
     #: how long ``Requestor.reserve`` waits by default
     request_timeout_s: float = Field(default=30.0, gt=0)
     #: where a node agent keeps its durable ledger (None: in memory only)

@@ -17,6 +17,7 @@ from brokers.inprocess import Faults, InProcessBroker
 from reservoir.clock import VirtualScheduler
 from reservoir.protocol.audit import AuditReport, NodeSnapshot, audit
 from reservoir.protocol.placement import Placement
+from reservoir.runtime.keeper import RosterKeeper
 from reservoir.runtime.node_agent import NodeAgent
 from reservoir.runtime.requestor import Requestor
 from reservoir.runtime.settings import Settings
@@ -33,6 +34,7 @@ class Simulation:
         self.settings = settings if settings is not None else Settings()
         self.nodes: dict[str, NodeAgent] = {}
         self.requestors: list[Requestor] = []
+        self.keepers: list[RosterKeeper] = []
         self._closed = False
 
     # -- building ----------------------------------------------------------------------
@@ -64,6 +66,16 @@ class Simulation:
         requestor = Requestor(self.broker, name=name, scheduler=self.scheduler, **kwargs)
         self.requestors.append(requestor)
         return requestor
+
+    def add_keeper(self, name: str | None = None, **kwargs: Any) -> RosterKeeper:
+        """Start a roster keeper; keyword arguments as for :class:`RosterKeeper`."""
+        kwargs.setdefault("settings", self.settings)
+        if name is None:
+            name = f"keeper-{len(self.keepers)}"
+        keeper = RosterKeeper(self.broker, name=name, scheduler=self.scheduler, **kwargs)
+        self.keepers.append(keeper)
+        self.scheduler.run_until_idle()
+        return keeper
 
     # -- running -----------------------------------------------------------------------
 
@@ -118,6 +130,8 @@ class Simulation:
         self._closed = True
         for requestor in self.requestors:
             requestor.close()
+        for keeper in self.keepers:
+            keeper.close()
         for node in self.nodes.values():
             node.close()
         self.scheduler.run_until_idle()

@@ -35,8 +35,8 @@ def a_conversation() -> Conversation:
     )
 
 
-def test_a_new_conversation_can_only_probe_or_broadcast() -> None:
-    assert TRANSITIONS[Phase.NEW] == {Event.PROBE, Event.BROADCAST}
+def test_a_new_conversation_can_only_probe_broadcast_or_wait_for_a_keepers_sample() -> None:
+    assert TRANSITIONS[Phase.NEW] == {Event.PROBE, Event.BROADCAST, Event.BACK_OFF}
     conversation = a_conversation()
     with pytest.raises(ProtocolBug):
         conversation.enter(Event.AWARD)

@@ -33,6 +33,9 @@ from reservoir.protocol.messages import (
     Release,
     ReservationRequest,
     RollCall,
+    RosterMember,
+    RosterQuery,
+    RosterSample,
     encode_message,
 )
 from reservoir.runtime.keys import Key, Keyring, generate, main, parse_keys
@@ -79,6 +82,12 @@ EVERY_KIND: dict[str, Message] = {
         Release(request_id="r1", sender="req", reservation_id="x"),
         Free(request_id="r1", sender="req", reply_to="req"),
         RollCall(sender="req", reply_to="req"),
+        RosterQuery(sender="req", reply_to="req", wanted=4, needs={"VCPU": 1}),
+        RosterSample(
+            sender="keeper",
+            reply_to="keeper",
+            members=(RosterMember(name="n1", address="node.n1", tier=10, room={"VCPU": 3}),),
+        ),
         LedgerQuery(sender="req", reply_to="req", audit_id="a1"),
         Decline(request_id="r1", sender="n1", reply_to="req", attempt=1),
         Assessment(request_id="r1", sender="n1", reply_to="req", slots=0, utilisation=0, tier=10),

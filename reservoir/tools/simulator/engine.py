@@ -59,6 +59,7 @@ from reservoir.protocol.effects import (
     StoreAllocation,
     Unbind,
 )
+from reservoir.protocol.keeper import KeeperConfig, KeeperMachine
 from reservoir.protocol.ledger import Allocation, Inventory
 from reservoir.protocol.messages import Message
 from reservoir.protocol.node import NodeConfig, NodeMachine
@@ -159,11 +160,30 @@ class _Requestor:
         self.timers: dict[Hashable, int] = {}
 
 
-def _requestor_config(name: str, seed: int) -> RequestorConfig:
+class _Keeper:
+    __slots__ = ("address", "index", "machine", "name", "timers")
+    is_node = False
+
+    def __init__(self, index: int, name: str, machine: KeeperMachine) -> None:
+        self.index = index
+        self.name = name
+        self.address = machine.config.reply_to
+        self.machine = machine
+        self.timers: dict[Hashable, int] = {}
+
+
+_Participant = _Node | _Requestor | _Keeper
+
+
+def _requestor_config(name: str, seed: int, keepers: int) -> RequestorConfig:
     """A requestor's configuration; its roster's sampling is seeded from the run's seed
     when the configuration has a seed for it, so runs stay reproducible and ``--seed``
-    changes them."""
-    config = RequestorConfig(requestor_id=name, reply_to=requestor_address(name))
+    changes them. With keepers, it takes its roster from them."""
+    config = RequestorConfig(
+        requestor_id=name,
+        reply_to=requestor_address(name),
+        roster_from="keeper" if keepers else "announcements",
+    )
     if "sample_seed" in {f.name for f in dataclasses.fields(RequestorConfig)}:
         seeded: dict[str, Any] = {"sample_seed": f"{seed}:{name}"}
         config = dataclasses.replace(config, **seeded)
@@ -181,12 +201,16 @@ class ReservoirRun:
         latency: LatencyModel,
         loss: float = 0.0,
         requestors: int = 8,
+        keepers: int = 0,
         seed: int = 0,
         timeout_s: float = 30.0,
         progress: Progress | None = None,
     ) -> None:
         if requestors < 1:
             raise ValueError("at least one requestor is needed")
+        if keepers < 0:
+            raise ValueError("keepers cannot be negative")
+        self.keepers = keepers
         self.cluster = cluster
         self.workload = workload
         self.timeout_s = timeout_s
@@ -202,8 +226,8 @@ class ReservoirRun:
             self._heap, lambda second: (float(second), -1, _SPILL, None, second)
         )
         self.table = BindingTable()
-        self._by_address: dict[str, _Node | _Requestor] = {}
-        self._participants: list[_Node | _Requestor] = []
+        self._by_address: dict[str, _Participant] = {}
+        self._participants: list[_Participant] = []
         self._position: dict[str, int] = {}
         # counters
         self.deliveries: dict[str, int] = {}
@@ -245,7 +269,7 @@ class ReservoirRun:
 
     # -- building ----------------------------------------------------------------------
 
-    def _add(self, participant: _Node | _Requestor) -> None:
+    def _add(self, participant: _Participant) -> None:
         self._by_address[participant.address] = participant
         self._position[participant.address] = len(self._participants)
         self._participants.append(participant)
@@ -296,9 +320,18 @@ class ReservoirRun:
             self._nodes.append(node)
             self._add(node)
         self.result.prefilled = len(workload.prefill_node)
+        self._keepers: list[_Keeper] = []
+        for k in range(self.keepers):
+            name = f"keeper-{k}"
+            keeper = KeeperMachine(
+                KeeperConfig(keeper_id=name, reply_to=requestor_address(name),
+                             sample_seed=f"{seed}:{name}")
+            )  # fmt: skip
+            self._keepers.append(_Keeper(len(self._participants), name, keeper))
+            self._add(self._keepers[-1])
         self._requestors: list[_Requestor] = []
         for name in requestor_names:
-            machine = RequestorMachine(_requestor_config(name, seed))
+            machine = RequestorMachine(_requestor_config(name, seed, self.keepers))
             requestor = _Requestor(len(self._participants), name, machine)
             self._requestors.append(requestor)
             self._add(requestor)
@@ -316,15 +349,24 @@ class ReservoirRun:
     def _run(self) -> RunResult:
         started = time.perf_counter()
         workload = self.workload
-        # Requestors first: each node's first announcement, one publish on the roster
-        # topic, then reaches every requestor, where requestors starting after the nodes
-        # would each roll-call all of them (K x N answers, one by one).
-        for requestor in self._requestors:
-            start = getattr(requestor.machine, "start", None)
-            if callable(start):
-                self._apply(requestor, start(0.0), 0.0)
-        for node in self._nodes:
-            self._apply(node, node.machine.start(0.0), 0.0)
+        if self._keepers:
+            # Keepers, then nodes, whose first announcements fill the keepers' rosters;
+            # requestors once that is done, each asking a keeper for a sample.
+            for keeper in self._keepers:
+                self._apply(keeper, keeper.machine.start(0.0), 0.0)
+            for node in self._nodes:
+                self._apply(node, node.machine.start(0.0), 0.0)
+            self._loop(min(workload.start_s, 0.5))
+            for requestor in self._requestors:
+                self._apply(requestor, requestor.machine.start(self.now), self.now)
+        else:
+            # Requestors first: each node's first announcement, one publish on the roster
+            # topic, then reaches every requestor, where requestors starting after the
+            # nodes would each roll-call all of them (K x N answers, one by one).
+            for requestor in self._requestors:
+                self._apply(requestor, requestor.machine.start(0.0), 0.0)
+            for node in self._nodes:
+                self._apply(node, node.machine.start(0.0), 0.0)
         # start-up (roll calls, first announcements) is not what the run measures
         self._loop(workload.start_s)
         self.deliveries.clear()
@@ -397,20 +439,20 @@ class ReservoirRun:
                 observe(who, at)
         self.events += events
 
-    def _transmit(self, target: _Node | _Requestor, message: Message, now: float) -> None:
+    def _transmit(self, target: _Participant, message: Message, now: float) -> None:
         if self._loss and self._rng.random() < self._loss:
             self.lost += 1
             return
         self._sequence += 1
         heapq.heappush(self._heap, (now + self._draw(), self._sequence, _DELIVER, target, message))
 
-    def _bounce(self, sender: _Node | _Requestor, message: Message, now: float) -> None:
+    def _bounce(self, sender: _Participant, message: Message, now: float) -> None:
         kind = message.kind
         self.unroutable[kind] = self.unroutable.get(kind, 0) + 1
         if not sender.is_node:
             self._push(now + self._draw(), _UNROUTABLE, sender, message)
 
-    def _apply(self, who: _Node | _Requestor, effects: list[Effect], now: float) -> None:
+    def _apply(self, who: _Participant, effects: list[Effect], now: float) -> None:
         for effect in effects:
             cls = type(effect)
             if cls is Send:
@@ -449,7 +491,7 @@ class ReservoirRun:
                 reason = f"unknown effect {cls.__name__}"
                 self.dropped[reason] = self.dropped.get(reason, 0) + 1
 
-    def _publish(self, who: _Node | _Requestor, effect: Publish, now: float) -> None:
+    def _publish(self, who: _Participant, effect: Publish, now: float) -> None:
         message = effect.message
         kind = message.kind
         self.publishes[kind] = self.publishes.get(kind, 0) + 1
@@ -526,7 +568,7 @@ class ReservoirRun:
         if self._progress is not None and (i + 1) % PROGRESS_EVERY == 0:
             self._progress(PROGRESS_EVERY)
 
-    def _placed(self, requestor: _Node | _Requestor, effect: Placed, now: float) -> None:
+    def _placed(self, requestor: _Participant, effect: Placed, now: float) -> None:
         i = self._pending.pop(effect.request_id, None)
         if i is None:
             return  # a repeat answer for an id placed before: not a new placement

@@ -56,6 +56,8 @@ class SimulationConfig:
     systems: tuple[str, ...] = SYSTEMS
     schedulers: int = 8
     requestors: int = 8
+    #: reservoir: roster keepers (0: every requestor follows the announcements itself)
+    keepers: int = 0
     refresh_s: float = 1.0
     probes: int = 2
     max_attempts: int = 3
@@ -225,6 +227,7 @@ def _run(
             latency=config.latency,
             loss=config.loss,
             requestors=config.requestors,
+            keepers=config.keepers,
             seed=config.seed,
             timeout_s=config.timeout_s,
             progress=advance,

@@ -1,0 +1,91 @@
+"""``RosterKeeper``: a roster keeper, live (``reservoir keeper``).
+
+It drives a :class:`~reservoir.protocol.keeper.KeeperMachine` with a broker endpoint named
+like a requestor's (``reservoir.requestor.<name>``: it runs with a requestor's credentials)
+and answers the samples requestors ask for. It holds nothing a placement depends on: run
+one or two per cluster (every keeper bound answers each query), restart them at will.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Hashable
+
+from brokers import BrokerUrl
+from reservoir.broker import Broker
+from reservoir.clock import Scheduler
+from reservoir.observe.metrics import Metrics
+from reservoir.protocol.addresses import requestor_address
+from reservoir.protocol.effects import Effect
+from reservoir.protocol.keeper import KeeperConfig, KeeperMachine
+from reservoir.protocol.messages import Message
+from reservoir.runtime.driver import Driver
+from reservoir.runtime.settings import Settings
+
+__all__ = ["RosterKeeper"]
+
+log = logging.getLogger("reservoir.keeper")
+
+
+class RosterKeeper(Driver):
+    """Follows every node's announcements and hands requestors samples of them."""
+
+    def __init__(
+        self,
+        broker: Broker | BrokerUrl | str | None = None,
+        *,
+        name: str | None = None,
+        settings: Settings | None = None,
+        scheduler: Scheduler | None = None,
+        metrics: Metrics | None = None,
+    ) -> None:
+        settings = settings if settings is not None else Settings()
+        self.name = name or f"keeper-{secrets.token_hex(4)}"
+        address = requestor_address(self.name)
+        self.machine = KeeperMachine(
+            KeeperConfig(keeper_id=self.name, reply_to=address, tiers=settings.ladder)
+        )
+        super().__init__(
+            broker=broker,
+            settings=settings,
+            scheduler=scheduler,
+            metrics=metrics,
+            endpoint_name=address,
+            role="requestor",
+        )
+        try:
+            self._run(self.machine.start)
+        except BaseException:
+            self._let_go()
+            raise
+
+    def nodes_known(self) -> int:
+        """How many nodes the keeper's roster holds."""
+        with self._lock:
+            return len(self.machine.roster)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        with self._lock:
+            self._closed = True
+            self._cancel_all_timers()
+        self._let_go()
+
+    def __enter__(self) -> RosterKeeper:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- driver hooks ------------------------------------------------------------------
+
+    def _handle_message(self, message: Message, now: float) -> list[Effect]:
+        return self.machine.handle(message, now)
+
+    def _handle_returned(self, message: Message, now: float) -> list[Effect]:
+        return self.machine.on_unroutable(message, now)
+
+    def _handle_timer(self, key: Hashable, now: float) -> list[Effect]:
+        return self.machine.on_timer(key, now)

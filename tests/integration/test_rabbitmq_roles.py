@@ -42,6 +42,7 @@ from brokers.kombu_broker import KombuBroker
 from brokers.pika_broker import PikaBroker
 from reservoir import NodeAgent, Requestor, audit
 from reservoir.broker import Broker, Delivery, Endpoint, Handler
+from reservoir.runtime.keeper import RosterKeeper
 from reservoir.runtime.settings import Settings
 
 pytestmark = pytest.mark.rabbitmq
@@ -51,6 +52,7 @@ DEFINITIONS = Path(__file__).parents[2] / "deploy" / "rabbitmq" / "definitions.j
 EXAMPLE_PASSWORDS = {
     "reservoir-requestor": "requestor-example-change-me",
     "reservoir-node": "node-example-change-me",
+    "reservoir-keeper": "keeper-example-change-me",
 }
 WAIT_S = 10.0
 
@@ -64,6 +66,7 @@ class Roles:
     vhost: str
     requestor: str
     node: str
+    keeper: str
     passwords: dict[str, str]
 
     def url(self, user: str, scheme: str = "amqp") -> str:
@@ -136,6 +139,7 @@ def roles(
     users = {
         "reservoir-requestor": f"reservoir-requestor-{run_id}",
         "reservoir-node": f"reservoir-node-{run_id}",
+        "reservoir-keeper": f"reservoir-keeper-{run_id}",
     }
     parts = urlsplit(reservoir_amqp_url)
     try:
@@ -150,6 +154,7 @@ def roles(
             vhost=vhost,
             requestor=users["reservoir-requestor"],
             node=users["reservoir-node"],
+            keeper=users["reservoir-keeper"],
             passwords={users[name]: password for name, password in EXAMPLE_PASSWORDS.items()},
         )
     finally:
@@ -297,11 +302,13 @@ def test_requestor_may_publish_requests_and_lookups_hear_the_roster_and_send_to_
 ) -> None:
     channel = allowed(as_requestor, lambda ch: ch.basic_publish("reservoir", "tier.10", b"request"))
     channel.basic_publish("reservoir", "lookup.0a1b", b"lookup")
+    channel.basic_publish("reservoir", "keeper", b"a roster query")
     channel.basic_publish("reservoir.inbox", "reservoir.node.x", b"award")
     name = f"reservoir.requestor.{uuid.uuid4().hex[:8]}"
     channel.queue_declare(name, exclusive=True)
     channel.queue_bind(name, "reservoir.inbox", routing_key=name)
     channel.queue_bind(name, "reservoir", routing_key="roster")
+    channel.queue_bind(name, "reservoir", routing_key="rejoined")
     channel.basic_consume(name, lambda *_: None, auto_ack=True)
 
 
@@ -320,6 +327,12 @@ def test_requestor_may_do_nothing_else(as_requestor: pika.BlockingConnection) ->
         channel.queue_bind(name, "reservoir", routing_key="tier.10")
 
     refused(as_requestor, bind_tier)  # no listening to other requestors' requests
+
+    def bind_keeper_topic(channel: Any) -> None:
+        channel.queue_declare(name, exclusive=True)
+        channel.queue_bind(name, "reservoir", routing_key="keeper")
+
+    refused(as_requestor, bind_keeper_topic)  # no answering for a keeper
     refused(as_requestor, lambda ch: ch.queue_declare("reservoir.node.x", exclusive=True))
     refused(as_requestor, lambda ch: ch.exchange_delete("reservoir"))
 
@@ -401,6 +414,41 @@ def test_a_placement_with_per_role_credentials(
     assert {address for address, _ in received} == {f"reservoir.node.{name}"}
     assert any(d.topic is not None and d.topic.startswith("tier.") for _, d in received)
     assert any(d.topic is None for _, d in received)
+
+
+def test_a_placement_through_a_keeper_with_per_role_credentials(roles: Roles) -> None:
+    # The keeper's user is listed with the requestors' (it speaks the requestor role).
+    settings = Settings(
+        requestor_users=frozenset({roles.requestor, roles.keeper}),
+        node_users=frozenset({roles.node}),
+        roster_from="keeper",
+    )
+    node_broker = PikaBroker(roles.url(roles.node), connect_attempts=1)
+    keeper_broker = PikaBroker(roles.url(roles.keeper), connect_attempts=1)
+    requestor_broker = PikaBroker(roles.url(roles.requestor), connect_attempts=1)
+    name = f"roles-{uuid.uuid4().hex[:8]}"
+    try:
+        with RosterKeeper(keeper_broker, settings=settings) as keeper:
+            node = NodeAgent(node_broker, name=name, vcpus=4, memory_mb=4096, settings=settings)
+            try:
+                deadline = time.monotonic() + WAIT_S
+                while keeper.nodes_known() < 1 and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                assert keeper.nodes_known() == 1
+                with Requestor(requestor_broker, settings=settings) as requestor:
+                    placement = requestor.reserve(vcpus=1, timeout_s=WAIT_S)
+                    assert placement.nodes == (name,)
+                    assert requestor.metrics.get("received", "roster_sample") >= 1
+                    assert requestor.metrics.get("sent", "roll_call") == 0
+                    audit([node.snapshot()], [placement]).raise_if_failed(allow_orphans=False)
+                    requestor.release(placement)
+                audit([node.snapshot()]).raise_if_failed(allow_orphans=False)
+            finally:
+                node.close()
+    finally:
+        requestor_broker.close()
+        keeper_broker.close()
+        node_broker.close()
 
 
 class Inbox:

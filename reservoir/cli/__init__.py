@@ -17,6 +17,7 @@ from reservoir.cli import (
     demo,
     free,
     inspect,
+    keeper,
     node,
     nodes,
     request,
@@ -30,6 +31,7 @@ __all__ = ["main"]
 for command in (
     demo.demo,
     node.node,
+    keeper.keeper,
     request.request,
     free.free,
     inspect.inspect,

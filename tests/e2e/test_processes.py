@@ -350,3 +350,38 @@ def test_free_without_a_node_frees_wherever_the_request_holds_allocations(
     for name in list(cluster.nodes):
         cluster.stop(name)
         assert cluster.allocations(name) == []
+
+
+def test_requestors_take_their_roster_from_a_keeper_process(cluster: Cluster) -> None:
+    keeper = subprocess.Popen(
+        [sys.executable, "-m", "reservoir.cli", "keeper", "--name", "k1"],
+        env=cluster.env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    try:
+        assert keeper.stderr is not None
+        assert "keeper k1: ready" in keeper.stderr.readline()
+        cluster.start_node("a", vcpus=4, memory_mb=8192)
+        cluster.start_node("b", vcpus=4, memory_mb=8192)
+        keeping = {**cluster.env, "RESERVOIR_ROSTER_FROM": "keeper"}
+        placed = []
+        for _ in range(3):
+            done = reservoir("request", "--json", "--timeout", "20", "--vcpus", "2",
+                             "--memory-mb", "1024", env=keeping)  # fmt: skip
+            assert done.returncode == 0, done.stderr
+            placed.append(json.loads(done.stdout))
+        assert sorted(a["node"] for p in placed for a in p["allocations"])[-1] in ("a", "b")
+        keeper.send_signal(signal.SIGTERM)
+        assert keeper.wait(timeout=20) == 0
+        assert "keeper k1: stopped, 2 node(s) known" in keeper.stderr.read()
+        # with no keeper, a requestor follows the announcements itself: it still places
+        done = reservoir("request", "--json", "--timeout", "20", "--vcpus", "1",
+                         "--memory-mb", "512", env=keeping)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        placed.append(json.loads(done.stdout))
+        for name in list(cluster.nodes):
+            cluster.stop(name)
+        audit_nodes(cluster, placed, {p["request_id"]: 1 for p in placed})
+    finally:
+        if keeper.poll() is None:
+            keeper.kill()
+            keeper.wait(timeout=10)

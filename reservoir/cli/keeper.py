@@ -1,0 +1,85 @@
+"""``reservoir keeper``: a roster keeper, until a signal stops it."""
+
+from __future__ import annotations
+
+import secrets
+import signal
+import threading
+from collections.abc import Callable
+from types import FrameType
+
+import click
+
+from reservoir.broker import BrokerError
+from reservoir.cli.options import broker_option, cannot_reach_broker, load_settings, shown_url
+
+
+@click.command()
+@broker_option()
+@click.option(
+    "--name",
+    default=None,
+    help="The keeper's name; its inbox is reservoir.requestor.NAME [default: keeper-<random>].",
+)
+@click.option(
+    "--connect-attempts",
+    type=click.IntRange(0),
+    default=0,
+    show_default=True,
+    help="Give up after this many failed attempts to reach the broker (0: keep trying, "
+    "with backoff up to 15 s between attempts, until stopped).",
+)
+def keeper(broker_url: str | None, name: str | None, connect_attempts: int) -> None:
+    """Run a roster keeper until SIGTERM or SIGINT.
+
+    A keeper follows every node's announcements so that requestors need not: a requestor
+    started with RESERVOIR_ROSTER_FROM=keeper asks a keeper for a sample of the nodes
+    rather than hearing every node's every status and roll-calling them all at start
+    (docs/design.md, "The roster"). It holds nothing a placement depends on: run one or
+    two per cluster, and restart them at will. With none running, such requestors
+    follow the announcements themselves.
+    """
+    from reservoir.observe.logs import say
+    from reservoir.runtime.backoff import quietly_connecting, until_connected
+    from reservoir.runtime.keeper import RosterKeeper
+
+    settings = load_settings(broker_url=broker_url)
+    name = name or f"keeper-{secrets.token_hex(4)}"
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    def start_keeper() -> RosterKeeper:
+        with quietly_connecting():
+            return RosterKeeper(settings.broker_url, name=name, settings=settings)
+
+    try:
+        running = until_connected(start_keeper, connect_attempts, stop, on_wait=_say_waiting(name))
+    except BrokerError as error:
+        cannot_reach_broker(error)
+    if running is None:
+        say(f"keeper {name}: stopped before the broker answered")
+        return
+    say(f"keeper {name}: ready on {shown_url(settings.broker_url)}")
+    try:
+        stop.wait()
+    finally:
+        known = running.nodes_known()
+        running.close()
+        say(f"keeper {name}: stopped, {known} node(s) known")
+
+
+def _say_waiting(name: str) -> Callable[[int, BaseException, float], None]:
+    from reservoir.observe.logs import say as say_line
+
+    def say(attempt: int, error: BaseException, wait_s: float) -> None:
+        say_line(
+            f"keeper {name}: cannot reach the broker: {error} (attempt {attempt}); "
+            f"retrying in {wait_s:.1f} s"
+        )
+
+    return say

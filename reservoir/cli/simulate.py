@@ -123,6 +123,16 @@ def _parse_latency(ctx: click.Context, param: click.Parameter, value: str) -> An
     "rather than following every node's announcements (docs/design.md, 'The roster').",
 )
 @click.option(
+    "--requestor-restarts-per-s",
+    "restarts_per_s",
+    default=0.0,
+    show_default=True,
+    type=click.FloatRange(0.0, 1000.0),
+    help="reservoir: requestors replaced by new ones per second of arrivals, as in a "
+    "rolling deploy (each new one starts as a requestor does; the old one finishes what "
+    "it has in flight).",
+)
+@click.option(
     "--latency-ms",
     "latency",
     default="1",
@@ -179,6 +189,7 @@ def simulate(
     probes: int,
     requestors: int,
     keepers: int,
+    restarts_per_s: float,
     latency: Any,
     loss: float,
     lifetime_s: float,
@@ -219,6 +230,7 @@ def simulate(
         schedulers=schedulers,
         requestors=requestors,
         keepers=keepers,
+        requestor_restarts_per_s=restarts_per_s,
         refresh_s=refresh_s,
         probes=probes,
         latency=latency,

@@ -277,3 +277,43 @@ def test_the_default_jobs_give_each_long_run_a_worker_as_memory_allows(
     monkeypatch.setattr(runner, "cores", lambda: cores)
     monkeypatch.setattr(runner, "available_memory_bytes", lambda: memory_gib * 2**30)
     assert runner.default_jobs(config) == expected
+
+
+def keeper_run(requestors: int, keepers: int, restarts_per_s: float = 0.0) -> ReservoirRun:
+    cluster = make_cluster(80, seed=1)
+    workload = make_workload(
+        cluster, offered_load=0.9, requests=1200, seed=1, mean_lifetime_s=600.0
+    )
+    return ReservoirRun(
+        cluster, workload, latency=ONE_MS, seed=1, requestors=requestors, keepers=keepers,
+        requestor_restarts_per_s=restarts_per_s,
+    )  # fmt: skip
+
+
+def test_with_a_keeper_the_roster_costs_the_same_with_one_requestor_and_with_many() -> None:
+    rows = {(k, keepers): keeper_run(k, keepers).run().row() for k in (1, 32) for keepers in (0, 1)}
+    for row in rows.values():
+        assert row["audit_ok"] is True and row["false_failures"] == 0
+    # announcements: every status reaches every requestor
+    assert (
+        rows[32, 0]["roster_messages_per_placement"]
+        > 10 * rows[1, 0]["roster_messages_per_placement"]
+    )
+    # a keeper: about the same whatever the requestors
+    assert rows[32, 1]["messages_per_placement"] <= 1.5 * rows[1, 1]["messages_per_placement"]
+    assert rows[32, 1]["success_rate"] >= rows[32, 0]["success_rate"] - 0.01
+
+
+def test_a_requestors_start_costs_two_messages_a_keeper_and_two_per_node_without() -> None:
+    assert keeper_run(4, 1).run().row()["requestor_start_messages"] == 2
+    assert keeper_run(4, 0).run().row()["requestor_start_messages"] == 2 * 80
+
+
+def test_requestors_restarting_through_the_run_lose_no_placement() -> None:
+    steady = keeper_run(8, 1).run().row()
+    simulation = keeper_run(8, 1, restarts_per_s=0.5)
+    churned = simulation.run().row()
+    assert churned["requestor_restarts"] > 100
+    assert simulation.audit_report.ok, simulation.audit_report
+    assert churned["false_failures"] == 0
+    assert churned["placed"] >= steady["placed"] - 2

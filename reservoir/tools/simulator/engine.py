@@ -67,9 +67,9 @@ from reservoir.protocol.placement import PlacedAllocation, Placement, PlacementR
 from reservoir.protocol.requestor import RequestorConfig, RequestorMachine
 from reservoir.tools.simulator.calendar import LaterSeconds
 from reservoir.tools.simulator.capacity import FreeIndex
-from reservoir.tools.simulator.memory import collector_paused
+from reservoir.tools.simulator.memory import collector_paused, roster_bytes_per_entry
 from reservoir.tools.simulator.network import LatencyModel
-from reservoir.tools.simulator.results import RunResult
+from reservoir.tools.simulator.results import ROSTER_KINDS, RunResult
 from reservoir.tools.simulator.workload import Cluster, Workload
 
 __all__ = ["ReservoirRun", "broadcasts_of", "node_address", "requestor_address"]
@@ -83,6 +83,10 @@ _ARRIVE: Final = 4
 _DEPART: Final = 5
 _PREFILL_DEPART: Final = 6
 _SPILL: Final = 7  # a second's later events go into the heap (calendar.LaterSeconds)
+_RESTART: Final = 8  # a requestor is replaced by a new one (a rolling deploy)
+
+#: how long after a requestor's start its cost is counted (answers take a round trip)
+START_WINDOW_S: Final = 2.0
 
 #: how often (in arrivals) the progress callback hears of the run
 PROGRESS_EVERY: Final = 500
@@ -202,6 +206,7 @@ class ReservoirRun:
         loss: float = 0.0,
         requestors: int = 8,
         keepers: int = 0,
+        requestor_restarts_per_s: float = 0.0,
         seed: int = 0,
         timeout_s: float = 30.0,
         progress: Progress | None = None,
@@ -210,7 +215,13 @@ class ReservoirRun:
             raise ValueError("at least one requestor is needed")
         if keepers < 0:
             raise ValueError("keepers cannot be negative")
+        if requestor_restarts_per_s < 0:
+            raise ValueError("requestor restarts per second cannot be negative")
         self.keepers = keepers
+        self._restarts_per_s = requestor_restarts_per_s
+        self._seed = seed
+        #: requestors replaced by new ones: they finish what they had in flight
+        self._retired: list[_Requestor] = []
         self.cluster = cluster
         self.workload = workload
         self.timeout_s = timeout_s
@@ -382,11 +393,50 @@ class ReservoirRun:
             self._push(workload.arrival_s[0], _ARRIVE, None, 0)
         if workload.prefill_depart_s:
             self._push(workload.prefill_depart_s[0], _PREFILL_DEPART, None, 0)
+        if self._restarts_per_s > 0:
+            self._push(self._next_restart_s(workload.start_s), _RESTART, None, 0)
         ttl_s = self._requestors[0].machine.config.ttl_s
         end_s = workload.end_s + self.timeout_s + 3 * ttl_s + 1.0
         self._loop(end_s)
+        end_s = self._measure_a_start(end_s)
         self._finish(end_s, started)
         return self.result
+
+    # -- requestors coming and going -----------------------------------------------------
+
+    def _new_requestor(self, name: str, now: float) -> _Requestor:
+        machine = RequestorMachine(_requestor_config(name, self._seed, self.keepers))
+        requestor = _Requestor(len(self._participants), name, machine)
+        self._add(requestor)
+        self._apply(requestor, machine.start(now), now)
+        return requestor
+
+    def _next_restart_s(self, after_s: float) -> float:
+        return after_s + self._rng.expovariate(self._restarts_per_s)
+
+    def _restart(self, n: int, now: float) -> None:
+        """A rolling deploy's step: one requestor makes way for a new one, which takes its
+        share of the arrivals; the old one finishes what it has in flight."""
+        k = self._rng.randrange(len(self._requestors))
+        old = self._requestors[k]
+        self._retired.append(old)
+        # It hears no more announcements (its process is on its way out); what it has
+        # in flight is answered at its address, and it frees what it placed.
+        self.table.unbind_all(old.address)
+        self._requestors[k] = self._new_requestor(f"{old.name.split('.')[0]}.r{n + 1}", now)
+        next_s = self._next_restart_s(now)
+        if next_s <= self.workload.end_s:
+            self._push(next_s, _RESTART, None, n + 1)
+
+    def _measure_a_start(self, end_s: float) -> float:
+        """Start one more requestor once the run is over and count what the start costs
+        (every delivery of the next :data:`START_WINDOW_S`: nothing else is in flight).
+        Returns the new end of the run."""
+        before = sum(self.deliveries.values())
+        self._new_requestor("requestor-started-last", end_s)
+        self._loop(end_s + START_WINDOW_S)
+        self.result.start_messages = sum(self.deliveries.values()) - before
+        return end_s + START_WINDOW_S
 
     def _loop(self, until_s: float) -> None:
         heap = self._heap
@@ -429,6 +479,9 @@ class ReservoirRun:
             elif code == _SPILL:
                 self._later.spill(payload)
                 events -= 1  # a marker, not an event of the run
+                continue
+            elif code == _RESTART:
+                self._restart(payload, at)
                 continue
             else:
                 self._prefill_depart(payload, at)
@@ -661,13 +714,20 @@ class ReservoirRun:
         }
         self.audit_report = report
         result.deliveries_by_kind = dict(self.deliveries)
+        rosters = [len(r.machine.roster) for r in (*self._requestors, *self._retired)]
+        result.roster_entries = max(rosters)
+        result.roster_bytes = result.roster_entries * roster_bytes_per_entry()
+        result.roster_messages = sum(
+            count for kind, count in self.deliveries.items() if kind in ROSTER_KINDS
+        )
+        result.restarts = len(self._retired)
         result.publishes_by_kind = dict(self.publishes)
         result.sends_by_kind = dict(self.sends)
         result.messages = sum(self.deliveries.values())
         result.dropped_by_reason = dict(self.dropped)
         result.unroutable_by_kind = dict(self.unroutable)
         result.reschedules = self.deliveries.get("refused", 0)
-        machines = [r.machine for r in self._requestors]
+        machines = [r.machine for r in (*self._requestors, *self._retired)]
         result.broadcasts = broadcasts_of(machines, self.publishes) - self._broadcasts_before
         result.tier_broadcasts = self.publishes.get("request", 0)
         result.probes = self.sends.get("request", 0)

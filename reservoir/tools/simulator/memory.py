@@ -14,7 +14,7 @@ import gc
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["collector_paused"]
+__all__ = ["collector_paused", "roster_bytes_per_entry"]
 
 
 @contextmanager
@@ -27,3 +27,26 @@ def collector_paused() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
+
+
+def roster_bytes_per_entry(entries: int = 20_000) -> float:
+    """What one node costs a requestor's roster, measured: a roster of ``entries`` nodes
+    with names and addresses like the simulator's, built under tracemalloc."""
+    import tracemalloc
+
+    from reservoir.protocol.addresses import node_address
+    from reservoir.protocol.roster import Roster, Sampler
+    from reservoir.protocol.tiers import DEFAULT_LADDER
+
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        roster = Roster(DEFAULT_LADDER, Sampler(0))
+        for i in range(entries):
+            name = f"node-{i}"
+            roster.update(name, node_address(name), 100, {"VCPU": i % 6, "MEMORY_MB": i % 12})
+        used = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    del roster
+    return used / entries

@@ -19,6 +19,16 @@ This module owns :class:`RunResult` and the definitions of the reported figures:
   reservations over the arrival window (0 for the baselines, which reserve nothing);
 - ``fill_at_first_failure``: fraction of the VCPUs allocated when the first request
   failed (None when none did);
+- ``roster_messages_per_placement`` (reservoir only): the deliveries that keep rosters
+  (nodes' statuses, roll calls, keepers' queries and samples), the part that grows with
+  the requestors when every requestor follows the announcements;
+  ``conversation_messages_per_placement``: every other delivery;
+- ``requestor_start_messages`` (reservoir only): the deliveries in the two virtual seconds
+  after one more requestor starts at the end of the run, when nothing else is in flight:
+  what a requestor's start (a deploy's restart) costs; ``roster_entries_max``: the largest
+  requestor roster at the end; ``roster_mb_max``: its memory, at the bytes per entry
+  measured (tracemalloc) in the same run; ``requestor_restarts``: requestors replaced by
+  new ones during the arrivals (``--requestor-restarts-per-s``);
 - ``broadcasts_per_placement`` (reservoir only): how often a requestor fell back to
   broadcasting (the exhaustive step; see ``reservoir.tools.simulator.engine.broadcasts_of``),
   per placement; ``tier_broadcasts_per_placement``: every ``Publish`` of a
@@ -33,7 +43,10 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ROW_KEYS", "RunResult"]
+__all__ = ["ROSTER_KINDS", "ROW_KEYS", "RunResult"]
+
+#: the message kinds that keep requestors' rosters rather than place a request
+ROSTER_KINDS = frozenset({"status", "roll_call", "roster_query", "roster_sample"})
 
 #: The keys of every row, in the order tables show them.
 ROW_KEYS = (
@@ -49,6 +62,12 @@ ROW_KEYS = (
     "reschedules_per_placement",
     "messages_per_placement",
     "state_messages_per_placement",
+    "roster_messages_per_placement",
+    "conversation_messages_per_placement",
+    "requestor_start_messages",
+    "roster_entries_max",
+    "roster_mb_max",
+    "requestor_restarts",
     "reserved_fraction",
     "fill_at_first_failure",
     "broadcasts_per_placement",
@@ -80,6 +99,12 @@ class RunResult:
     reschedules: int = 0
     messages: int = 0
     state_messages: int = 0
+    #: reservoir: the deliveries of :data:`ROSTER_KINDS`
+    roster_messages: int | None = None
+    start_messages: int | None = None
+    roster_entries: int | None = None
+    roster_bytes: float | None = None
+    restarts: int | None = None
     reserved_fraction: float = 0.0
     fill_at_first_failure: float | None = None
     broadcasts: int | None = None
@@ -141,6 +166,18 @@ class RunResult:
             "reschedules_per_placement": rounded(self.reschedules / per),
             "messages_per_placement": rounded(self.messages / per, 2),
             "state_messages_per_placement": rounded(self.state_messages / per, 2),
+            "roster_messages_per_placement": None
+            if self.roster_messages is None
+            else rounded(self.roster_messages / per, 2),
+            "conversation_messages_per_placement": None
+            if self.roster_messages is None
+            else rounded((self.messages - self.roster_messages) / per, 2),
+            "requestor_start_messages": self.start_messages,
+            "roster_entries_max": self.roster_entries,
+            "roster_mb_max": None
+            if self.roster_bytes is None
+            else rounded(self.roster_bytes / 1e6, 3),
+            "requestor_restarts": self.restarts,
             "reserved_fraction": rounded(self.reserved_fraction, 6),
             "fill_at_first_failure": rounded(self.fill_at_first_failure),
             "broadcasts_per_placement": None

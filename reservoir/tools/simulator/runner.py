@@ -58,6 +58,8 @@ class SimulationConfig:
     requestors: int = 8
     #: reservoir: roster keepers (0: every requestor follows the announcements itself)
     keepers: int = 0
+    #: reservoir: requestors replaced by new ones per second of arrivals (a rolling deploy)
+    requestor_restarts_per_s: float = 0.0
     refresh_s: float = 1.0
     probes: int = 2
     max_attempts: int = 3
@@ -228,6 +230,7 @@ def _run(
             loss=config.loss,
             requestors=config.requestors,
             keepers=config.keepers,
+            requestor_restarts_per_s=config.requestor_restarts_per_s,
             seed=config.seed,
             timeout_s=config.timeout_s,
             progress=advance,

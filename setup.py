@@ -23,6 +23,7 @@ COMPILED = [
     "reservoir/protocol/conversation.py",
     "reservoir/protocol/dry_run.py",
     "reservoir/protocol/effects.py",
+    "reservoir/protocol/finding.py",
     "reservoir/protocol/freeing.py",
     "reservoir/protocol/keeper.py",
     "reservoir/protocol/ledger.py",

@@ -25,8 +25,8 @@ What it shows:
 
 Endpoints: ``POST /servers`` (201 with the placement; 409 with the explanation when the
 nodes cannot take it; 504 when the request times out; 422 for a bad body),
-``DELETE /servers/{request_id}`` (204, or 404 for an id this process did not place) and
-``GET /healthz`` (the requestor's in-flight count).
+``DELETE /servers/{request_id}`` (204, or 404 for an id no node holds, whichever replica
+placed it) and ``GET /healthz`` (the requestor's in-flight count).
 
 Running it::
 
@@ -180,7 +180,7 @@ class Health(BaseModel):
     status: Literal["ok"] = "ok"
     #: requests the requestor is placing right now
     in_flight: int
-    #: placements this process made and has not freed
+    #: placements in this process's cache (made here, not freed or found gone since)
     placements: int
 
 
@@ -256,13 +256,16 @@ def create_app(
     @app.delete(
         "/servers/{request_id}",
         status_code=status.HTTP_204_NO_CONTENT,
-        responses={404: {"description": "this service holds no such placement"}},
+        responses={404: {"description": "no node holds such a placement"}},
     )
     async def delete_servers(request_id: str, request: Request) -> Response:
+        # whichever process placed it: the nodes are asked what they hold of the id
         try:
             await current_service(request).release(request_id)
         except FreeIncomplete as error:
             raise HTTPException(status.HTTP_502_BAD_GATEWAY, str(error)) from error
+        except ValueError as error:  # an id no node would accept
+            raise HTTPException(422, str(error)) from error
         return Response(status_code=status.HTTP_204_NO_CONTENT)
 
     @app.get("/healthz")

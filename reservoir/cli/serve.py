@@ -82,8 +82,8 @@ def serve(
 
     \b
     POST   /v1/reservations        place (Idempotency-Key header or request_id: the key)
-    GET    /v1/reservations/{id}   a placement this process made
-    DELETE /v1/reservations/{id}   release it
+    GET    /v1/reservations/{id}   the placement the nodes hold (any replica's)
+    DELETE /v1/reservations/{id}   release it (any replica's)
     GET    /v1/nodes               every live node, its tier and usage
     GET    /healthz, /readyz       the process; the broker connection
     GET    /metrics                Prometheus metrics

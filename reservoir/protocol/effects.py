@@ -27,6 +27,7 @@ __all__ = [
     "Dropped",
     "Effect",
     "Failed",
+    "Found",
     "FreeCompleted",
     "Placed",
     "Publish",
@@ -119,6 +120,15 @@ class FreeCompleted:
 
 
 @dataclass(slots=True, unsafe_hash=True)
+class Found:
+    """What the nodes hold of a request id, asked for by a find
+    (:mod:`reservoir.protocol.finding`): None when nobody answered holding any of it."""
+
+    request_id: str
+    placement: Placement | None
+
+
+@dataclass(slots=True, unsafe_hash=True)
 class Dropped:
     """A message was ignored: late, duplicate, unknown or out of place. Logged at debug
     level and counted under ``reason``; never an error."""
@@ -139,5 +149,6 @@ Effect = (
     | Placed
     | Failed
     | FreeCompleted
+    | Found
     | Dropped
 )

@@ -192,6 +192,11 @@ class RequestorConfig:
     #: with a keeper: a sample older than this is refreshed at the next placement
     keeper_refresh_s: float = 10.0
     roster_limit: int = 1024
+    #: every placement findable by its id (``Lookup``), generated ids too, not only the
+    #: caller-chosen ones: what a service answering GET/DELETE from the nodes needs. It
+    #: adds no lookup before placing a generated id; a node binds the id's lookup bucket
+    #: before it offers (a broker round trip per reservation, docs/design.md "Lookups")
+    findable: bool = False
 
 
 class LatencyEstimate:
@@ -261,6 +266,16 @@ class RequestorMachine:
     def held_reservations(self) -> int:
         """Offers held (not yet awarded or released) across every conversation."""
         return sum(len(c.pool) for c in self._active.values())
+
+    def lookup_wait_s(self) -> float:
+        """How long holders of an id get to answer a ``Lookup`` (the adaptive wait)."""
+        return self._lookup_wait_s()
+
+    def forget(self, request_id: str) -> None:
+        """Forget the placement remembered under ``request_id`` (the nodes no longer hold
+        it: it was freed through another requestor), so that placing the id again asks
+        the nodes rather than answering from memory. In flight: nothing to forget."""
+        self._finished.pop(request_id, None)
 
     # -- driving -----------------------------------------------------------------------
 
@@ -673,7 +688,7 @@ class RequestorMachine:
             tier=tier,
             attempt=c.attempt,
             ttl_s=c.ttl_s,
-            findable=c.contention.looks_up,
+            findable=self.config.findable or c.contention.looks_up,
             declines_wanted=c.exhaustive,
             traceparent=c.traceparent,
             **c.spec.shape_fields(),

@@ -46,6 +46,7 @@ from reservoir.protocol.effects import (
     Dropped,
     Effect,
     Failed,
+    Found,
     FreeCompleted,
     Placed,
     Publish,
@@ -67,7 +68,7 @@ log = logging.getLogger("reservoir.driver")
 #: request ids of messages that belong to no conversation (membership, audits)
 _NOT_A_CONVERSATION = frozenset({ROSTER_ID, AUDIT_ID})
 
-Outcome = Placed | Failed | FreeCompleted
+Outcome = Placed | Failed | FreeCompleted | Found
 
 
 class Driver:

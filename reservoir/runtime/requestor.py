@@ -23,6 +23,7 @@ import asyncio
 import concurrent.futures
 import logging
 import secrets
+import threading
 import uuid
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -48,6 +49,7 @@ from reservoir.protocol.policies import Policy, policy_named
 from reservoir.protocol.requestor import RequestorConfig, RequestorMachine
 from reservoir.protocol.timers import ConversationTimer, FreeTimer
 from reservoir.runtime.driver import Driver, Outcome
+from reservoir.runtime.finding import Finder
 from reservoir.runtime.settings import Settings
 
 if TYPE_CHECKING:
@@ -104,10 +106,14 @@ class Requestor(Driver):
         scheduler: Scheduler | None = None,
         metrics: Metrics | None = None,
         metrics_registry: CollectorRegistry | None = None,
+        findable: bool = False,
     ) -> None:
         """``metrics_registry``: the Prometheus registry to count in (a registry of its
         own by default; ``reservoir serve`` gives the service's, so that its ``/metrics``
-        shows the requestor's placements too)."""
+        shows the requestor's placements too). ``findable``: every placement can be found
+        by its id (:meth:`find`), generated ids too; caller-chosen ids always can. It adds
+        no wait before placing, but each node binds the id's lookup bucket before it
+        offers (a broker round trip per reservation)."""
         settings = settings if settings is not None else Settings()
         self.name = name or f"requestor-{secrets.token_hex(4)}"
         if metrics is None:
@@ -129,6 +135,7 @@ class Requestor(Driver):
                 probe_factor=settings.probe_factor,
                 probe_rounds=settings.probe_rounds,
                 roster_from=settings.roster_from,
+                findable=findable,
             )
         )
         self._placing: dict[str, list[concurrent.futures.Future[Placement]]] = {}
@@ -137,6 +144,9 @@ class Requestor(Driver):
         self._spans: dict[str, list[Any]] = {}
         #: request ids answered from the machine's memory, not placed again
         self._replays: set[str] = set()
+        #: asks the nodes what they hold of an id; opened by the first find
+        self._finder: Finder | None = None
+        self._finder_lock = threading.Lock()
         super().__init__(
             broker=broker,
             settings=settings,
@@ -283,6 +293,63 @@ class Requestor(Driver):
     async def release_async(self, placement: Placement) -> None:
         await asyncio.wrap_future(self.release_future(placement))
 
+    # -- finding -----------------------------------------------------------------------
+
+    def find_future(
+        self, request_id: str, *, wait_s: float | None = None
+    ) -> concurrent.futures.Future[Placement | None]:
+        """Ask the nodes what they hold of ``request_id``: the future resolves to it as a
+        :class:`Placement`, or None when no node answers holding any of it. Only findable
+        placements are found: those of caller-chosen ids, and every one a requestor made
+        ``findable=True``. ``wait_s``: how long holders get to answer (None: the wait this
+        requestor's own lookups use, learnt from the network, at most 0.5 s). It is over
+        sooner when no node binds the id's bucket, or, for a placement this requestor made
+        and remembers, once the nodes have reported all of it; that placement is the
+        answer when the nodes hold exactly it (otherwise what they hold, with
+        ``requested`` the instances held: nodes do not say how many were asked for).
+
+        A node that cannot be reached at the moment (down, or reconnecting) is not
+        heard. Raises ``InvalidField`` for an id no node would accept."""
+        with self._lock:
+            if self._closed:
+                raise RequestorClosed(f"{self.name} is closed")
+            expected = self.machine.placement_of(request_id)
+            if wait_s is None:
+                wait_s = self.machine.lookup_wait_s()
+        return self._open_finder().find_future(request_id, wait_s, expected=expected)
+
+    def find(self, request_id: str, *, wait_s: float | None = None) -> Placement | None:
+        """:meth:`find_future`, waited for (blocking; thread-safe)."""
+        future = self.find_future(request_id, wait_s=wait_s)
+        return future.result(timeout=(wait_s or self.settings.max_widen_s) + _VERDICT_GRACE_S)
+
+    async def find_async(self, request_id: str, *, wait_s: float | None = None) -> Placement | None:
+        """:meth:`find_future` without blocking the running event loop."""
+        if self._finder is None:
+            await asyncio.to_thread(self._open_finder)  # opening an inbox waits for the broker
+        return await asyncio.wrap_future(self.find_future(request_id, wait_s=wait_s))
+
+    def forget(self, request_id: str) -> None:
+        """Forget a placement this requestor remembers under ``request_id``: the nodes no
+        longer hold it (it was freed through another requestor), so placing the id again
+        must ask them instead of answering from memory."""
+        with self._lock:
+            self.machine.forget(request_id)
+
+    def _open_finder(self) -> Finder:
+        with self._finder_lock:
+            if self._finder is None:
+                if self._closed:
+                    raise RequestorClosed(f"{self.name} is closed")
+                self._finder = Finder(
+                    self.broker,
+                    name=f"{self.name}.find",
+                    settings=self.settings,
+                    scheduler=self.scheduler,
+                    metrics=self.metrics,
+                )
+            return self._finder
+
     # -- lifecycle ---------------------------------------------------------------------
 
     def in_flight(self) -> int:
@@ -311,6 +378,10 @@ class Requestor(Driver):
             left = list(self._spans)
         for request_id in left:
             self._end_spans(request_id, "closed")
+        with self._finder_lock:
+            finder, self._finder = self._finder, None
+        if finder is not None:
+            finder.close(RequestorClosed(f"{self.name} closed"))
         self.metrics.remove_source()
         self._let_go()
 

@@ -2,8 +2,9 @@
 
 This module owns :class:`ReservoirService`: ONE shared :class:`~reservoir.Requestor` per
 process (it is thread-safe, runs any number of concurrent requests over one reply queue
-and learns the offer latency that keeps tier widening short), the placements this process
-made, and the per-process record of idempotency key -> request body hash; and
+and learns the offer latency that keeps tier widening short), a cache of the placements
+this process answered for, and the per-process record of idempotency key -> request body
+hash; and
 :func:`reservoir_lifespan`, which opens the service for an ASGI app's lifespan and closes
 it on shutdown (in-flight placements are given ``drain_timeout_s`` to finish, then the
 requestor closes, which fails what is still in flight and releases what it reserved).
@@ -15,6 +16,7 @@ lifespan as well.
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -30,14 +32,14 @@ from reservoir.protocol.placement import (
     PlacementTimeout,
 )
 from reservoir.runtime.auditor import LedgerCollector
-from reservoir.runtime.requestor import FreeIncomplete, Requestor, RequestorClosed
+from reservoir.runtime.requestor import Requestor, RequestorClosed
 from reservoir.runtime.settings import Settings
 from reservoir.service.shapes import Problem
 
 if TYPE_CHECKING:
     from reservoir.service.metrics import ServiceMetrics
 
-__all__ = ["DEFAULT_DRAIN_TIMEOUT_S", "ReservoirService", "reservoir_lifespan"]
+__all__ = ["CACHE_ENTRIES", "DEFAULT_DRAIN_TIMEOUT_S", "ReservoirService", "reservoir_lifespan"]
 
 # the logger's name predates the service package: operators' logging configs name it
 log = logging.getLogger("reservoir.serve")
@@ -45,6 +47,9 @@ log = logging.getLogger("reservoir.serve")
 T = TypeVar("T")
 
 DEFAULT_DRAIN_TIMEOUT_S = 10.0
+#: placements (with their keys' body hashes) a service process keeps in its cache, the
+#: least recently used forgotten first: as many as its requestor remembers
+CACHE_ENTRIES = 100_000
 
 
 class _HasState(Protocol):
@@ -53,14 +58,19 @@ class _HasState(Protocol):
 
 @dataclass
 class ReservoirService:
-    """The shared requestor, what this process placed (by request id), and the
-    idempotency record.
+    """The shared requestor, a cache of the placements this process answered for (by
+    request id), and the idempotency record.
 
-    The record lives in memory: the key -> body-hash check and ``GET``/``DELETE`` see only
-    this process's placements. The nodes still answer for a reused id across processes
-    (the same id gives the same placement from any replica), but only the process that
-    first saw a key can tell that a later body differs. Only the event loop's thread
-    touches the dictionaries, so there is no lock.
+    The nodes are the truth: :meth:`find` (``GET``) and :meth:`release` (``DELETE``) ask
+    them, so any replica answers for any placement, also after a restart, and every
+    placement is findable (the requestor is opened ``findable``). The cache only ends a
+    find early (the nodes have reported every allocation it remembers) and keeps what the
+    placing process knew (tiers tried, instances asked for); a find that shows the nodes
+    no longer hold exactly it evicts it. The key -> body-hash record is per process, and
+    kept for the keys in the cache and in flight: only the process that answered for a
+    key can tell that a later body differs (the nodes refuse another *shape* under a key
+    from any replica). Only the event loop's thread touches the dictionaries, so there is
+    no lock.
     """
 
     requestor: Requestor
@@ -68,10 +78,13 @@ class ReservoirService:
     settings: Settings
     explain: bool = True
     metrics: "ServiceMetrics | None" = None
-    placements: dict[str, Placement] = field(default_factory=dict)
+    #: the cache: request id -> the placement this process answered with, not released
+    #: and not found gone since, least recently used first
+    placements: OrderedDict[str, Placement] = field(default_factory=OrderedDict)
     #: idempotency key -> fingerprint of the body first given with it
     fingerprints: dict[str, str] = field(default_factory=dict)
-    freeing: set[str] = field(default_factory=set)
+    #: request id -> its release in progress (a second DELETE joins it)
+    freeing: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     closing: bool = False
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
 
@@ -112,16 +125,32 @@ class ReservoirService:
             raise
         return await self._to_the_end(self._place(spec, timeout_s))
 
+    async def find(self, request_id: str) -> Placement | None:
+        """What the nodes hold of ``request_id``, whichever process placed it (None:
+        nothing). Raises ``InvalidField`` for an id no node would accept."""
+        self.check_ready()
+        found = await self.requestor.find_async(request_id)
+        cached = self.placements.get(request_id)
+        if cached is not None and request_id not in self.freeing:
+            if found is not None and _same_allocations(found, cached):
+                self.placements.move_to_end(request_id)
+            else:
+                # released (or placed again) through another process: what is cached is
+                # out of date, and the key free again here
+                self._evict(request_id)
+        return found
+
     async def release(self, request_id: str) -> None:
-        """Release a placement this process made; 404 for any other id."""
-        placement = self.placements.pop(request_id, None)
-        if placement is None:
-            raise Problem(404, "no such reservation", f"this service holds no {request_id!r}")
-        # marked before the first await: a POST with this key in between must not find it
-        # neither listed nor being freed, and place it again under the release
-        self.freeing.add(request_id)
-        self._count_held()
-        await self._to_the_end(self._release(placement))
+        """Free what the nodes hold of ``request_id``, whichever process placed it; 404
+        when they hold nothing of it. A release of an id being released joins it."""
+        self.check_ready()
+        running = self.freeing.get(request_id)
+        if running is None:
+            # marked before the first await: a POST with this key in between must not
+            # find it neither listed nor being freed, and place it again under the release
+            running = self._start(self._release(request_id))
+            self.freeing[request_id] = running
+        await asyncio.shield(running)
 
     async def nodes(self, wait_s: float, expect_nodes: int | None = None) -> list[NodeSnapshot]:
         """Every live node's ledger, asked for over the broker, gathered for ``wait_s``
@@ -189,40 +218,61 @@ class ReservoirService:
             extra={"request_id": placement.request_id},
         )
         self.placements[placement.request_id] = placement
+        self.placements.move_to_end(placement.request_id)
+        while len(self.placements) > CACHE_ENTRIES:
+            forgotten, _ = self.placements.popitem(last=False)
+            self.fingerprints.pop(forgotten, None)
         self._count_held()
         return placement
 
-    async def _release(self, placement: Placement) -> None:
+    async def _release(self, request_id: str) -> None:
         try:
-            await self.requestor.release_async(placement)
-        except FreeIncomplete:
-            # listed again, so that a retried DELETE can finish the job
-            self.placements[placement.request_id] = placement
-            self._count_held()
-            raise
-        else:
-            # the key is free again: a new body under it is a new request
-            self.fingerprints.pop(placement.request_id, None)
+            found = await self.requestor.find_async(request_id)
+            if found is None:
+                raise Problem(404, "no such reservation", f"no node holds {request_id!r}")
+            # FreeIncomplete: the requestor goes on freeing there; a retried DELETE frees
+            # what the nodes still show
+            await self.requestor.release_async(found)
         finally:
-            self.freeing.discard(placement.request_id)
+            # the key is free again: a new body under it is a new request
+            self._evict(request_id)
+            self.freeing.pop(request_id, None)
+
+    def _evict(self, request_id: str) -> None:
+        """Forget ``request_id`` here (the cache, its key's body, the requestor's memory):
+        the nodes no longer hold what was answered for it."""
+        self.placements.pop(request_id, None)
+        self.fingerprints.pop(request_id, None)
+        self.requestor.forget(request_id)
+        self._count_held()
 
     def _count_held(self) -> None:
         if self.metrics is not None:
             self.metrics.held.set(len(self.placements))
 
+    def _start(self, work: Coroutine[Any, Any, T]) -> "asyncio.Task[T]":
+        """``work`` in a task of its own, which the drain on shutdown waits for."""
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._finished)
+        return task
+
     async def _to_the_end(self, work: Coroutine[Any, Any, T]) -> T:
         """Await ``work`` in a task of its own that a cancelled caller does not cancel.
         (Shielding also keeps a cancelled await from cancelling the requestor's future,
         which other waiters on the same id share.)"""
-        task = asyncio.ensure_future(work)
-        self._tasks.add(task)
-        task.add_done_callback(self._finished)
-        return await asyncio.shield(task)
+        return await asyncio.shield(self._start(work))
 
     def _finished(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
         if not task.cancelled():
             task.exception()  # retrieved: nobody may be left to await it
+
+
+def _same_allocations(one: Placement, other: Placement) -> bool:
+    return {(a.node, a.allocation_id) for a in one.allocations} == {
+        (a.node, a.allocation_id) for a in other.allocations
+    }
 
 
 @asynccontextmanager
@@ -267,8 +317,9 @@ async def reservoir_lifespan(
         broker = owned = await asyncio.to_thread(connect, broker or settings.broker_url)
     registry = metrics.registry if metrics is not None else None
     try:
+        # findable: every placement, generated ids too, can be found from any replica
         requestor = await asyncio.to_thread(
-            Requestor, broker, settings=settings, metrics_registry=registry
+            Requestor, broker, settings=settings, metrics_registry=registry, findable=True
         )
     except BaseException:
         if owned is not None:

@@ -58,7 +58,8 @@ class ServiceMetrics:
         )
         self.held = Gauge(
             "reservoir_service_placements_held",
-            "Placements this process made and has not released.",
+            "Placements in this process's cache: answered for here, not released and not "
+            "found gone since (GET and DELETE ask the nodes, which are the truth).",
             registry=self.registry,
         )
         self.http_requests = Counter(

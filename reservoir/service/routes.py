@@ -15,6 +15,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Header, Query, Request, Response
 
 from reservoir.broker import BrokerError
+from reservoir.protocol.messages import InvalidField
 from reservoir.protocol.placement import Placement, PlacementError, PlacementRequest
 from reservoir.runtime.requestor import RequestorClosed
 from reservoir.service.lifespan import ReservoirService
@@ -67,12 +68,13 @@ async def create_reservation(
     """Place a request. The ``Idempotency-Key`` header (or the body's ``request_id``)
     is its request id: 201 with the placement when this call placed it (or found it on
     the nodes); 200 with the same placement when this process already answered for
-    that key; 422 when the key was given before with a different body."""
+    that key and the nodes still hold it; 422 when the key was given to this process
+    before with a different body (and its placement is still held)."""
     service = service_of(request)
     key = _idempotency_key(body, idempotency_key)
     spec = _placement_request(body, key, service.explain, key_in_header=idempotency_key is not None)
     if key is not None:
-        replayed = _replay(service, key, body)
+        replayed = await _replay(service, key, body)
         if replayed is not None:
             response.status_code = 200
             return PlacementOut.of(replayed)
@@ -106,9 +108,15 @@ def _placement_request(
         raise Problem.of_validation_error([{"loc": loc, "msg": message}]) from None
 
 
-def _replay(service: ReservoirService, key: str, body: ReservationIn) -> Placement | None:
-    """The placement this process already made under ``key``, if any; a 422 when the key
-    came before with another body, a 409 while it is being released."""
+async def _replay(service: ReservoirService, key: str, body: ReservationIn) -> Placement | None:
+    """The placement this process already answered with under ``key``, if the nodes still
+    hold it; a 422 when the key came before with another body, a 409 while it is being
+    released."""
+    if key in service.placements and key not in service.freeing:
+        # Answered here before: the nodes may have let it go since (released through
+        # another replica), and then the key is free again. Asking them costs a lookup,
+        # over once they have reported the placement's allocations.
+        await service.find(key)  # the key is checked already: a valid id
     service.claim_key(key, body.fingerprint())
     if key in service.freeing:
         raise Problem(409, "being released", f"{key!r} is being released", request_id=key)
@@ -131,26 +139,54 @@ async def _place(
         raise
 
 
-@router.get(
-    "/v1/reservations/{request_id}",
-    responses={404: {"model": ProblemOut, "description": "not placed by this process"}},
-)
+#: the problems GET and DELETE of a reservation answer with, for the OpenAPI document
+RESERVATION_PROBLEMS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ProblemOut, "content": {PROBLEM_JSON: {}}, "description": text}
+    for code, text in (
+        (404, "no node holds anything of the id"),
+        (422, "an id no node would accept"),
+        (503, "the broker connection is down, or the service is shutting down"),
+    )
+}
+
+
+async def _find(service: ReservoirService, request_id: str, where: str) -> Placement | None:
+    """What the nodes hold of ``request_id``, or a 422 naming ``where`` the id came from."""
+    try:
+        return await service.find(request_id)
+    except InvalidField as error:
+        raise Problem.of_validation_error(
+            [{"loc": tuple(where.split(".")), "msg": error.problem}]
+        ) from None
+
+
+@router.get("/v1/reservations/{request_id}", responses=RESERVATION_PROBLEMS)
 async def get_reservation(request_id: str, request: Request) -> PlacementOut:
-    """A placement this service process made and has not released."""
-    placement = service_of(request).placements.get(request_id)
+    """The placement the nodes hold under ``request_id``, whichever replica placed it
+    (asked of the nodes: one lookup on the id's bucket)."""
+    placement = await _find(service_of(request), request_id, "path.request_id")
     if placement is None:
-        raise Problem(404, "no such reservation", f"this service holds no {request_id!r}")
+        raise Problem(404, "no such reservation", f"no node holds {request_id!r}")
     return PlacementOut.of(placement)
 
 
 @router.delete(
     "/v1/reservations/{request_id}",
     status_code=204,
-    responses={404: {"model": ProblemOut, "description": "not placed by this process"}},
+    responses={
+        **RESERVATION_PROBLEMS,
+        502: {"model": ProblemOut, "description": "a node did not confirm the free"},
+    },
 )
 async def delete_reservation(request_id: str, request: Request) -> Response:
-    """Release a placement (its instances are gone): 204 once every node confirms."""
-    await service_of(request).release(request_id)
+    """Release what the nodes hold under ``request_id`` (its instances are gone),
+    whichever replica placed it: 204 once every holder confirms."""
+    try:
+        await service_of(request).release(request_id)
+    except InvalidField as error:
+        raise Problem.of_validation_error(
+            [{"loc": ("path", "request_id"), "msg": error.problem}]
+        ) from None
     return Response(status_code=204)
 
 

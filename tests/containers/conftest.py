@@ -217,6 +217,7 @@ def compose(
         # empty: any free loopback port (the machine's own RabbitMQ holds 5672)
         "RESERVOIR_AMQP_PORT": "",
         "RESERVOIR_API_PORT": "",
+        "RESERVOIR_API_2_PORT": "",
     }
     deployment = Compose(
         docker, f"reservoir-test-{uuid.uuid4().hex[:8]}", [COMPOSE_FILE, override], env

@@ -29,8 +29,8 @@ NODES = ("node-1", "node-2", "node-3")
 REQUESTOR = "reservoir-requestor:requestor-example-change-me"
 
 
-def api(compose: Compose) -> httpx.Client:
-    return httpx.Client(base_url=f"http://127.0.0.1:{compose.port('api', 8000)}", timeout=30)
+def api(compose: Compose, replica: str = "api") -> httpx.Client:
+    return httpx.Client(base_url=f"http://127.0.0.1:{compose.port(replica, 8000)}", timeout=30)
 
 
 def reservoir_on_the_host(compose: Compose, *args: str) -> Any:
@@ -69,6 +69,11 @@ def test_a_request_placed_through_the_composed_service_is_held_by_a_node(
         (allocation,) = placed.json()["allocations"]
         assert allocation["node"] in NODES
         assert allocation["resources"] == {"VCPU": 3, "MEMORY_MB": 2048}
+        # the other replica answers for it: it asks the nodes
+        with api(compose, "api-2") as other:
+            read = other.get(f"/v1/reservations/{key}")
+            assert read.status_code == 200, read.text
+            assert read.json()["allocations"] == placed.json()["allocations"]
 
         over_http = client.get("/v1/nodes", params={"expect_nodes": 3}).json()
     over_amqp = reservoir_on_the_host(compose, "nodes", "--expect-nodes", "3")["nodes"]
@@ -91,7 +96,7 @@ def test_a_restarted_node_agent_keeps_its_allocations_and_the_api_frees_them(
     )
 
     compose("restart", "--timeout", "10", held["node"])
-    compose.wait_healthy(len(NODES) + 2)
+    compose.wait_healthy(len(NODES) + 3)  # RabbitMQ and the API's two replicas
     after = allocated_vcpus(reservoir_on_the_host(compose, "nodes", "--expect-nodes", "3")["nodes"])
     assert after == before, "the restarted agent lost allocations its state volume held"
 

@@ -229,9 +229,38 @@ def test_every_service_reaches_a_workload_through_a_port_it_has() -> None:
 def test_the_deployment_files_run_the_node_agents_and_the_api() -> None:
     ran = [(c.where.split("/")[0], c.argv[1]) for c in reservoir_containers()]
     assert ran.count(("compose", "node")) == 3
-    assert ran.count(("compose", "serve")) == 1
+    assert ran.count(("compose", "serve")) == 2
     assert ("DaemonSet", "node") in ran
     assert ("Deployment", "serve") in ran
+
+
+def test_the_api_runs_as_two_replicas_alike_in_compose_and_on_kubernetes() -> None:
+    """The service is stateless (GET and DELETE ask the nodes): both deployments run two
+    replicas of it, each the same command with the same settings."""
+    (api,) = [
+        d
+        for d in kubernetes_documents()
+        if d["kind"] == "Deployment" and d["metadata"]["name"] == "reservoir-api"
+    ]
+    assert api["spec"]["replicas"] >= 2
+    (service,) = [
+        d
+        for d in kubernetes_documents()
+        if d["kind"] == "Service" and d["metadata"]["name"] == "reservoir-api"
+    ]
+    # any replica may answer any request: no session affinity
+    assert service["spec"].get("sessionAffinity", "None") == "None"
+    composed = [c for c in compose_containers() if c.argv[:2] == ["reservoir", "serve"]]
+    assert [c.where for c in composed] == ["compose/api", "compose/api-2"]
+    first, second = composed
+    assert (first.argv, first.env, first.probe_paths) == (
+        second.argv,
+        second.env,
+        second.probe_paths,
+    )
+    # each on a loopback port of its own
+    published = [compose_file()["services"][c.where.split("/")[1]]["ports"] for c in composed]
+    assert len({str(p) for ports in published for p in ports}) == 2
 
 
 @pytest.mark.parametrize("container", reservoir_containers(), ids=lambda c: c.where)
@@ -338,12 +367,12 @@ def test_every_broker_url_logs_in_as_a_user_of_the_definitions_on_the_service_po
             assert parsed.host in ("rabbitmq", f"rabbitmq.{namespace}.svc"), where
             assert parsed.port in [p["port"] for p in service["spec"]["ports"]], where
         seen += 1
-    assert seen >= 6  # four compose services, the Secret's two URLs
+    assert seen >= 7  # five compose services, the Secret's two URLs
 
 
 def test_compose_publishes_ports_on_loopback_only() -> None:
     published = [p for s in compose_file()["services"].values() for p in s.get("ports", [])]
-    assert len(published) == 2  # AMQP and the API
+    assert len(published) == 3  # AMQP and the API's two replicas
     for port in published:
         host = str(port).partition(":")[0]
         assert host == "127.0.0.1", f"{port} is published beyond loopback"

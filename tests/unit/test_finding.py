@@ -1,0 +1,290 @@
+"""Finding what the nodes hold of a request id (``Requestor.find``: the machine in
+reservoir/protocol/finding.py on an inbox of its own, reservoir/runtime/finding.py), on an
+in-process broker with node agents, each test ending with the invariant audit."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from brokers.inprocess import InProcessBroker
+from reservoir import NodeAgent, Placement, Requestor, RequestorClosed, audit
+from reservoir.protocol.effects import Found, Publish, SetTimer
+from reservoir.protocol.finding import Finding, FindTimer
+from reservoir.protocol.messages import (
+    AllocationInfo,
+    AlreadyPlaced,
+    InvalidField,
+    Lookup,
+    lookup_topic,
+)
+from reservoir.runtime.store import MemoryStore
+
+#: long enough that a find ending sooner shows it did not wait it out
+LONG_WAIT_S = 5.0
+
+
+@pytest.fixture
+def broker() -> Iterator[InProcessBroker]:
+    broker = InProcessBroker()
+    yield broker
+    broker.close()
+
+
+@pytest.fixture
+def nodes(broker: InProcessBroker) -> Iterator[list[NodeAgent]]:
+    nodes = [NodeAgent(broker, name=f"find-{i}", vcpus=8, memory_mb=8192) for i in range(3)]
+    yield nodes
+    for node in nodes:
+        node.close()
+
+
+def audited(nodes: list[NodeAgent], placements: list[Placement]) -> None:
+    audit([n.snapshot() for n in nodes], placements).raise_if_failed()
+
+
+def held(nodes: list[NodeAgent]) -> int:
+    return sum(len(n.allocations()) for n in nodes)
+
+
+def test_a_generated_id_placed_findable_is_found_by_another_requestor_with_no_lookup_first(
+    broker: InProcessBroker, nodes: list[NodeAgent]
+) -> None:
+    with Requestor(broker, findable=True) as placing, Requestor(broker) as other:
+        placement = placing.reserve(vcpus=1, memory_mb=512, count=2)
+        # placed without a lookup: a generated id costs no lookup wait
+        assert placing.metrics.get("sent", "lookup") == 0
+        assert all(a.findable for n in nodes for a in n.allocations())
+
+        found = other.find(placement.request_id)
+        assert found is not None
+        assert found.request_id == placement.request_id
+        assert sorted(found.allocations, key=lambda a: a.allocation_id) == sorted(
+            placement.allocations, key=lambda a: a.allocation_id
+        )
+        # what the nodes know: the instances they hold, not how it was placed
+        assert found.requested == 2 and not found.partial
+        assert found.tiers_tried == () and found.attempts == 0
+        assert found.requested_at_s == placement.requested_at_s > 0
+        # one Lookup out, one AlreadyPlaced back from each holder: nothing else
+        holders = len(set(placement.nodes))
+        assert other.metrics.get("sent", "lookup") == 1
+        assert other.metrics.get("received", "already_placed") == holders
+        sent = other.metrics.by_label("sent")
+        assert {k: n for k, n in sent.items() if n and k != "roll_call"} == {"lookup": 1}
+        audited(nodes, [placement])
+
+
+def test_a_generated_id_of_a_requestor_not_findable_is_not_found(
+    broker: InProcessBroker, nodes: list[NodeAgent]
+) -> None:
+    with Requestor(broker) as placing, Requestor(broker) as other:
+        placement = placing.reserve(vcpus=1, memory_mb=512)
+        assert other.find(placement.request_id, wait_s=0.2) is None
+        # a caller-chosen id always is
+        chosen = placing.reserve(vcpus=1, memory_mb=512, request_id="chosen-1")
+        found = other.find("chosen-1")
+        assert found is not None and found.nodes == chosen.nodes
+        audited(nodes, [placement, chosen])
+
+
+def test_the_placing_requestor_finds_its_own_placement_as_it_remembers_it_without_waiting(
+    broker: InProcessBroker, nodes: list[NodeAgent]
+) -> None:
+    with Requestor(broker, findable=True) as requestor:
+        placement = requestor.reserve(vcpus=1, memory_mb=512, count=3)
+        started = time.monotonic()
+        found = requestor.find(placement.request_id, wait_s=LONG_WAIT_S)
+        # over once every remembered allocation was reported: no wait for more holders
+        assert time.monotonic() - started < LONG_WAIT_S / 2
+        assert found == placement  # tiers tried and all, as it was answered
+        audited(nodes, [placement])
+
+
+def test_an_id_nobody_holds_is_none_at_once(
+    broker: InProcessBroker, nodes: list[NodeAgent]
+) -> None:
+    with Requestor(broker, findable=True) as requestor:
+        started = time.monotonic()
+        # no node binds the id's bucket: the Lookup comes back unroutable
+        assert requestor.find("never-placed", wait_s=LONG_WAIT_S) is None
+        assert time.monotonic() - started < LONG_WAIT_S / 2
+        audited(nodes, [])
+
+
+def test_a_placement_released_through_another_requestor_is_gone_for_every_requestor(
+    broker: InProcessBroker, nodes: list[NodeAgent]
+) -> None:
+    with Requestor(broker, findable=True) as placing, Requestor(broker, findable=True) as other:
+        placement = placing.reserve(vcpus=2, memory_mb=1024, count=2)
+        found = other.find(placement.request_id)
+        assert found is not None
+        other.release(found)  # freed on each holder, by a requestor that did not place it
+        assert held(nodes) == 0
+        assert other.find(placement.request_id, wait_s=LONG_WAIT_S) is None
+        # the placing requestor still remembers it; the nodes say it is gone
+        assert placing.find(placement.request_id, wait_s=LONG_WAIT_S) is None
+        placing.forget(placement.request_id)
+        again = placing.reserve(vcpus=2, memory_mb=1024, request_id=placement.request_id)
+        assert again.allocations != placement.allocations  # placed anew, not replayed
+        audited(nodes, [again])
+
+
+def test_a_caller_chosen_id_placed_again_through_another_requestor_is_the_same_placement(
+    broker: InProcessBroker, nodes: list[NodeAgent]
+) -> None:
+    """The protocol's lookup, which an idempotent POST retried on another replica relies
+    on: the retry adopts the placement the nodes hold."""
+    with Requestor(broker, findable=True) as first, Requestor(broker, findable=True) as second:
+        placement = first.reserve(vcpus=1, memory_mb=256, count=2, request_id="order-7")
+        retried = second.reserve(vcpus=1, memory_mb=256, count=2, request_id="order-7")
+        assert sorted(retried.allocations, key=lambda a: a.allocation_id) == sorted(
+            placement.allocations, key=lambda a: a.allocation_id
+        )
+        assert held(nodes) == 2
+        audited(nodes, [placement])
+
+
+def test_allocations_a_restarted_node_loaded_from_its_store_are_found(
+    broker: InProcessBroker,
+) -> None:
+    store = MemoryStore()
+    node = NodeAgent(broker, name="find-stored", vcpus=4, memory_mb=4096, store=store)
+    try:
+        with Requestor(broker, findable=True) as requestor:
+            placement = requestor.reserve(vcpus=1, memory_mb=256)
+        node.close()
+        node = NodeAgent(broker, name="find-stored", vcpus=4, memory_mb=4096, store=store)
+        with Requestor(broker) as restarted:  # a new process: it remembers nothing
+            found = restarted.find(placement.request_id)
+            assert found is not None and found.nodes == ("find-stored",)
+            assert [a.allocation_id for a in found.allocations] == [
+                a.allocation_id for a in placement.allocations
+            ]
+        audited([node], [placement])
+    finally:
+        node.close()
+
+
+def test_finds_of_one_id_at_once_share_one_lookup(
+    broker: InProcessBroker, nodes: list[NodeAgent]
+) -> None:
+    with Requestor(broker, findable=True) as placing, Requestor(broker) as other:
+        placement = placing.reserve(vcpus=1, memory_mb=1)
+        futures = [other.find_future(placement.request_id, wait_s=0.3) for _ in range(4)]
+        answers = [f.result(timeout=10) for f in futures]
+        assert all(a is answers[0] for a in answers) and answers[0] is not None
+        assert other.metrics.get("sent", "lookup") == 1
+        audited(nodes, [placement])
+
+
+def test_find_async_awaits_without_blocking_the_loop(
+    broker: InProcessBroker, nodes: list[NodeAgent]
+) -> None:
+    with Requestor(broker, findable=True) as placing, Requestor(broker) as other:
+        placement = placing.reserve(vcpus=1, memory_mb=1)
+
+        async def main() -> tuple[Placement | None, int]:
+            ticks = 0
+
+            async def tick() -> None:
+                nonlocal ticks
+                while True:
+                    ticks += 1
+                    await asyncio.sleep(0.01)
+
+            ticking = asyncio.create_task(tick())
+            found = await other.find_async(placement.request_id, wait_s=0.3)
+            ticking.cancel()
+            return found, ticks
+
+        found, ticks = asyncio.run(main())
+        assert found is not None and found.nodes == placement.nodes
+        assert ticks >= 5  # the loop ran while the find waited out its 0.3 s
+        audited(nodes, [placement])
+
+
+def test_a_bad_id_or_wait_is_a_clear_error_and_asks_nobody(
+    broker: InProcessBroker, nodes: list[NodeAgent]
+) -> None:
+    with Requestor(broker) as requestor:
+        with pytest.raises(InvalidField) as bad:
+            requestor.find("no spaces allowed")
+        assert bad.value.field == "request_id"
+        with pytest.raises(ValueError, match="positive"):
+            requestor.find("fine", wait_s=0)
+        assert requestor.metrics.get("sent", "lookup") == 0
+        audited(nodes, [])
+
+
+def test_closing_the_requestor_fails_a_find_in_progress(
+    broker: InProcessBroker, nodes: list[NodeAgent]
+) -> None:
+    with Requestor(broker, findable=True) as placing:
+        placement = placing.reserve(vcpus=1, memory_mb=1)
+        other = Requestor(broker)
+        waiting = other.find_future(placement.request_id, wait_s=LONG_WAIT_S)
+        other.close()
+        with pytest.raises(RequestorClosed):
+            waiting.result(timeout=10)
+        with pytest.raises(RequestorClosed):
+            other.find(placement.request_id)
+        audited(nodes, [placement])
+
+
+def test_the_machine_alone_waits_for_holders_it_cannot_count_and_ends_on_the_expected(
+    nodes: list[NodeAgent],
+) -> None:
+    """The pure machine, fed by hand: without an expected placement only the wait ends a
+    find (nodes do not say how many instances there are); with one, its last allocation
+    heard does."""
+    finding = Finding(sender="asker", reply_to="reservoir.requestor.asker")
+    effects = finding.find("r1", 10.0, 0.5)
+    assert effects == [
+        Publish(
+            lookup_topic("r1"),
+            Lookup(
+                request_id="r1",
+                sender="asker",
+                reply_to="reservoir.requestor.asker",
+                following=True,
+            ),
+        ),
+        SetTimer(FindTimer("r1"), 10.5),
+    ]
+    assert finding.find("r1", 10.1, 0.5) == []  # joins
+    answer = AlreadyPlaced(
+        request_id="r1",
+        sender="n1",
+        reply_to="reservoir.node.n1",
+        allocations=(AllocationInfo(allocation_id="n1.a.1/0", resources={"VCPU": 1}),),
+        requested_at_s=5.0,
+    )
+    assert not [e for e in finding.handle(answer, 10.2) if isinstance(e, Found)]
+    [found] = [e for e in finding.on_timer(FindTimer("r1"), 10.5) if isinstance(e, Found)]
+    assert found.placement is not None and found.placement.nodes == ("n1",)
+    assert finding.pending() == 0
+    # a late answer is dropped, counted, never an error
+    [late] = finding.handle(answer, 10.6)
+    assert late.reason == "late_found"  # type: ignore[union-attr]
+
+    finding.find("r1", 11.0, 0.5, expected=found.placement)
+    [ended] = [e for e in finding.handle(answer, 11.1) if isinstance(e, Found)]
+    assert ended.placement is found.placement
+    # nodes untouched: a find holds nothing
+    audited(nodes, [])
+
+
+def test_a_find_future_resolves_on_its_own_thread_safe_future(
+    broker: InProcessBroker, nodes: list[NodeAgent]
+) -> None:
+    with Requestor(broker, findable=True) as requestor:
+        placement = requestor.reserve(vcpus=1, memory_mb=1)
+        future = requestor.find_future(placement.request_id)
+        assert isinstance(future, concurrent.futures.Future)
+        assert future.result(timeout=10) == placement
+        audited(nodes, [placement])

@@ -159,8 +159,8 @@ class Conversation:
     #: sampling ran and found too little: tier broadcasts ask every node to answer
     exhaustive: bool = False
     probe_round: int = 0
-    #: sampling came up short once already and waited for a keeper's sample
-    waited_for_sample: bool = False
+    #: how often sampling came up short and waited for a keeper's sample of nodes with room
+    sample_waits: int = 0
     #: the nodes that declined and told of more room since were asked again (once)
     rooms_rechecked: bool = False
     #: every node probed so far, not to be probed again by a later round

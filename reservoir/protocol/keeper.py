@@ -113,16 +113,12 @@ class KeeperMachine:
     def sample(self, query: RosterQuery) -> RosterSample:
         """Up to ``query.wanted`` nodes, drawn uniformly from the emptiest tiers."""
         tiers = self.config.tiers
-        # Uniform over every tier, not the emptiest first: each requestor then samples
-        # its probes emptiest first from a sample of its own, rather than all of them
-        # from the same few emptiest nodes at once.
-        wanted = min(query.wanted, MAX_SAMPLE)
-        if query.needs:
-            members = self.roster.sample(
-                wanted, up_to_tier_index=len(tiers.percents) - 1, needs=query.needs
-            )
-        else:
-            members = self.roster.sample_uniform(wanted)
+        # Each requestor samples its probes emptiest first from a sample of its own.
+        # Uniform over every tier, not the emptiest first, with a shape too: requestors
+        # asking at once for room would all be sent to the same few emptiest nodes.
+        members = self.roster.sample_uniform(
+            min(query.wanted, MAX_SAMPLE), needs=query.needs or None
+        )
         self.counters["samples"] += 1
         self.counters["members_sent"] += len(members)
         return RosterSample(

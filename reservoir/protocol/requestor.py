@@ -79,6 +79,7 @@ from reservoir.protocol.effects import (
 from reservoir.protocol.freeing import Freeing, FreeTarget
 from reservoir.protocol.messages import (
     KEEPER_TOPIC,
+    MAX_SAMPLE,
     MESSAGE_CLASSES,
     REJOINED_TOPIC,
     ROSTER_TOPIC,
@@ -188,7 +189,9 @@ class RequestorConfig:
     keeper_sample: int = 128
     keeper_refresh_every: int = 32
     #: with a keeper: nodes asked for when the sample had none that may fit a request
+    #: (twice as many each time), and how often before the exhaustive step
     keeper_shape_sample: int = 16
+    keeper_shape_rounds: int = 4
     #: with a keeper: a sample older than this is refreshed at the next placement
     keeper_refresh_s: float = 10.0
     roster_limit: int = 1024
@@ -298,7 +301,11 @@ class RequestorMachine:
         effects.append(Publish(TierLadder.topic(self.config.tiers.percents[-1]), call))
 
     def _ask_keeper(
-        self, now: float, effects: list[Effect], needs: Mapping[str, int] | None = None
+        self,
+        now: float,
+        effects: list[Effect],
+        needs: Mapping[str, int] | None = None,
+        wanted: int | None = None,
     ) -> None:
         """Ask a keeper for a fresh sample, unless one is on its way; with ``needs``, for
         nodes whose room may take such an instance (asked whatever else is on its way)."""
@@ -312,7 +319,7 @@ class RequestorMachine:
         query = RosterQuery(
             sender=config.requestor_id,
             reply_to=config.reply_to,
-            wanted=config.keeper_sample if needs is None else config.keeper_shape_sample,
+            wanted=min(MAX_SAMPLE, wanted or config.keeper_sample),
             needs=dict(needs or {}),
         )
         effects.append(Publish(KEEPER_TOPIC, query))
@@ -642,7 +649,7 @@ class RequestorMachine:
                     self.counters["probe_rounds"] += 1
                     self._probe_nodes(c, [(m.name, m.address) for m in members], now, effects)
                     return
-                if self._keeps_no_roster() and not c.waited_for_sample:
+                if self._keeps_no_roster() and c.sample_waits < config.keeper_shape_rounds:
                     # Before asking every node, ask a keeper for nodes we have not seen.
                     self._wait_for_sample(c, now, effects)
                     return
@@ -672,9 +679,10 @@ class RequestorMachine:
     def _wait_for_sample(self, c: Conversation, now: float, effects: list[Effect]) -> None:
         """Sampling found too little: ask a keeper for a fresh sample and sample again
         once it can be back, rather than ask every node at once."""
-        c.waited_for_sample = True
         self.counters["sample_waits"] += 1
-        self._ask_keeper(now, effects, needs=c.spec.resources)
+        wanted = self.config.keeper_shape_sample * 2**c.sample_waits
+        c.sample_waits += 1
+        self._ask_keeper(now, effects, needs=c.spec.resources, wanted=wanted)
         c.enter(Event.BACK_OFF)
         self._set_timer(c, TimerKind.RETRY, now + self._widen_wait_s(), effects)
 

@@ -270,10 +270,17 @@ class Roster:
                         break
         return chosen
 
-    def sample_uniform(self, wanted: int) -> list[Member]:
-        """Up to ``wanted`` distinct members drawn uniformly from every tier and room:
+    def sample_uniform(self, wanted: int, needs: Mapping[str, int] | None = None) -> list[Member]:
+        """Up to ``wanted`` distinct members drawn uniformly from every tier and room (given
+        ``needs``, one instance's resources, from the rooms that may take it):
         O(tiers x rooms + wanted)."""
-        groups = [members for rooms in self._by_tier for members in rooms.values()]
+        shape = None if needs is None else tuple(needs.items())
+        groups = [
+            members
+            for rooms in self._by_tier
+            for room, members in rooms.items()
+            if shape is None or self._may_fit(room, shape)
+        ]
         population = sum(map(len, groups))
         if population <= wanted:
             return [entry.member() for members in groups for entry in members]

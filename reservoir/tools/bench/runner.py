@@ -755,6 +755,58 @@ def run_bench(
     the broker cannot be used and :class:`BenchError` when the run cannot be carried out."""
     url = bench_url(broker_url)
     run_started = time.perf_counter()
+    plan = _plan(url, nodes, requestors, node_processes, placements)
+    with contextlib.ExitStack() as stack:
+        with quietly_connecting():
+            broker = stack.enter_context(_broker(plan.main_url, own_exchanges=plan.owns_exchanges))
+        full_broker = stack.enter_context(_broker(plan.full_url, own_exchanges=plan.owns_exchanges))
+        host, full_host = _start_nodes(plan, broker, full_broker, stack, progress)
+        opened = _Requestors(plan.run_id, stack)
+        measured = _measure(plan, broker, full_broker, host, full_host, opened, progress)
+    result = _result(plan, measured, time.perf_counter() - run_started)
+    result.targets = _targets(plan, result)
+    return result
+
+
+@dataclass
+class _Plan:
+    """What a run is made of, decided before anything starts: its brokers' URLs and
+    exchanges, the clusters' sizes and names, the settings every participant shares."""
+
+    url: BrokerUrl
+    run_id: str
+    in_process: bool
+    main_url: BrokerUrl
+    full_url: BrokerUrl
+    exchanges: list[str]
+    nodes: int
+    node_processes: int
+    requestors: int
+    placements: int
+    slots: int
+    names: list[str]
+    full_names: list[str]
+    settings: Settings
+    full_settings: Settings
+    notes: list[str]
+
+    @property
+    def owns_exchanges(self) -> bool:
+        return not self.in_process
+
+    @property
+    def vcpus(self) -> int:
+        return self.slots // int(VCPU_ALLOCATION_RATIO)
+
+    @property
+    def memory_mb(self) -> int:
+        return self.slots * FLAVOUR_MEMORY_MB
+
+
+def _plan(
+    url: BrokerUrl, nodes: int, requestors: int, node_processes: int, placements: int
+) -> _Plan:
+    """The run's exchanges (its own, on a real broker), sizes and names."""
     in_process = url.adapter == "memory"
     run_id = secrets.token_hex(4)
     notes: list[str] = []
@@ -772,147 +824,214 @@ def run_bench(
         full_url = url.with_exchange(full_exchange)
         exchanges = [main_exchange, full_exchange]
         node_processes = min(node_processes, nodes)
-    slots = _slots_per_node(nodes, requestors, placements)
-    vcpus, memory_mb = slots // int(VCPU_ALLOCATION_RATIO), slots * FLAVOUR_MEMORY_MB
-    settings = Settings(broker_url=main_url)
-    full_settings = Settings(broker_url=full_url)
-    names = [f"bench-{run_id}-node-{index:04d}" for index in range(nodes)]
-    full_names = [f"bench-{run_id}-full-{index}" for index in range(FULL_NODES)]
-
     notes.append(
         f"the {requestors} requestors of the throughput run were threads of this process, "
         "sharing its broker connection"
     )
-    with contextlib.ExitStack() as stack:
-        with quietly_connecting():
-            broker = stack.enter_context(_broker(main_url, own_exchanges=not in_process))
-        full_broker = stack.enter_context(_broker(full_url, own_exchanges=not in_process))
-        where = "this process" if in_process else f"{node_processes} processes"
-        progress(f"starting {nodes} node agents in {where} ({slots} instances each)")
-        host: NodeHost
-        full_host: NodeHost
-        if in_process:
-            host = InProcessNodes(
-                broker, names, vcpus=vcpus, memory_mb=memory_mb,
-                vcpu_ratio=VCPU_ALLOCATION_RATIO, settings=settings,
-            )  # fmt: skip
-            stack.callback(host.stop)
-            full_host = InProcessNodes(
-                full_broker, full_names, vcpus=FULL_NODE_SLOTS,
-                memory_mb=FULL_NODE_SLOTS * FLAVOUR_MEMORY_MB, vcpu_ratio=1.0,
-                settings=full_settings,
-            )  # fmt: skip
-            stack.callback(full_host.stop)
-        else:
-            host = ProcessNodes(
-                main_url, names, node_processes, vcpus=vcpus, memory_mb=memory_mb,
-                vcpu_ratio=VCPU_ALLOCATION_RATIO,
-            )  # fmt: skip
-            stack.callback(host.stop)
-            full_host = ProcessNodes(
-                full_url, full_names, 1, vcpus=FULL_NODE_SLOTS,
-                memory_mb=FULL_NODE_SLOTS * FLAVOUR_MEMORY_MB, vcpu_ratio=1.0,
-            )  # fmt: skip
-            stack.callback(full_host.stop)
-        host.wait_ready(READY_TIMEOUT_S)
-        full_host.wait_ready(READY_TIMEOUT_S)
-        if isinstance(host, ProcessNodes):
-            progress(f"node processes: {', '.join(map(str, host.pids))}")
+    return _Plan(
+        url=url,
+        run_id=run_id,
+        in_process=in_process,
+        main_url=main_url,
+        full_url=full_url,
+        exchanges=exchanges,
+        nodes=nodes,
+        node_processes=node_processes,
+        requestors=requestors,
+        placements=placements,
+        slots=_slots_per_node(nodes, requestors, placements),
+        names=[f"bench-{run_id}-node-{index:04d}" for index in range(nodes)],
+        full_names=[f"bench-{run_id}-full-{index}" for index in range(FULL_NODES)],
+        settings=Settings(broker_url=main_url),
+        full_settings=Settings(broker_url=full_url),
+        notes=notes,
+    )
 
-        timers = ThreadScheduler(SystemClock(), name="bench-requestor-timers")
-        stack.callback(timers.close)
-        opened: list[Requestor] = []
 
-        def open_requestor(on: Broker, name: str, req_settings: Settings) -> Requestor:
-            requestor = Requestor(
-                on, name=f"bench-{run_id}-{name}", settings=req_settings, scheduler=timers
-            )
-            opened.append(requestor)
-            return requestor
+def _start_nodes(
+    plan: _Plan,
+    broker: Broker,
+    full_broker: Broker,
+    stack: contextlib.ExitStack,
+    progress: Progress,
+) -> tuple[NodeHost, NodeHost]:
+    """The measured cluster and the small one that is filled up, started and ready:
+    in this process on memory://, else in processes of their own."""
+    where = "this process" if plan.in_process else f"{plan.node_processes} processes"
+    progress(f"starting {plan.nodes} node agents in {where} ({plan.slots} instances each)")
+    host: NodeHost
+    full_host: NodeHost
+    full_memory_mb = FULL_NODE_SLOTS * FLAVOUR_MEMORY_MB
+    if plan.in_process:
+        host = InProcessNodes(
+            broker, plan.names, vcpus=plan.vcpus, memory_mb=plan.memory_mb,
+            vcpu_ratio=VCPU_ALLOCATION_RATIO, settings=plan.settings,
+        )  # fmt: skip
+        stack.callback(host.stop)
+        full_host = InProcessNodes(
+            full_broker, plan.full_names, vcpus=FULL_NODE_SLOTS, memory_mb=full_memory_mb,
+            vcpu_ratio=1.0, settings=plan.full_settings,
+        )  # fmt: skip
+        stack.callback(full_host.stop)
+    else:
+        host = ProcessNodes(
+            plan.main_url, plan.names, plan.node_processes, vcpus=plan.vcpus,
+            memory_mb=plan.memory_mb, vcpu_ratio=VCPU_ALLOCATION_RATIO,
+        )  # fmt: skip
+        stack.callback(host.stop)
+        full_host = ProcessNodes(
+            plan.full_url, plan.full_names, 1, vcpus=FULL_NODE_SLOTS, memory_mb=full_memory_mb,
+            vcpu_ratio=1.0,
+        )  # fmt: skip
+        stack.callback(full_host.stop)
+    host.wait_ready(READY_TIMEOUT_S)
+    full_host.wait_ready(READY_TIMEOUT_S)
+    if isinstance(host, ProcessNodes):
+        progress(f"node processes: {', '.join(map(str, host.pids))}")
+    return host, full_host
 
-        def close_requestors() -> None:
-            for requestor in opened:
-                requestor.close()
 
-        stack.callback(close_requestors)
-        sequential_requestor = open_requestor(broker, "sequential", settings)
-        _wait_for_roster(sequential_requestor, nodes, READY_TIMEOUT_S)
+class _Requestors:
+    """The run's requestors, on one timer thread, closed with the run's stack."""
 
-        rtt_samples = max(100, min(placements, MAX_RTT_SAMPLES)) // 2
-        node_echo = host.echoes[:1]
-        progress(
-            f"round trip: {rtt_samples} sequential {RTT_BODY_BYTES}-byte round trips within "
-            "this process" + (", taking turns with as many to a node process" if node_echo else "")
+    def __init__(self, run_id: str, stack: contextlib.ExitStack) -> None:
+        self.run_id = run_id
+        self.timers = ThreadScheduler(SystemClock(), name="bench-requestor-timers")
+        stack.callback(self.timers.close)
+        self.opened: list[Requestor] = []
+        stack.callback(self.close)
+
+    def open(self, on: Broker, name: str, settings: Settings) -> Requestor:
+        requestor = Requestor(
+            on, name=f"bench-{self.run_id}-{name}", settings=settings, scheduler=self.timers
         )
-        rtt_before = measure_round_trips(broker, rtt_samples, node_echo)
-        progress(f"message rate: {RATE_MESSAGES} messages through the broker, pipelined")
-        broker_msgs_per_s = measure_message_rate(broker, RATE_MESSAGES)
+        self.opened.append(requestor)
+        return requestor
 
-        progress(f"sequential: {placements} placements, one at a time")
-        sequential = _run_sequential(sequential_requestor, host, placements)
-        # The baseline again, so that a moment's load on a shared machine on either side of
-        # the sequential run does not decide the ratios alone: they use both, pooled.
-        progress(f"round trip again: {rtt_samples} more, after the sequential run")
-        rtt_after = measure_round_trips(broker, rtt_samples, node_echo)
-        rtt_s = rtt_before[0] + rtt_after[0]
-        rtt_to_nodes = [b + a for b, a in zip(rtt_before[1:], rtt_after[1:], strict=True)]
-        rtt_p50_before = percentile(rtt_before[0], 0.50)
-        rtt_p50_after = percentile(rtt_after[0], 0.50)
-        moved = _baseline_moved(rtt_p50_before, rtt_p50_after)
-        if moved:
-            notes.append(moved)
+    def close(self) -> None:
+        for requestor in self.opened:
+            requestor.close()
 
-        progress(f"throughput: {placements} placements by {requestors} requestors (threads)")
-        concurrent_requestors = [
-            open_requestor(broker, f"throughput-{index}", settings) for index in range(requestors)
-        ]
-        for requestor in concurrent_requestors:
-            _wait_for_roster(requestor, nodes, READY_TIMEOUT_S)
-        meter = CpuMeter(
-            {
-                "nodes": host.pids if isinstance(host, ProcessNodes) else [],
-                "broker": broker_processes(url),
-            }
-        )
-        throughput = _run_threads(concurrent_requestors, placements, meter)
 
-        progress(f"failure: filling {FULL_NODES} nodes of {FULL_NODE_SLOTS} instances each")
-        full_requestor = open_requestor(full_broker, "full", full_settings)
-        _wait_for_roster(full_requestor, FULL_NODES, READY_TIMEOUT_S)
-        failure = _time_failures(full_requestor, FULL_NODES * FULL_NODE_SLOTS)
-        progress("auditing the nodes' ledgers")
-        audit = audit_ledgers(host.ledgers() + full_host.ledgers())
-        progress("stopping the nodes and removing the run's exchanges")
+@dataclass
+class _Baseline:
+    """The broker's own round trip, before and after the sequential run, and its rate."""
 
-    rtt_p50, rtt_p99 = percentile(rtt_s, 0.50), percentile(rtt_s, 0.99)
-    to_nodes_p50 = percentile(rtt_to_nodes[0], 0.50) if rtt_to_nodes else None
-    to_nodes_p99 = percentile(rtt_to_nodes[0], 0.99) if rtt_to_nodes else None
+    rtt_s: list[float]
+    rtt_to_nodes: list[list[float]]
+    rtt_p50_before: float
+    rtt_p50_after: float
+    broker_msgs_per_s: float
+
+
+@dataclass
+class _Measured:
+    baseline: _Baseline
+    sequential: _Sequential
+    throughput: _Throughput
+    failure: _Failure
+    audit: dict[str, int]
+
+
+def _measure(
+    plan: _Plan,
+    broker: Broker,
+    full_broker: Broker,
+    host: NodeHost,
+    full_host: NodeHost,
+    opened: _Requestors,
+    progress: Progress,
+) -> _Measured:
+    """The run, in order: the round trip and the broker's rate, the sequential
+    placements, the round trip again, the throughput, the full cluster's failures, the
+    audit (the module docstring says why each)."""
+    sequential_requestor = opened.open(broker, "sequential", plan.settings)
+    _wait_for_roster(sequential_requestor, plan.nodes, READY_TIMEOUT_S)
+    rtt_samples = max(100, min(plan.placements, MAX_RTT_SAMPLES)) // 2
+    node_echo = host.echoes[:1]
+    progress(
+        f"round trip: {rtt_samples} sequential {RTT_BODY_BYTES}-byte round trips within "
+        "this process" + (", taking turns with as many to a node process" if node_echo else "")
+    )
+    rtt_before = measure_round_trips(broker, rtt_samples, node_echo)
+    progress(f"message rate: {RATE_MESSAGES} messages through the broker, pipelined")
+    broker_msgs_per_s = measure_message_rate(broker, RATE_MESSAGES)
+
+    progress(f"sequential: {plan.placements} placements, one at a time")
+    sequential = _run_sequential(sequential_requestor, host, plan.placements)
+    # The baseline again, so that a moment's load on a shared machine on either side of
+    # the sequential run does not decide the ratios alone: they use both, pooled.
+    progress(f"round trip again: {rtt_samples} more, after the sequential run")
+    rtt_after = measure_round_trips(broker, rtt_samples, node_echo)
+    baseline = _Baseline(
+        rtt_s=rtt_before[0] + rtt_after[0],
+        rtt_to_nodes=[b + a for b, a in zip(rtt_before[1:], rtt_after[1:], strict=True)],
+        rtt_p50_before=percentile(rtt_before[0], 0.50),
+        rtt_p50_after=percentile(rtt_after[0], 0.50),
+        broker_msgs_per_s=broker_msgs_per_s,
+    )
+    moved = _baseline_moved(baseline.rtt_p50_before, baseline.rtt_p50_after)
+    if moved:
+        plan.notes.append(moved)
+
+    progress(f"throughput: {plan.placements} placements by {plan.requestors} requestors (threads)")
+    concurrent_requestors = [
+        opened.open(broker, f"throughput-{index}", plan.settings)
+        for index in range(plan.requestors)
+    ]
+    for requestor in concurrent_requestors:
+        _wait_for_roster(requestor, plan.nodes, READY_TIMEOUT_S)
+    meter = CpuMeter(
+        {
+            "nodes": host.pids if isinstance(host, ProcessNodes) else [],
+            "broker": broker_processes(plan.url),
+        }
+    )
+    throughput = _run_threads(concurrent_requestors, plan.placements, meter)
+
+    progress(f"failure: filling {FULL_NODES} nodes of {FULL_NODE_SLOTS} instances each")
+    full_requestor = opened.open(full_broker, "full", plan.full_settings)
+    _wait_for_roster(full_requestor, FULL_NODES, READY_TIMEOUT_S)
+    failure = _time_failures(full_requestor, FULL_NODES * FULL_NODE_SLOTS)
+    progress("auditing the nodes' ledgers")
+    audit = audit_ledgers(host.ledgers() + full_host.ledgers())
+    progress("stopping the nodes and removing the run's exchanges")
+    return _Measured(baseline, sequential, throughput, failure, audit)
+
+
+def _result(plan: _Plan, measured: _Measured, elapsed_s: float) -> BenchResult:
+    """The figures of the run, each derived from what was measured."""
+    baseline, sequential = measured.baseline, measured.sequential
+    throughput, failure = measured.throughput, measured.failure
+    rtt_p50, rtt_p99 = percentile(baseline.rtt_s, 0.50), percentile(baseline.rtt_s, 0.99)
+    to_nodes = baseline.rtt_to_nodes
+    to_nodes_p50 = percentile(to_nodes[0], 0.50) if to_nodes else None
+    to_nodes_p99 = percentile(to_nodes[0], 0.99) if to_nodes else None
     place_p50 = percentile(sequential.latencies_s, 0.50)
-    place_p95 = percentile(sequential.latencies_s, 0.95)
     place_p99 = percentile(sequential.latencies_s, 0.99)
     placed = len(sequential.latencies_s)
     messages = sum(sequential.sent.values())
     messages_per_placement = round(messages / placed, 2) if placed else 0.0
     cores = os.cpu_count() or 1
-    result = BenchResult(
-        broker=url.display,
-        exchanges=exchanges,
-        nodes=nodes,
-        node_processes=node_processes,
-        node_mode="in-process" if in_process else "processes",
-        requestors=requestors,
+    return BenchResult(
+        broker=plan.url.display,
+        exchanges=plan.exchanges,
+        nodes=plan.nodes,
+        node_processes=plan.node_processes,
+        node_mode="in-process" if plan.in_process else "processes",
+        requestors=plan.requestors,
         requestor_mode="threads",
-        placements=placements,
-        rtt_samples=len(rtt_s),
+        placements=plan.placements,
+        rtt_samples=len(baseline.rtt_s),
         rtt_p50_ms=_ms(rtt_p50),
         rtt_p99_ms=_ms(rtt_p99),
-        rtt_p50_before_ms=_ms(rtt_p50_before),
-        rtt_p50_after_ms=_ms(rtt_p50_after),
+        rtt_p50_before_ms=_ms(baseline.rtt_p50_before),
+        rtt_p50_after_ms=_ms(baseline.rtt_p50_after),
         rtt_to_nodes_p50_ms=None if to_nodes_p50 is None else _ms(to_nodes_p50),
         rtt_to_nodes_p99_ms=None if to_nodes_p99 is None else _ms(to_nodes_p99),
         place_floor_over_rtt=None if to_nodes_p50 is None else _ratio(2 * to_nodes_p50, rtt_p50),
         place_p50_ms=_ms(place_p50),
-        place_p95_ms=_ms(place_p95),
+        place_p95_ms=_ms(percentile(sequential.latencies_s, 0.95)),
         place_p99_ms=_ms(place_p99),
         place_p50_over_rtt=_ratio(place_p50, rtt_p50),
         place_p99_over_rtt=_ratio(place_p99, rtt_p99),
@@ -936,8 +1055,8 @@ def run_bench(
         full_cluster_placed=failure.filled,
         time_to_failure_ms=_ms(statistics.median(failure.plain_s)),
         time_to_failure_explain_ms=_ms(statistics.median(failure.explained_s)),
-        broker_msgs_per_s=round(broker_msgs_per_s, 1),
-        broker_bound_placements_per_s=round(broker_msgs_per_s / messages_per_placement, 1)
+        broker_msgs_per_s=round(baseline.broker_msgs_per_s, 1),
+        broker_bound_placements_per_s=round(baseline.broker_msgs_per_s / messages_per_placement, 1)
         if messages_per_placement
         else 0.0,
         cpu_ms_per_placement=throughput.cpu_ms_per_placement,
@@ -945,17 +1064,21 @@ def run_bench(
         cpu_bound_placements_per_s=cpu_bound(throughput.cpu_ms_per_placement, cores),
         failure_explanation=failure.explanation,
         machine=_machine(),
-        elapsed_s=round(time.perf_counter() - run_started, 1),
-        audit=audit,
-        notes=notes,
+        elapsed_s=round(elapsed_s, 1),
+        audit=measured.audit,
+        notes=plan.notes,
     )
+
+
+def _targets(plan: _Plan, result: BenchResult) -> dict[str, dict[str, Any]]:
+    """Each target that applies to the run's broker, and whether the run met it."""
     targets: tuple[Target, ...] = ()
-    if in_process:
+    if plan.in_process:
         targets = MEMORY_TARGETS
-    elif url.scheme in RABBITMQ_SCHEMES:
+    elif plan.url.scheme in RABBITMQ_SCHEMES:
         targets = RABBITMQ_TARGETS
     figures = result.as_json()
-    result.targets = {
+    return {
         t.figure: {
             "target": t.label(),
             "stated_for": t.stated_for,
@@ -963,4 +1086,3 @@ def run_bench(
         }
         for t in targets
     }
-    return result

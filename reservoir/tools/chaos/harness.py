@@ -362,14 +362,68 @@ def run_chaos(
 ) -> ChaosResult:
     """One chaos run (see the module docstring). ``seconds`` bounds the placing phase."""
     seed = seed if seed is not None else secrets.randbelow(2**31)
-    run_id = f"{seed}-{secrets.token_hex(3)}"
     scheme = broker_url.split("://", 1)[0].lower()
     if scheme not in ("amqp", "kombu+amqp", "kombu+pyamqp"):
         raise ValueError("chaos runs on RabbitMQ: give an amqp:// or kombu+amqp:// URL")
+    run = _prepare(
+        broker_url, seed, seconds, nodes, requestors, placements, interval_s, work_dir, progress
+    )
+    result: ChaosResult | None = None
+    try:
+        _start_nodes(run)
+        placing_s = _place_under_faults(run, seconds)
+        _settle(run, placing_s)
+        result = _verdict(run, placing_s)
+        _say_what_the_records_say_of_orphans(run, result)
+        return result
+    finally:
+        _tear_down(run, result)
+
+
+@dataclass
+class _Run:
+    """One chaos run's parts: where it works, how it is isolated, its processes, the
+    schedule of faults and what was injected so far."""
+
+    seed: int
+    root: Path
+    own_dir: bool
+    isolation: _Isolation
+    proxy: TcpProxy
+    node_names: list[str]
+    worker_names: list[str]
+    node_procs: dict[str, _Process]
+    worker_procs: dict[str, _Process]
+    schedule: list[Fault]
+    skipped: dict[str, str]
+    state_dir: Path
+    placements: int
+    progress: Callable[[str], None]
+    injected: Counter[str] = field(default_factory=Counter)
+    applied: list[str] = field(default_factory=list)
+    background: list[threading.Thread] = field(default_factory=list)
+
+    @property
+    def everyone(self) -> dict[str, _Process]:
+        return {**self.node_procs, **self.worker_procs}
+
+
+def _prepare(
+    broker_url: str,
+    seed: int,
+    seconds: float,
+    nodes: int,
+    requestors: int,
+    placements: int,
+    interval_s: float,
+    work_dir: Path | None,
+    progress: Callable[[str], None],
+) -> _Run:
+    """The run's directory, its vhost (or exchange) of its own, the proxy every process
+    talks through, the fault schedule drawn from the seed, and the processes to start."""
+    run_id = f"{seed}-{secrets.token_hex(3)}"
     parts = urllib.parse.urlsplit(broker_url)
     proxy = TcpProxy(parts.port or 5672, upstream_host=parts.hostname or "127.0.0.1")
-    own_dir = work_dir is None
-    result: ChaosResult | None = None
     root = Path(tempfile.mkdtemp(prefix="reservoir-chaos-")) if work_dir is None else work_dir
     root.mkdir(parents=True, exist_ok=True)
     isolation = _isolate(broker_url, run_id)
@@ -394,191 +448,226 @@ def run_chaos(
     env.pop("RESERVOIR_STATE_DIR", None)
     state_dir = root / "nodes"
     state_dir.mkdir(exist_ok=True)
-    node_procs = {
-        name: _Process(
-            name,
-            [
-                sys.executable,
-                "-m",
-                "reservoir.cli",
-                "node",
-                "--name",
-                name,
-                "--vcpus",
-                str(NODE_VCPUS),
-                "--memory-mb",
-                str(NODE_MEMORY_MB),
-                "--state-dir",
-                str(state_dir),
-                "--status-interval",
-                "5",
-            ],
-            root / f"{name}.log",
-            env,
-        )
-        for name in node_names
-    }
     share = math.ceil(placements / requestors)
-    worker_procs = {
-        name: _Process(
-            name,
-            [
-                sys.executable,
-                "-m",
-                "reservoir.tools.chaos.worker",
-                "--broker",
-                participant_url,
-                "--name",
-                name,
-                "--record",
-                str(root / f"{name}.record.jsonl"),
-                "--placements",
-                str(share),
-                "--live",
-                str(live_per_requestor(nodes, requestors)),
-                "--timeout",
-                str(REQUEST_TIMEOUT_S),
-                "--seed",
-                str(seed + index),
-            ],
-            root / f"{name}.log",
-            env,
-        )
-        for index, name in enumerate(worker_names)
-    }
-    injected: Counter[str] = Counter()
-    applied: list[str] = []
+    live = live_per_requestor(nodes, requestors)
+    return _Run(
+        seed=seed,
+        root=root,
+        own_dir=work_dir is None,
+        isolation=isolation,
+        proxy=proxy,
+        node_names=node_names,
+        worker_names=worker_names,
+        node_procs={name: _node_process(name, state_dir, root, env) for name in node_names},
+        worker_procs={
+            name: _worker_process(name, index, seed, participant_url, share, live, root, env)
+            for index, name in enumerate(worker_names)
+        },
+        schedule=list(schedule),
+        skipped=skipped,
+        state_dir=state_dir,
+        placements=placements,
+        progress=progress,
+    )
+
+
+def _node_process(name: str, state_dir: Path, root: Path, env: dict[str, str]) -> _Process:
+    """A ``reservoir node`` process with a durable ledger in the run's state directory."""
+    return _Process(
+        name,
+        [sys.executable, "-m", "reservoir.cli", "node", "--name", name,
+         "--vcpus", str(NODE_VCPUS), "--memory-mb", str(NODE_MEMORY_MB),
+         "--state-dir", str(state_dir), "--status-interval", "5"],
+        root / f"{name}.log",
+        env,
+    )  # fmt: skip
+
+
+def _worker_process(
+    name: str,
+    index: int,
+    seed: int,
+    url: str,
+    share: int,
+    live: int,
+    root: Path,
+    env: dict[str, str],
+) -> _Process:
+    """A requestor process placing ``share`` placements, keeping its record."""
+    return _Process(
+        name,
+        [sys.executable, "-m", "reservoir.tools.chaos.worker", "--broker", url,
+         "--name", name, "--record", str(root / f"{name}.record.jsonl"),
+         "--placements", str(share), "--live", str(live),
+         "--timeout", str(REQUEST_TIMEOUT_S), "--seed", str(seed + index)],
+        root / f"{name}.log",
+        env,
+    )  # fmt: skip
+
+
+def _start_nodes(run: _Run) -> None:
+    for node in run.node_procs.values():
+        node.start()
+    _wait_ready(list(run.node_procs.values()), READY_TIMEOUT_S)
+    run.progress(
+        f"chaos: {len(run.node_procs)} nodes ready; {len(run.worker_procs)} requestors place "
+        f"{run.placements}"
+    )
+
+
+def _place_under_faults(run: _Run, seconds: float) -> float:
+    """Start the requestors and inject the schedule's faults until they are done placing
+    or ``seconds`` are up; processes that exit by themselves are counted and restarted.
+    Returns how long the placing went on."""
+    for worker in run.worker_procs.values():
+        worker.start()
     started = time.monotonic()
-    background: list[threading.Thread] = []
-    try:
-        for node in node_procs.values():
-            node.start()
-        _wait_ready(list(node_procs.values()), READY_TIMEOUT_S)
-        progress(f"chaos: {nodes} nodes ready; {requestors} requestors place {placements}")
-        for worker in worker_procs.values():
-            worker.start()
-        started = time.monotonic()
-        pending = list(schedule)
-        stall_ends: float | None = None
-        while True:
-            now_s = time.monotonic() - started
-            everyone = {**node_procs, **worker_procs}
-            for proc in everyone.values():
-                if proc.restart_at is not None and now_s >= proc.restart_at:
-                    proc.start()
-                elif proc.restart_at is None and not proc.finished and not proc.alive():
-                    assert proc.process is not None
-                    if proc.name in worker_procs and proc.process.returncode == 0:
-                        proc.finished = True
-                    else:
-                        proc.crashes += 1
-                        progress(f"chaos: {proc.name} exited by itself ({proc.process.returncode})")
-                        proc.start()
-            if stall_ends is not None and now_s >= stall_ends:
-                proxy.restore()
-                stall_ends = None
-            if all(w.finished for w in worker_procs.values()):
-                break
-            if now_s > seconds:
-                progress(f"chaos: {seconds:.0f} s are up: stopping the requestors")
-                break
-            while pending and pending[0].at_s <= now_s:
-                fault = pending.pop(0)
-                if fault.kind == "kill_requestor" and worker_procs[str(fault.target)].finished:
-                    continue  # it is done placing: nothing left to interrupt
-                progress(f"chaos: {fault.describe()}")
-                applied.append(fault.describe())
-                injected[fault.kind] += 1
-                if fault.kind in ("kill_node", "kill_requestor"):
-                    proc = everyone[str(fault.target)]
-                    proc.kill()
-                    proc.restart_at = now_s + fault.duration_s
-                elif fault.kind == "cut":
-                    proxy.cut()
-                elif fault.kind == "stall":
-                    proxy.stall()
-                    stall_ends = now_s + fault.duration_s
-                elif fault.kind == "broker_close":
-                    assert isolation.vhost is not None
-                    thread = threading.Thread(
-                        target=_close_all, args=(isolation.vhost,), daemon=True
-                    )
-                    thread.start()
-                    background.append(thread)
-            time.sleep(0.05)
-        placing_s = time.monotonic() - started
-        # The end: no more faults; everything comes back, requestors settle and exit.
-        proxy.restore()
-        for thread in background:
-            thread.join(timeout=60)
-        for proc in {**node_procs, **worker_procs}.values():
-            if not proc.finished and not proc.alive():
+    pending = list(run.schedule)
+    stall_ends: float | None = None
+    while True:
+        now_s = time.monotonic() - started
+        _supervise(run, now_s)
+        if stall_ends is not None and now_s >= stall_ends:
+            run.proxy.restore()
+            stall_ends = None
+        if all(w.finished for w in run.worker_procs.values()):
+            break
+        if now_s > seconds:
+            run.progress(f"chaos: {seconds:.0f} s are up: stopping the requestors")
+            break
+        while pending and pending[0].at_s <= now_s:
+            stall_ends = _inject(run, pending.pop(0), now_s, stall_ends)
+        time.sleep(0.05)
+    return time.monotonic() - started
+
+
+def _supervise(run: _Run, now_s: float) -> None:
+    """Restart what a fault killed once its time is up, and what died by itself (a
+    requestor that finished placing exits 0 and is done)."""
+    for proc in run.everyone.values():
+        if proc.restart_at is not None and now_s >= proc.restart_at:
+            proc.start()
+        elif proc.restart_at is None and not proc.finished and not proc.alive():
+            assert proc.process is not None
+            if proc.name in run.worker_procs and proc.process.returncode == 0:
+                proc.finished = True
+            else:
+                proc.crashes += 1
+                run.progress(f"chaos: {proc.name} exited by itself ({proc.process.returncode})")
                 proc.start()
-        _wait_ready(list(node_procs.values()), READY_TIMEOUT_S)
-        for worker in worker_procs.values():
-            worker.terminate(timeout_s=180)
-            if worker.process is not None and worker.process.returncode not in (0, None):
-                worker.crashes += 1
-        progress(f"chaos: placing over after {placing_s:.0f} s; letting reservations expire")
-        time.sleep(SETTLE_S)
-        verdict = judge({name: read_events(root / f"{name}.record.jsonl") for name in worker_names})
-        direct_url = isolation.url
-        found = audit_cluster(direct_url, placements=verdict.held, expect_nodes=nodes, wait_s=15.0)
-        for node in node_procs.values():
-            node.terminate(timeout_s=30)
-        durable = _durable_audit(state_dir, node_names, verdict.held)
-        crashed = [
-            f"{p.name}: exited by itself {p.crashes} time(s)"
-            for p in {**node_procs, **worker_procs}.values()
-            if p.crashes
-        ]
-        missing = [] if len(found.nodes) == nodes else [
-            f"{nodes - len(found.nodes)} node(s) did not answer the audit"
-        ]  # fmt: skip
-        result = ChaosResult(
-            seed=seed,
-            placements=verdict.placements,
-            faults_injected=sum(injected.values()),
-            faults=dict(injected),
-            faults_skipped=skipped,
-            overcommitted=_union(found.report.overcommitted, durable.overcommitted),
-            duplicate_placements=_union(
-                found.report.duplicate_placements, durable.duplicate_placements
-            ),
-            leaked_reservations=list(found.report.leaked_reservations),
-            orphans=_union(found.orphans, durable.orphans) + missing,
-            hung_callers=list(verdict.hung),
-            false_failures=list(verdict.failures),
-            unconfirmed_frees=list(verdict.unconfirmed_frees),
-            crashed_processes=crashed,
-            nodes_answering=len(found.nodes),
-            frees=verdict.frees,
-            seconds=placing_s,
-            isolation=(
-                f"vhost {isolation.vhost}"
-                if isolation.own_vhost
-                else f"exchange {isolation.exchange}"
-            ),
-            schedule=applied,
-        )
-        for orphan in result.orphans:
-            # What the callers' records say of the orphaned id: the place to start.
-            request_id = orphan.split(" of ", 1)[1].split(":", 1)[0] if " of " in orphan else ""
-            for name in worker_names:
-                for event in read_events(root / f"{name}.record.jsonl"):
-                    if request_id and event.get("id") == request_id:
-                        progress(f"chaos: {name} record of {request_id}: {event}")
-        return result
-    finally:
-        for proc in {**node_procs, **worker_procs}.values():
-            proc.kill()
-        proxy.close()
-        isolation.remove(isolation.url)
-        if own_dir and result is not None and result.ok:
-            shutil.rmtree(root, ignore_errors=True)
-        else:
-            # A failed verdict (or a run that broke) keeps its evidence.
-            progress(f"chaos: kept the run's logs, records and ledgers in {root}")
+
+
+def _inject(run: _Run, fault: Fault, now_s: float, stall_ends: float | None) -> float | None:
+    """Carry out one fault of the schedule; returns when a stall (if any) ends."""
+    if fault.kind == "kill_requestor" and run.worker_procs[str(fault.target)].finished:
+        return stall_ends  # it is done placing: nothing left to interrupt
+    run.progress(f"chaos: {fault.describe()}")
+    run.applied.append(fault.describe())
+    run.injected[fault.kind] += 1
+    if fault.kind in ("kill_node", "kill_requestor"):
+        proc = run.everyone[str(fault.target)]
+        proc.kill()
+        proc.restart_at = now_s + fault.duration_s
+    elif fault.kind == "cut":
+        run.proxy.cut()
+    elif fault.kind == "stall":
+        run.proxy.stall()
+        return now_s + fault.duration_s
+    elif fault.kind == "broker_close":
+        assert run.isolation.vhost is not None
+        thread = threading.Thread(target=_close_all, args=(run.isolation.vhost,), daemon=True)
+        thread.start()
+        run.background.append(thread)
+    return stall_ends
+
+
+def _settle(run: _Run, placing_s: float) -> None:
+    """The end: no more faults; everything comes back, requestors settle and exit, and
+    reservations get their time to expire."""
+    run.proxy.restore()
+    for thread in run.background:
+        thread.join(timeout=60)
+    for proc in run.everyone.values():
+        if not proc.finished and not proc.alive():
+            proc.start()
+    _wait_ready(list(run.node_procs.values()), READY_TIMEOUT_S)
+    for worker in run.worker_procs.values():
+        worker.terminate(timeout_s=180)
+        if worker.process is not None and worker.process.returncode not in (0, None):
+            worker.crashes += 1
+    run.progress(f"chaos: placing over after {placing_s:.0f} s; letting reservations expire")
+    time.sleep(SETTLE_S)
+
+
+def _verdict(run: _Run, placing_s: float) -> ChaosResult:
+    """The three verdicts side by side: the callers' record, the cluster-wide audit
+    against it, and the same checks over the nodes' SQLite ledgers."""
+    verdict = judge(
+        {name: read_events(run.root / f"{name}.record.jsonl") for name in run.worker_names}
+    )
+    nodes = len(run.node_names)
+    found = audit_cluster(
+        run.isolation.url, placements=verdict.held, expect_nodes=nodes, wait_s=15.0
+    )
+    for node in run.node_procs.values():
+        node.terminate(timeout_s=30)
+    durable = _durable_audit(run.state_dir, run.node_names, verdict.held)
+    crashed = [
+        f"{p.name}: exited by itself {p.crashes} time(s)"
+        for p in run.everyone.values()
+        if p.crashes
+    ]
+    missing = [] if len(found.nodes) == nodes else [
+        f"{nodes - len(found.nodes)} node(s) did not answer the audit"
+    ]  # fmt: skip
+    isolation = run.isolation
+    return ChaosResult(
+        seed=run.seed,
+        placements=verdict.placements,
+        faults_injected=sum(run.injected.values()),
+        faults=dict(run.injected),
+        faults_skipped=run.skipped,
+        overcommitted=_union(found.report.overcommitted, durable.overcommitted),
+        duplicate_placements=_union(
+            found.report.duplicate_placements, durable.duplicate_placements
+        ),
+        leaked_reservations=list(found.report.leaked_reservations),
+        orphans=_union(found.orphans, durable.orphans) + missing,
+        hung_callers=list(verdict.hung),
+        false_failures=list(verdict.failures),
+        unconfirmed_frees=list(verdict.unconfirmed_frees),
+        crashed_processes=crashed,
+        nodes_answering=len(found.nodes),
+        frees=verdict.frees,
+        seconds=placing_s,
+        isolation=(
+            f"vhost {isolation.vhost}" if isolation.own_vhost else f"exchange {isolation.exchange}"
+        ),
+        schedule=run.applied,
+    )
+
+
+def _say_what_the_records_say_of_orphans(run: _Run, result: ChaosResult) -> None:
+    """What the callers' records say of each orphaned id: the place to start."""
+    for orphan in result.orphans:
+        request_id = orphan.split(" of ", 1)[1].split(":", 1)[0] if " of " in orphan else ""
+        for name in run.worker_names:
+            for event in read_events(run.root / f"{name}.record.jsonl"):
+                if request_id and event.get("id") == request_id:
+                    run.progress(f"chaos: {name} record of {request_id}: {event}")
+
+
+def _tear_down(run: _Run, result: ChaosResult | None) -> None:
+    """Kill what is left, close the proxy, remove the run's vhost; keep the evidence of
+    a failed verdict (or a run that broke)."""
+    for proc in run.everyone.values():
+        proc.kill()
+    run.proxy.close()
+    run.isolation.remove(run.isolation.url)
+    if run.own_dir and result is not None and result.ok:
+        shutil.rmtree(run.root, ignore_errors=True)
+    else:
+        run.progress(f"chaos: kept the run's logs, records and ledgers in {run.root}")
 
 
 def _close_all(vhost: str) -> None:

@@ -213,15 +213,8 @@ def simulate(
     output says which build ran.
     """
     simulator = _simulator()
-    from reservoir.tools.simulator.report import print_table, require_matplotlib, write_outputs
-
     if output is not None:
-        try:
-            require_matplotlib()
-        except ImportError:
-            raise click.UsageError(
-                "--output draws plots with matplotlib: pip install 'reservoir[plots]'"
-            ) from None
+        _require_plots()
     config = simulator.SimulationConfig(
         nodes=nodes,
         requests=requests,
@@ -239,11 +232,30 @@ def simulate(
         mean_lifetime_s=lifetime_s,
         prefill=prefill,
     )
+    result = _run(simulator, config, jobs, as_json)
+    _report(result, output, as_json)
+
+
+def _require_plots() -> None:
+    from reservoir.tools.simulator.report import require_matplotlib
+
+    try:
+        require_matplotlib()
+    except ImportError:
+        raise click.UsageError(
+            "--output draws plots with matplotlib: pip install 'reservoir[plots]'"
+        ) from None
+
+
+def _run(simulator: Any, config: Any, jobs: int | None, as_json: bool) -> Any:
+    """Every run of the configuration, with a progress bar on a terminal; Ctrl-C or
+    SIGTERM stops the worker processes and exits 130."""
+    runs = config.requests * len(config.loads) * len(config.systems)
     with progress_bar(as_json) as bar:
-        task = bar.add_task("simulating", total=requests * len(loads) * len(systems))
+        task = bar.add_task("simulating", total=runs)
         try:
             with stopped_by_sigterm():
-                result = simulator.simulate(
+                return simulator.simulate(
                     config,
                     progress=lambda label, n: bar.update(task, description=label, advance=n),
                     jobs=jobs if jobs is not None else simulator.default_jobs(config),
@@ -252,6 +264,13 @@ def simulate(
             bar.stop()
             click.echo("reservoir simulate: interrupted; its worker processes stopped", err=True)
             sys.exit(EXIT_INTERRUPTED)
+
+
+def _report(result: Any, output: Path | None, as_json: bool) -> None:
+    """The table or the JSON object, the files of ``--output``, and exit status 2 when an
+    audit found a broken invariant."""
+    from reservoir.tools.simulator.report import print_table, write_outputs
+
     if as_json:
         click.echo(json.dumps(result.as_json(), sort_keys=True))
     else:

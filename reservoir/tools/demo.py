@@ -127,106 +127,148 @@ def run_demo(
     rng = random.Random(seed)
     run_id = secrets.token_hex(3)
     flavours = rng.choices(FLAVOURS, weights=[f.weight for f in FLAVOURS], k=requests)
-    work: queue.SimpleQueue[Flavour | None] = queue.SimpleQueue()
-    for flavour in flavours:
-        work.put(flavour)
-    latencies_s: list[float] = []
-    placements: list[Placement] = []
-    failures: list[str] = []
-    lock = threading.Lock()
+    with _opened(broker_url, run_id) as broker, _Cluster(broker, settings) as cluster:
+        cluster.start(run_id, rng, nodes, concurrency)
+        outcomes = _place_all(cluster.requestors, flavours, progress)
+        report = _audit_after_ttl(cluster.agents, outcomes.placements, settings.ttl_s)
+        return _result(cluster, outcomes, report, broker.url, nodes, requests, concurrency)
 
-    with _opened(broker_url, run_id) as broker:
-        shown_url = broker.url  # the run's own exchange, password masked
-        node_timers = ThreadScheduler(SystemClock(), name="demo-node-timers")
-        requestor_timers = ThreadScheduler(SystemClock(), name="demo-requestor-timers")
-        agents: list[NodeAgent] = []
-        requestors: list[Requestor] = []
+
+class _Cluster:
+    """The demo's node agents and requestors on one broker, each kind on one timer
+    thread, all closed on exit."""
+
+    def __init__(self, broker: Broker, settings: Settings) -> None:
+        self.broker = broker
+        self.settings = settings
+        self.node_timers = ThreadScheduler(SystemClock(), name="demo-node-timers")
+        self.requestor_timers = ThreadScheduler(SystemClock(), name="demo-requestor-timers")
+        self.agents: list[NodeAgent] = []
+        self.requestors: list[Requestor] = []
+
+    def __enter__(self) -> _Cluster:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for requestor in self.requestors:
+            requestor.close()
+        for agent in self.agents:
+            agent.close()
+        self.node_timers.close()
+        self.requestor_timers.close()
+
+    def start(self, run_id: str, rng: random.Random, nodes: int, concurrency: int) -> None:
+        """``nodes`` agents of shapes drawn from :data:`NODE_SHAPES`, and the requestors."""
+        settings = self.settings
         # Discovering entry points reads every installed package's metadata: once will do.
         filters = load_filters(settings.filters)
         weighers = load_weighers(settings.weighers)
-        try:
-            for index in range(nodes):
-                vcpus, memory_mb, disk_gb = rng.choice(NODE_SHAPES)
-                agents.append(
-                    NodeAgent(
-                        broker,
-                        name=f"demo-{run_id}-node-{index:03d}",
-                        inventories={
-                            "VCPU": Inventory(total=vcpus, allocation_ratio=VCPU_ALLOCATION_RATIO),
-                            "MEMORY_MB": Inventory(total=memory_mb, reserved=4096),
-                            "DISK_GB": Inventory(total=disk_gb),
-                        },
-                        settings=settings,
-                        scheduler=node_timers,
-                        filters=filters,
-                        weighers=weighers,
-                    )
+        for index in range(nodes):
+            vcpus, memory_mb, disk_gb = rng.choice(NODE_SHAPES)
+            self.agents.append(
+                NodeAgent(
+                    self.broker,
+                    name=f"demo-{run_id}-node-{index:03d}",
+                    inventories={
+                        "VCPU": Inventory(total=vcpus, allocation_ratio=VCPU_ALLOCATION_RATIO),
+                        "MEMORY_MB": Inventory(total=memory_mb, reserved=4096),
+                        "DISK_GB": Inventory(total=disk_gb),
+                    },
+                    settings=settings,
+                    scheduler=self.node_timers,
+                    filters=filters,
+                    weighers=weighers,
                 )
-            requestors = [
+            )
+        for i in range(concurrency):
+            self.requestors.append(
                 Requestor(
-                    broker,
+                    self.broker,
                     name=f"demo-{run_id}-requestor-{i}",
                     settings=settings,
-                    scheduler=requestor_timers,
+                    scheduler=self.requestor_timers,
                 )
-                for i in range(concurrency)
-            ]
+            )
 
-            def worker(requestor: Requestor) -> None:
-                while (flavour := work.get()) is not None:
-                    started = time.perf_counter()
-                    try:
-                        placement = requestor.reserve(
-                            vcpus=flavour.vcpus,
-                            memory_mb=flavour.memory_mb,
-                            disk_gb=flavour.disk_gb,
-                        )
-                    except PlacementError as error:
-                        with lock:
-                            failures.append(str(error))
-                    else:
-                        with lock:
-                            placements.append(placement)
-                            latencies_s.append(time.perf_counter() - started)
-                    if progress is not None:
-                        progress(1)
 
+@dataclass
+class _Outcomes:
+    placements: list[Placement]
+    latencies_s: list[float]
+    failures: list[str]
+    elapsed_s: float
+
+
+def _place_all(
+    requestors: list[Requestor],
+    flavours: list[Flavour],
+    progress: Callable[[int], None] | None,
+) -> _Outcomes:
+    """Every flavour placed by whichever requestor's worker thread takes it next."""
+    work: queue.SimpleQueue[Flavour | None] = queue.SimpleQueue()
+    for flavour in flavours:
+        work.put(flavour)
+    outcomes = _Outcomes([], [], [], 0.0)
+    lock = threading.Lock()
+
+    def worker(requestor: Requestor) -> None:
+        while (flavour := work.get()) is not None:
             started = time.perf_counter()
-            threads = [
-                threading.Thread(target=worker, args=(r,), name=f"demo-worker-{i}", daemon=True)
-                for i, r in enumerate(requestors)
-            ]
-            for thread in threads:
-                work.put(None)  # one stop sign per worker, after the work
-                thread.start()
-            for thread in threads:
-                thread.join()
-            elapsed_s = time.perf_counter() - started
+            try:
+                placement = requestor.reserve(
+                    vcpus=flavour.vcpus, memory_mb=flavour.memory_mb, disk_gb=flavour.disk_gb
+                )
+            except PlacementError as error:
+                with lock:
+                    outcomes.failures.append(str(error))
+            else:
+                with lock:
+                    outcomes.placements.append(placement)
+                    outcomes.latencies_s.append(time.perf_counter() - started)
+            if progress is not None:
+                progress(1)
 
-            report = _audit_after_ttl(agents, placements, settings.ttl_s)
-            messages = sum(
-                participant.metrics.total("sent") for participant in [*agents, *requestors]
-            )
-            counted = all(p.metrics.enabled for p in [*agents, *requestors])
-            dropped: Counter[str] = Counter()
-            for participant in [*agents, *requestors]:
-                dropped.update(participant.metrics.by_label("dropped"))
-            tiers_used: Counter[str] = Counter(
-                f"{p.tiers_tried[-1]}%" for p in placements if p.tiers_tried
-            )
-            snapshots = [agent.snapshot() for agent in agents]
-        finally:
-            for requestor in requestors:
-                requestor.close()
-            for agent in agents:
-                agent.close()
-            node_timers.close()
-            requestor_timers.close()
+    started = time.perf_counter()
+    threads = [
+        threading.Thread(target=worker, args=(r,), name=f"demo-worker-{i}", daemon=True)
+        for i, r in enumerate(requestors)
+    ]
+    for thread in threads:
+        work.put(None)  # one stop sign per worker, after the work
+        thread.start()
+    for thread in threads:
+        thread.join()
+    outcomes.elapsed_s = time.perf_counter() - started
+    return outcomes
 
+
+def _result(
+    cluster: _Cluster,
+    outcomes: _Outcomes,
+    report: AuditReport,
+    shown_url: str,
+    nodes: int,
+    requests: int,
+    concurrency: int,
+) -> DemoResult:
+    """The demo's figures, read from the participants' counters and the nodes' state."""
+    participants = [*cluster.agents, *cluster.requestors]
+    messages = sum(participant.metrics.total("sent") for participant in participants)
+    counted = all(p.metrics.enabled for p in participants)
+    dropped: Counter[str] = Counter()
+    for participant in participants:
+        dropped.update(participant.metrics.by_label("dropped"))
+    placements, latencies_s, elapsed_s = (
+        outcomes.placements,
+        outcomes.latencies_s,
+        outcomes.elapsed_s,
+    )
+    tiers_used: Counter[str] = Counter(f"{p.tiers_tried[-1]}%" for p in placements if p.tiers_tried)
+    snapshots = [agent.snapshot() for agent in cluster.agents]
     placed = len(placements)
     return DemoResult(
         placed=placed,
-        failed=len(failures),
+        failed=len(outcomes.failures),
         overcommitted=len(report.overcommitted),
         leaked_reservations=len(report.leaked_reservations),
         duplicate_placements=len(report.duplicate_placements),
@@ -248,7 +290,7 @@ def run_demo(
         mean_utilisation=round(statistics.fmean(s.utilisation for s in snapshots), 3)
         if snapshots
         else 0.0,
-        failures=failures,
+        failures=outcomes.failures,
         dropped=dict(dropped),
         audit=report,
     )

@@ -28,6 +28,7 @@ from reservoir.protocol.placement import (
     PlacementTimeout,
 )
 from reservoir.protocol.tiers import TierLadder
+from reservoir.runtime.keeper import RosterKeeper
 from reservoir.runtime.node_agent import NodeAgent
 from reservoir.runtime.requestor import FreeIncomplete, Requestor, RequestorClosed
 from reservoir.runtime.settings import Settings
@@ -60,6 +61,7 @@ __all__ = [
     "PlacementTimeout",
     "Requestor",
     "RequestorClosed",
+    "RosterKeeper",
     "Scheduler",
     "Settings",
     "SqliteStore",

@@ -15,6 +15,7 @@ PUBLIC_NAMES = {
     "NodeAgent", "NodeSnapshot", "NumaCell", "NumaSpec", "NumaTopology", "PlacedAllocation",
     "Placement",
     "PlacementError", "PlacementRequest", "PlacementTimeout", "Requestor", "RequestorClosed",
+    "RosterKeeper",
     "Scheduler", "Settings", "SqliteStore", "StateError", "SystemClock", "ThreadScheduler",
     "TierLadder", "UnsupportedBroker", "VirtualScheduler", "audit",
 }  # fmt: skip

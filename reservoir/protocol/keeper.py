@@ -99,11 +99,11 @@ class KeeperMachine:
         if status.leaving:
             self.roster.remove(status.sender)
             return []
-        new = status.sender not in self.roster
         self.roster.update(status.sender, status.reply_to, status.tier, status.room)
-        if new and not status.answering:
-            # A node that started after our roll call: ask it too, so that it tells us
-            # every change of its room from now on (one message each way, once).
+        if not status.room_news and not status.answering:
+            # A node that does not tell keepers of its room (started after our roll call,
+            # restarted, or it stopped when nobody heard): ask it, so that it does from
+            # now on (one message each way, once).
             call = RollCall(
                 sender=self.config.keeper_id, reply_to=self.config.reply_to, from_keeper=True
             )

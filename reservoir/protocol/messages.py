@@ -685,6 +685,10 @@ class NodeStatus(_Message, tag="status", frozen=True, kw_only=True):
     #: an answer to a RollCall (the requestor times it: its first latency samples)
     answering: bool = False
     room: Room = field(default_factory=dict)
+    #: the node publishes every change of its room for keepers (on ``ROOM_TOPIC``): a
+    #: keeper that hears a status without it (a new node, one restarted, one that stopped
+    #: when nobody heard) roll-calls the node, which then does
+    room_news: bool = False
     #: sent by a node that is back (started with stored allocations, or reconnected):
     #: the lookup buckets of the caller-chosen ids it holds, as a
     #: :func:`bucket_bitmap`. While it was away a retry's lookup could not find them, so

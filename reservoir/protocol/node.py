@@ -362,6 +362,7 @@ class NodeMachine:
             and cached.tier == tier
             and cached.leaving == leaving
             and cached.answering == answering
+            and cached.room_news == self._keepers_listen
         ):
             return cached
         self._last_status_room = room
@@ -372,6 +373,7 @@ class NodeMachine:
             leaving=leaving,
             answering=answering,
             room=room,
+            room_news=self._keepers_listen,
         )
         return status
 

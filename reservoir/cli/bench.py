@@ -61,6 +61,22 @@ def _parse_url(ctx: click.Context, param: click.Parameter, value: str) -> Broker
     help="Placements in the sequential run, and again in the throughput run.",
 )
 @click.option(
+    "--requestor-processes",
+    default=0,
+    show_default=True,
+    type=click.IntRange(0, 256),
+    help="Spread the throughput run's requestors over this many processes, as an API "
+    "tier's workers are (0: threads of this process; ignored on memory://).",
+)
+@click.option(
+    "--keepers",
+    default=0,
+    show_default=True,
+    type=click.IntRange(0, 16),
+    help="Start this many roster keepers; every requestor then takes its roster from them "
+    "rather than following every node's announcements.",
+)
+@click.option(
     "--json",
     "as_json",
     is_flag=True,
@@ -72,6 +88,8 @@ def bench(
     requestors: int,
     node_processes: int,
     placements: int,
+    requestor_processes: int,
+    keepers: int,
     as_json: bool,
 ) -> None:
     """Measure placement against the broker's own round trip: sequential latency,
@@ -106,6 +124,8 @@ def bench(
                 requestors=requestors,
                 node_processes=node_processes,
                 placements=placements,
+                requestor_processes=requestor_processes,
+                keepers=keepers,
                 progress=progress,
             )
     except UnsupportedBroker as error:
@@ -176,6 +196,7 @@ def _print_table(result: BenchResult) -> None:
         ("placement p99 / round trip p99", f"x{r.place_p99_over_rtt:.2f}", "place_p99_over_rtt"),
         ("placements per second", f"{r.placements_per_s:,.0f}", "placements_per_s"),
         ("messages per placement", f"{r.messages_per_placement:.2f}", "messages_per_placement"),
+        ("  delivered, throughput run", f"{r.throughput_messages_per_placement:.2f}", ""),
         ("time to a clear failure", f"{r.time_to_failure_ms:.1f} ms", "time_to_failure_ms"),
         ("  with explain", f"{r.time_to_failure_explain_ms:.1f} ms", ""),
         ("failed: sequential, throughput", f"{r.sequential_failed}, {r.throughput_failed}", ""),

@@ -191,6 +191,35 @@ def test_a_short_run_on_rabbitmq_reports_every_figure_and_leaves_nothing_behind(
         assert left == [], f"{what} left behind: {left}"
 
 
+@pytest.mark.rabbitmq
+def test_requestors_in_processes_of_their_own_taking_rosters_from_a_keeper(
+    reservoir_amqp_url: str,
+) -> None:
+    result = short_run(
+        reservoir_amqp_url, "--node-processes", "1", "--requestor-processes", "2",
+        "--keepers", "1",
+    )  # fmt: skip
+    assert_sane(result)
+    assert (result["requestor_mode"], result["requestor_processes"]) == ("processes", 2)
+    assert result["keepers"] == 1
+    assert result["throughput_messages_per_placement"] > 0
+    assert set(result["cpu_ms_per_placement"]) >= {"requestors", "nodes"}
+    assert result["audit"] == dict.fromkeys(result["audit"], 0)
+
+
+def test_the_throughput_run_counts_every_message_delivered_to_any_participant() -> None:
+    # Followed by every requestor, the nodes' statuses are delivered once per requestor;
+    # taken from a keeper, once: the delivered count shows the difference, the sent does not.
+    following = short_run("memory://", "--requestors", "6")
+    keeping = short_run("memory://", "--requestors", "6", "--keepers", "1")
+    assert keeping["keepers"] == 1 and following["keepers"] == 0
+    assert (
+        following["throughput_messages_per_placement"]
+        >= keeping["throughput_messages_per_placement"]
+    )
+    assert keeping["throughput_messages_per_placement"] > 0
+
+
 def test_the_audit_counts_what_breaks_an_invariant() -> None:
     summaries = [
         {"overcommitted": ["n1"], "leaked_reservations": 1, "instances": {"r1": [1, 1]}},

@@ -53,6 +53,7 @@ from reservoir.clock import SystemClock, ThreadScheduler
 from reservoir.exit_status import EXIT_BROKER, EXIT_RUN_FAILED
 from reservoir.protocol.placement import PlacementError
 from reservoir.runtime.backoff import quietly_connecting
+from reservoir.runtime.keeper import RosterKeeper
 from reservoir.runtime.node_agent import NodeAgent
 from reservoir.runtime.plugins import load_filters, load_weighers
 from reservoir.runtime.requestor import Requestor
@@ -153,6 +154,10 @@ class BenchResult:
     node_mode: str
     requestors: int
     requestor_mode: str
+    #: processes the throughput run's requestors ran in (0: threads of this one)
+    requestor_processes: int
+    #: roster keepers every requestor took its roster from (0: the announcements)
+    keepers: int
     placements: int
     rtt_samples: int
     rtt_p50_ms: float
@@ -180,6 +185,10 @@ class BenchResult:
     throughput_failed: int
     throughput_p50_ms: float
     throughput_p99_ms: float
+    #: every message delivered during the throughput run (to nodes, requestors and
+    #: keepers) per placement: what grows with the requestors when each follows the
+    #: announcements (``messages_per_placement`` counts what the sequential run sent)
+    throughput_messages_per_placement: float
     messages_per_placement: float
     messages_per_placement_by_kind: dict[str, float]
     exhaustive_steps: int
@@ -336,6 +345,10 @@ class NodeHost(Protocol):
         """Messages the nodes have sent so far, by kind."""
         ...
 
+    def received(self) -> Counter[str]:
+        """Messages the nodes have received so far, by kind."""
+        ...
+
     def stop(self) -> Counter[str]:
         """Stop every node; what they sent in all, by kind."""
         ...
@@ -393,6 +406,9 @@ class InProcessNodes:
 
     def sent(self) -> Counter[str]:
         return Counter(counters_of(self._agents, "sent"))
+
+    def received(self) -> Counter[str]:
+        return Counter(counters_of(self._agents, "received"))
 
     def ledgers(self) -> list[dict[str, Any]]:
         return [ledger_summary(self._agents)]
@@ -466,12 +482,7 @@ class ProcessNodes:
         memory_mb: int,
         vcpu_ratio: float,
     ) -> None:
-        # the directory holding the reservoir package: reservoir/tools/bench/runner.py
-        package_root = str(Path(__file__).resolve().parents[3])
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (package_root, env.get("PYTHONPATH", "")) if p
-        )
+        env = _child_env()
         self._children: list[_Child] = []
         shares = [list(names[index::processes]) for index in range(processes)]
         for share in shares:
@@ -509,11 +520,17 @@ class ProcessNodes:
         return [child.echo for child in self._children if child.echo]
 
     def sent(self) -> Counter[str]:
+        return self._counters("sent")
+
+    def received(self) -> Counter[str]:
+        return self._counters("received")
+
+    def _counters(self, label: str) -> Counter[str]:
         for child in self._children:
             self._tell(child, "counters")
         total: Counter[str] = Counter()
         for child in self._children:
-            total.update(child.next_event("counters", COUNTERS_TIMEOUT_S).get("sent", {}))
+            total.update(child.next_event("counters", COUNTERS_TIMEOUT_S).get(label, {}))
         return total
 
     def ledgers(self) -> list[dict[str, Any]]:
@@ -522,12 +539,7 @@ class ProcessNodes:
         return [child.next_event("ledgers", COUNTERS_TIMEOUT_S) for child in self._children]
 
     def _tell(self, child: _Child, command: str) -> None:
-        assert child.process.stdin is not None
-        try:
-            child.process.stdin.write(command + "\n")
-            child.process.stdin.flush()
-        except OSError:
-            raise child.died() from None
+        _tell(child, command)
 
     def stop(self) -> Counter[str]:
         """SIGTERM every process, read what it sent, SIGKILL any still up after
@@ -553,12 +565,118 @@ class ProcessNodes:
         return total
 
 
+def _tell(child: _Child, command: str) -> None:
+    """A line to a child process's stdin; a child that is gone is a :class:`BenchError`."""
+    assert child.process.stdin is not None
+    try:
+        child.process.stdin.write(command + "\n")
+        child.process.stdin.flush()
+    except OSError:
+        raise child.died() from None
+
+
+def _child_env() -> dict[str, str]:
+    """A child process's environment: this checkout first on its path."""
+    # the directory holding the reservoir package: reservoir/tools/bench/runner.py
+    package_root = str(Path(__file__).resolve().parents[3])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+class ProcessRequestors:
+    """The throughput run's requestors in processes of their own
+    (``python -m reservoir.tools.bench.requestor_host``), as an API tier's workers are."""
+
+    def __init__(
+        self,
+        url: BrokerUrl,
+        names: Sequence[str],
+        processes: int,
+        placements: int,
+        *,
+        nodes: int,
+        roster_from: str,
+    ) -> None:
+        self._children: list[_Child] = []
+        shares = [list(names[index::processes]) for index in range(processes)]
+        env = _child_env()
+        for share in (s for s in shares if s):
+            count = round(placements * len(share) / len(names))
+            process = subprocess.Popen(
+                [sys.executable, "-m", "reservoir.tools.bench.requestor_host",
+                 "--broker", url.given, "--names", ",".join(share),
+                 "--placements", str(count), "--nodes", str(nodes),
+                 "--roster-from", roster_from],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                text=True, env=env,
+            )  # fmt: skip
+            child = _Child(process, len(share))
+            assert process.stdout is not None and process.stderr is not None
+            threading.Thread(
+                target=_pump_events, args=(process.stdout, child.events), daemon=True
+            ).start()
+            threading.Thread(
+                target=_pump_lines, args=(process.stderr, child.stderr_tail), daemon=True
+            ).start()
+            self._children.append(child)
+
+    @property
+    def pids(self) -> list[int]:
+        return [child.process.pid for child in self._children]
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for child in self._children:
+            child.next_event("ready", max(0.1, deadline - time.monotonic()))
+
+    def place(self, timeout_s: float) -> tuple[list[float], int, Counter[str]]:
+        """Every process places its share at once; their latencies, failures and the
+        messages their requestors received meanwhile."""
+        for child in self._children:
+            _tell(child, "go")
+        latencies_s: list[float] = []
+        failed = 0
+        received: Counter[str] = Counter()
+        deadline = time.monotonic() + timeout_s
+        for child in self._children:
+            done = child.next_event("done", max(0.1, deadline - time.monotonic()))
+            latencies_s.extend(float(s) for s in done.get("latencies_s", []))
+            failed += int(done.get("failed", 0))
+            received.update(done.get("received", {}))
+        return latencies_s, failed, received
+
+    def stop(self) -> None:
+        for child in self._children:
+            with contextlib.suppress(BenchError):
+                _tell(child, "stop")
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for child in self._children:
+            try:
+                child.process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.process.kill()
+                child.process.wait()
+            if child.process.stdin is not None:
+                with contextlib.suppress(OSError):
+                    child.process.stdin.close()
+
+
 # -- requestors -----------------------------------------------------------------------------
 
 
+def roster_wanted(requestor: Requestor, nodes: int) -> int:
+    """How many nodes a ready requestor knows: every one when it follows the
+    announcements, a keeper's full sample when it takes its roster from a keeper."""
+    config = requestor.machine.config
+    return nodes if config.roster_from == "announcements" else min(nodes, config.keeper_sample)
+
+
 def _wait_for_roster(requestor: Requestor, nodes: int, timeout_s: float) -> None:
-    """Until the requestor knows every node (roll call answers and announcements)."""
+    """Until the requestor knows the nodes (roll call answers and announcements, or a
+    keeper's sample)."""
     deadline = time.monotonic() + timeout_s
+    nodes = roster_wanted(requestor, nodes)
     while len(requestor.machine.roster) < nodes:
         if time.monotonic() > deadline:
             raise BenchError(
@@ -613,6 +731,8 @@ class _Throughput:
     elapsed_s: float
     latencies_s: list[float]
     cpu_ms_per_placement: dict[str, float]
+    #: every message delivered during the run, to whichever participant, by kind
+    received: Counter[str] = field(default_factory=Counter)
 
 
 def _run_threads(requestors: Sequence[Requestor], placements: int, meter: CpuMeter) -> _Throughput:
@@ -749,19 +869,25 @@ def run_bench(
     requestors: int = 8,
     node_processes: int = 2,
     placements: int = 2000,
+    requestor_processes: int = 0,
+    keepers: int = 0,
     progress: Progress = _say_nothing,
 ) -> BenchResult:
-    """One run of the bench; see the module docstring. Raises :class:`BrokerError` when
-    the broker cannot be used and :class:`BenchError` when the run cannot be carried out."""
+    """One run of the bench; see the module docstring. ``requestor_processes`` > 0 puts
+    the throughput run's requestors in that many processes of their own; ``keepers`` > 0
+    starts roster keepers and has every requestor take its roster from them. Raises
+    :class:`BrokerError` when the broker cannot be used and :class:`BenchError` when the
+    run cannot be carried out."""
     url = bench_url(broker_url)
     run_started = time.perf_counter()
-    plan = _plan(url, nodes, requestors, node_processes, placements)
+    plan = _plan(url, nodes, requestors, node_processes, placements, requestor_processes, keepers)
     with contextlib.ExitStack() as stack:
         with quietly_connecting():
             broker = stack.enter_context(_broker(plan.main_url, own_exchanges=plan.owns_exchanges))
         full_broker = stack.enter_context(_broker(plan.full_url, own_exchanges=plan.owns_exchanges))
         host, full_host = _start_nodes(plan, broker, full_broker, stack, progress)
         opened = _Requestors(plan.run_id, stack)
+        _start_keepers(plan, broker, opened, progress)
         measured = _measure(plan, broker, full_broker, host, full_host, opened, progress)
     result = _result(plan, measured, time.perf_counter() - run_started)
     result.targets = _targets(plan, result)
@@ -783,6 +909,8 @@ class _Plan:
     node_processes: int
     requestors: int
     placements: int
+    requestor_processes: int
+    keepers: int
     slots: int
     names: list[str]
     full_names: list[str]
@@ -804,7 +932,13 @@ class _Plan:
 
 
 def _plan(
-    url: BrokerUrl, nodes: int, requestors: int, node_processes: int, placements: int
+    url: BrokerUrl,
+    nodes: int,
+    requestors: int,
+    node_processes: int,
+    placements: int,
+    requestor_processes: int = 0,
+    keepers: int = 0,
 ) -> _Plan:
     """The run's exchanges (its own, on a real broker), sizes and names."""
     in_process = url.adapter == "memory"
@@ -824,10 +958,23 @@ def _plan(
         full_url = url.with_exchange(full_exchange)
         exchanges = [main_exchange, full_exchange]
         node_processes = min(node_processes, nodes)
-    notes.append(
-        f"the {requestors} requestors of the throughput run were threads of this process, "
-        "sharing its broker connection"
-    )
+    if in_process and requestor_processes:
+        requestor_processes = 0
+        notes.append("memory:// cannot be shared across processes: the requestors were threads")
+    requestor_processes = min(requestor_processes, requestors)
+    if requestor_processes:
+        notes.append(
+            f"the {requestors} requestors of the throughput run were spread over "
+            f"{requestor_processes} processes, each sharing its own broker connection"
+        )
+    else:
+        notes.append(
+            f"the {requestors} requestors of the throughput run were threads of this process, "
+            "sharing its broker connection"
+        )
+    if keepers:
+        notes.append(f"every requestor took its roster from {keepers} keeper(s)")
+    roster_from = "keeper" if keepers else "announcements"
     return _Plan(
         url=url,
         run_id=run_id,
@@ -839,10 +986,12 @@ def _plan(
         node_processes=node_processes,
         requestors=requestors,
         placements=placements,
+        requestor_processes=requestor_processes,
+        keepers=keepers,
         slots=_slots_per_node(nodes, requestors, placements),
         names=[f"bench-{run_id}-node-{index:04d}" for index in range(nodes)],
         full_names=[f"bench-{run_id}-full-{index}" for index in range(FULL_NODES)],
-        settings=Settings(broker_url=main_url),
+        settings=Settings(broker_url=main_url, roster_from=roster_from),
         full_settings=Settings(broker_url=full_url),
         notes=notes,
     )
@@ -892,10 +1041,13 @@ def _start_nodes(
 
 
 class _Requestors:
-    """The run's requestors, on one timer thread, closed with the run's stack."""
+    """The run's requestors (and keepers), on one timer thread, closed with the run's
+    stack."""
 
     def __init__(self, run_id: str, stack: contextlib.ExitStack) -> None:
         self.run_id = run_id
+        self.stack = stack
+        self.keepers: list[RosterKeeper] = []
         self.timers = ThreadScheduler(SystemClock(), name="bench-requestor-timers")
         stack.callback(self.timers.close)
         self.opened: list[Requestor] = []
@@ -911,6 +1063,36 @@ class _Requestors:
     def close(self) -> None:
         for requestor in self.opened:
             requestor.close()
+        for keeper in self.keepers:
+            keeper.close()
+
+    def received(self) -> Counter[str]:
+        """What this process's requestors and keepers have received so far, by kind."""
+        total: Counter[str] = Counter()
+        for participant in [*self.opened, *self.keepers]:
+            total.update(participant.metrics.by_label("received"))
+        return total
+
+
+def _start_keepers(plan: _Plan, broker: Broker, opened: _Requestors, progress: Progress) -> None:
+    """The run's roster keepers, once they know every node of the measured cluster."""
+    if not plan.keepers:
+        return
+    progress(f"starting {plan.keepers} roster keeper(s)")
+    for index in range(plan.keepers):
+        opened.keepers.append(
+            RosterKeeper(
+                broker,
+                name=f"bench-{plan.run_id}-keeper-{index}",
+                settings=plan.settings,
+                scheduler=opened.timers,
+            )
+        )
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while any(k.nodes_known() < plan.nodes for k in opened.keepers):
+        if time.monotonic() > deadline:
+            raise BenchError(f"the keepers did not hear of {plan.nodes} nodes in time")
+        time.sleep(0.01)
 
 
 @dataclass
@@ -974,20 +1156,7 @@ def _measure(
     if moved:
         plan.notes.append(moved)
 
-    progress(f"throughput: {plan.placements} placements by {plan.requestors} requestors (threads)")
-    concurrent_requestors = [
-        opened.open(broker, f"throughput-{index}", plan.settings)
-        for index in range(plan.requestors)
-    ]
-    for requestor in concurrent_requestors:
-        _wait_for_roster(requestor, plan.nodes, READY_TIMEOUT_S)
-    meter = CpuMeter(
-        {
-            "nodes": host.pids if isinstance(host, ProcessNodes) else [],
-            "broker": broker_processes(plan.url),
-        }
-    )
-    throughput = _run_threads(concurrent_requestors, plan.placements, meter)
+    throughput = _throughput(plan, broker, host, opened, progress)
 
     progress(f"failure: filling {FULL_NODES} nodes of {FULL_NODE_SLOTS} instances each")
     full_requestor = opened.open(full_broker, "full", plan.full_settings)
@@ -997,6 +1166,47 @@ def _measure(
     audit = audit_ledgers(host.ledgers() + full_host.ledgers())
     progress("stopping the nodes and removing the run's exchanges")
     return _Measured(baseline, sequential, throughput, failure, audit)
+
+
+def _throughput(
+    plan: _Plan, broker: Broker, host: NodeHost, opened: _Requestors, progress: Progress
+) -> _Throughput:
+    """The concurrent run: ``plan.requestors`` requestors at once, threads of this
+    process or spread over processes of their own; every message delivered meanwhile
+    (to nodes, requestors and keepers) is counted."""
+    where = f"{plan.requestor_processes} processes" if plan.requestor_processes else "threads"
+    progress(f"throughput: {plan.placements} placements by {plan.requestors} requestors ({where})")
+    node_pids = host.pids if isinstance(host, ProcessNodes) else []
+    if plan.requestor_processes:
+        names = [f"bench-{plan.run_id}-throughput-{index}" for index in range(plan.requestors)]
+        hosts = ProcessRequestors(
+            plan.main_url, names, plan.requestor_processes, plan.placements,
+            nodes=plan.nodes, roster_from=plan.settings.roster_from,
+        )  # fmt: skip
+        opened.stack.callback(hosts.stop)
+        hosts.wait_ready(READY_TIMEOUT_S)
+        meter = CpuMeter(
+            {"nodes": node_pids, "requestors": hosts.pids, "broker": broker_processes(plan.url)}
+        )
+        before = host.received() + opened.received()
+        cpu_before = meter.snapshot()
+        started = time.perf_counter()
+        latencies_s, failed, received = hosts.place(PLACE_TIMEOUT_S * plan.placements)
+        elapsed_s = time.perf_counter() - started
+        cpu = CpuMeter.per_placement_ms(cpu_before, meter.snapshot(), len(latencies_s))
+        received.update(host.received() + opened.received() - before)
+        return _Throughput(len(latencies_s), failed, elapsed_s, latencies_s, cpu, received)
+    concurrent_requestors = [
+        opened.open(broker, f"throughput-{index}", plan.settings)
+        for index in range(plan.requestors)
+    ]
+    for requestor in concurrent_requestors:
+        _wait_for_roster(requestor, plan.nodes, READY_TIMEOUT_S)
+    meter = CpuMeter({"nodes": node_pids, "broker": broker_processes(plan.url)})
+    before = host.received() + opened.received()
+    throughput = _run_threads(concurrent_requestors, plan.placements, meter)
+    throughput.received = host.received() + opened.received() - before
+    return throughput
 
 
 def _result(plan: _Plan, measured: _Measured, elapsed_s: float) -> BenchResult:
@@ -1020,7 +1230,9 @@ def _result(plan: _Plan, measured: _Measured, elapsed_s: float) -> BenchResult:
         node_processes=plan.node_processes,
         node_mode="in-process" if plan.in_process else "processes",
         requestors=plan.requestors,
-        requestor_mode="threads",
+        requestor_mode="processes" if plan.requestor_processes else "threads",
+        requestor_processes=plan.requestor_processes,
+        keepers=plan.keepers,
         placements=plan.placements,
         rtt_samples=len(baseline.rtt_s),
         rtt_p50_ms=_ms(rtt_p50),
@@ -1044,6 +1256,11 @@ def _result(plan: _Plan, measured: _Measured, elapsed_s: float) -> BenchResult:
         throughput_failed=throughput.failed,
         throughput_p50_ms=_ms(percentile(throughput.latencies_s, 0.50)),
         throughput_p99_ms=_ms(percentile(throughput.latencies_s, 0.99)),
+        throughput_messages_per_placement=round(
+            sum(throughput.received.values()) / throughput.placed, 2
+        )
+        if throughput.placed
+        else 0.0,
         messages_per_placement=messages_per_placement,
         messages_per_placement_by_kind={
             kind: round(count / placed, 2) for kind, count in sorted(sequential.sent.items())

@@ -11,7 +11,13 @@ from types import FrameType
 import click
 
 from reservoir.broker import BrokerError
-from reservoir.cli.options import broker_option, cannot_reach_broker, load_settings, shown_url
+from reservoir.cli.options import (
+    broker_option,
+    cannot_reach_broker,
+    connect_attempts_option,
+    load_settings,
+    shown_url,
+)
 
 
 @click.command()
@@ -21,14 +27,7 @@ from reservoir.cli.options import broker_option, cannot_reach_broker, load_setti
     default=None,
     help="The keeper's name; its inbox is reservoir.requestor.NAME [default: keeper-<random>].",
 )
-@click.option(
-    "--connect-attempts",
-    type=click.IntRange(0),
-    default=0,
-    show_default=True,
-    help="Give up after this many failed attempts to reach the broker (0: keep trying, "
-    "with backoff up to 15 s between attempts, until stopped).",
-)
+@connect_attempts_option()
 def keeper(broker_url: str | None, name: str | None, connect_attempts: int) -> None:
     """Run a roster keeper until SIGTERM or SIGINT.
 

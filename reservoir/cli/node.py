@@ -15,6 +15,7 @@ import click
 from reservoir.broker import BrokerError
 from reservoir.cli.options import (
     broker_option,
+    connect_attempts_option,
     load_settings,
     parse_pairs,
     set_up_tracing,
@@ -124,14 +125,7 @@ def _node_inventories(
     show_default=True,
     help="With --state-dir, rewrite NAME.status.json this often (seconds).",
 )
-@click.option(
-    "--connect-attempts",
-    type=click.IntRange(0),
-    default=0,
-    show_default=True,
-    help="Give up after this many failed attempts to reach the broker (0: keep trying, "
-    "with backoff up to 15 s between attempts, until stopped).",
-)
+@connect_attempts_option()
 def node(
     broker_url: str | None,
     name: str,

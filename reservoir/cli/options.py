@@ -56,6 +56,18 @@ def json_option(help: str = "Print one JSON object.") -> Callable[[F], F]:
     return click.option("--json", "as_json", is_flag=True, help=help)
 
 
+def connect_attempts_option() -> Callable[[F], F]:
+    """``--connect-attempts N`` for a long-running process that waits for its broker."""
+    return click.option(
+        "--connect-attempts",
+        type=click.IntRange(0),
+        default=0,
+        show_default=True,
+        help="Give up after this many failed attempts to reach the broker (0: keep trying, "
+        "with backoff up to 15 s between attempts, until stopped).",
+    )
+
+
 def seconds_option(
     name: str, default: float, help: str, *, minimum: float = 0.1
 ) -> Callable[[F], F]:

@@ -488,22 +488,25 @@ class ProcessNodes:
         for share in shares:
             if not share:
                 continue
-            process = subprocess.Popen(
-                [sys.executable, "-m", "reservoir.tools.bench.node_host", "--broker", url.given,
-                 "--names", ",".join(share), "--vcpus", str(vcpus),
-                 "--memory-mb", str(memory_mb), "--vcpu-ratio", str(vcpu_ratio)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                text=True, env=env,
-            )  # fmt: skip
-            child = _Child(process, len(share))
-            assert process.stdout is not None and process.stderr is not None
-            threading.Thread(
-                target=_pump_events, args=(process.stdout, child.events), daemon=True
-            ).start()
-            threading.Thread(
-                target=_pump_lines, args=(process.stderr, child.stderr_tail), daemon=True
-            ).start()
-            self._children.append(child)
+            self._children.append(
+                _spawn(
+                    "reservoir.tools.bench.node_host",
+                    [
+                        "--broker",
+                        url.given,
+                        "--names",
+                        ",".join(share),
+                        "--vcpus",
+                        str(vcpus),
+                        "--memory-mb",
+                        str(memory_mb),
+                        "--vcpu-ratio",
+                        str(vcpu_ratio),
+                    ],
+                    len(share),
+                    env,
+                )
+            )
 
     @property
     def pids(self) -> list[int]:
@@ -575,6 +578,22 @@ def _tell(child: _Child, command: str) -> None:
         raise child.died() from None
 
 
+def _spawn(module: str, args: list[str], participants: int, env: dict[str, str]) -> _Child:
+    """``python -m module args``: its events read from stdout, its stderr's tail kept."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", module, *args],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, env=env,
+    )  # fmt: skip
+    child = _Child(process, participants)
+    assert process.stdout is not None and process.stderr is not None
+    threading.Thread(target=_pump_events, args=(process.stdout, child.events), daemon=True).start()
+    threading.Thread(
+        target=_pump_lines, args=(process.stderr, child.stderr_tail), daemon=True
+    ).start()
+    return child
+
+
 def _child_env() -> dict[str, str]:
     """A child process's environment: this checkout first on its path."""
     # the directory holding the reservoir package: reservoir/tools/bench/runner.py
@@ -603,23 +622,25 @@ class ProcessRequestors:
         env = _child_env()
         for share in (s for s in shares if s):
             count = round(placements * len(share) / len(names))
-            process = subprocess.Popen(
-                [sys.executable, "-m", "reservoir.tools.bench.requestor_host",
-                 "--broker", url.given, "--names", ",".join(share),
-                 "--placements", str(count), "--nodes", str(nodes),
-                 "--roster-from", roster_from],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                text=True, env=env,
-            )  # fmt: skip
-            child = _Child(process, len(share))
-            assert process.stdout is not None and process.stderr is not None
-            threading.Thread(
-                target=_pump_events, args=(process.stdout, child.events), daemon=True
-            ).start()
-            threading.Thread(
-                target=_pump_lines, args=(process.stderr, child.stderr_tail), daemon=True
-            ).start()
-            self._children.append(child)
+            self._children.append(
+                _spawn(
+                    "reservoir.tools.bench.requestor_host",
+                    [
+                        "--broker",
+                        url.given,
+                        "--names",
+                        ",".join(share),
+                        "--placements",
+                        str(count),
+                        "--nodes",
+                        str(nodes),
+                        "--roster-from",
+                        roster_from,
+                    ],
+                    len(share),
+                    env,
+                )
+            )
 
     @property
     def pids(self) -> list[int]:

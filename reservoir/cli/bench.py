@@ -13,6 +13,7 @@ from reservoir.broker import BrokerError, UnsupportedBroker
 from reservoir.cli.options import stopped_by_sigterm
 from reservoir.exit_status import EXIT_BROKER, EXIT_RUN_FAILED
 from reservoir.tools.bench.runner import BenchError, BenchResult, bench_url, run_bench
+from reservoir.version import install_hint
 
 
 def _parse_url(ctx: click.Context, param: click.Parameter, value: str) -> BrokerUrl:
@@ -104,8 +105,7 @@ def bench(
     if not metrics.AVAILABLE:
         # messages per placement are read from the participants' Prometheus counters
         raise click.UsageError(
-            "reservoir bench counts messages with prometheus-client: "
-            "pip install 'reservoir[prometheus]'"
+            f"reservoir bench counts messages with prometheus-client: {install_hint('prometheus')}"
         )
     if broker_url.adapter != "memory" and node_processes > nodes:
         raise click.BadParameter(

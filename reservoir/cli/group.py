@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import click
 
+from reservoir.version import __version__
+
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.version_option(package_name="reservoir", prog_name="reservoir")
+@click.version_option(__version__, prog_name="reservoir")
 @click.option("-v", "--verbose", count=True, help="More logging on stderr (-vv for debug).")
 @click.option(
     "--log-format",

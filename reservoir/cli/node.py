@@ -26,6 +26,7 @@ from reservoir.protocol.addresses import node_address
 from reservoir.protocol.ledger import Inventory
 from reservoir.protocol.numa import NumaTopology
 from reservoir.protocol.placement import SHORTHAND_CLASSES
+from reservoir.version import install_hint
 
 
 def _node_inventories(
@@ -245,7 +246,7 @@ def _serve_metrics(port: int) -> Any:
         from reservoir.observe.exposition import process_registry, serve_metrics
     except ImportError:
         raise click.UsageError(
-            "--metrics-port needs prometheus-client: pip install 'reservoir[prometheus]'"
+            f"--metrics-port needs prometheus-client: {install_hint('prometheus')}"
         ) from None
     registry = process_registry()
     try:

@@ -20,6 +20,7 @@ from reservoir.cli.options import (
     usage_error,
 )
 from reservoir.service.lifespan import DEFAULT_DRAIN_TIMEOUT_S
+from reservoir.version import install_hint
 
 
 def _stopped(signum: int, frame: FrameType | None) -> None:
@@ -98,7 +99,7 @@ def serve(
 
         from reservoir.service.app import create_app
     except ImportError:
-        usage_error("needs the api extra: pip install 'reservoir[api]'")
+        usage_error(f"needs the api extra: {install_hint('api')}")
     from reservoir.observe.logs import json_logs, say
 
     settings = load_settings(broker_url=broker_url)

@@ -15,6 +15,7 @@ from reservoir.cli.options import (
     stopped_by_sigterm,
 )
 from reservoir.exit_status import EXIT_INTERRUPTED, EXIT_USAGE
+from reservoir.version import install_hint
 
 
 def _simulator() -> Any:
@@ -24,7 +25,7 @@ def _simulator() -> Any:
         import reservoir.tools.simulator
     except ImportError as error:
         raise click.UsageError(
-            f"reservoir simulate needs {error.name or 'numpy'}: pip install 'reservoir[simulate]'"
+            f"reservoir simulate needs {error.name or 'numpy'}: {install_hint('simulate')}"
         ) from None
     return reservoir.tools.simulator
 
@@ -243,7 +244,7 @@ def _require_plots() -> None:
         require_matplotlib()
     except ImportError:
         raise click.UsageError(
-            "--output draws plots with matplotlib: pip install 'reservoir[plots]'"
+            f"--output draws plots with matplotlib: {install_hint('plots')}"
         ) from None
 
 

@@ -28,7 +28,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
-from reservoir.version import __version__
+from reservoir.version import __version__, install_hint
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span, Tracer
@@ -219,7 +219,7 @@ def configure_from_environment(service_name: str) -> str | None:
             SpanExporter,
         )
     except ImportError:
-        return "OTEL_TRACES_EXPORTER needs the OpenTelemetry SDK: pip install 'reservoir[otel]'"
+        return f"OTEL_TRACES_EXPORTER needs the OpenTelemetry SDK: {install_hint('otel')}"
     exporter: SpanExporter
     if wanted == "console":
         # stderr: a command's stdout may be its --json answer

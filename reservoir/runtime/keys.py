@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Final, Literal, cast
 
 from reservoir.protocol.messages import NODE_KINDS, REQUESTOR_KINDS
+from reservoir.version import install_hint
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import (
@@ -163,7 +164,7 @@ def _ed25519() -> type[Ed25519PrivateKey]:
         from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
     except ImportError:  # pragma: no cover - depends on the environment
         raise ValueError(
-            "Ed25519 keys need the 'cryptography' package: pip install 'reservoir[signing]'"
+            f"Ed25519 keys need the 'cryptography' package: {install_hint('signing')}"
         ) from None
     return Ed25519PrivateKey
 

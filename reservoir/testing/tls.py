@@ -3,7 +3,7 @@ own, a server certificate for ``localhost`` (and not for ``127.0.0.1``) signed b
 certificate signed by it. Nothing here is fit for production: the keys are written
 unencrypted to the directory given, and the certificates live a day.
 
-Needs the ``cryptography`` package (``reservoir[signing]``, and the test extra).
+Needs the ``cryptography`` package (``reservoir-scheduler[signing]``, and the test extra).
 """
 
 from __future__ import annotations

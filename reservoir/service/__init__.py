@@ -7,7 +7,9 @@ ASGI app mounts.
   :func:`reservoir_lifespan`, which opens it for an ASGI app's lifetime;
 - :mod:`.routes`: the routes as one FastAPI ``APIRouter``;
 - :mod:`.app`: :func:`create_app`, the app of ``reservoir serve``;
-- :mod:`.metrics`: the service's Prometheus metrics.
+- :mod:`.metrics`: the service's Prometheus metrics;
+- :mod:`.dashboard`: the live dashboard (``/ui``) and ``/v1/activity``, as an ``APIRouter``,
+  over :mod:`.activity`, each replica's ring of its recent placements.
 
 FastAPI, uvicorn and prometheus_client come with the ``api`` extra; :mod:`.routes` and
 :mod:`.app` import FastAPI, so :func:`create_app` and :data:`router` are loaded from here

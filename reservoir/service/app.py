@@ -22,6 +22,7 @@ from reservoir.observe import tracing
 from reservoir.protocol.placement import PlacementError
 from reservoir.runtime.requestor import FreeIncomplete, RequestorClosed
 from reservoir.runtime.settings import Settings
+from reservoir.service import dashboard
 from reservoir.service.lifespan import DEFAULT_DRAIN_TIMEOUT_S, reservoir_lifespan
 from reservoir.service.metrics import ServiceMetrics
 from reservoir.service.routes import router
@@ -39,7 +40,7 @@ def create_app(
 ) -> FastAPI:
     """The app of ``reservoir serve``, placing through ``broker`` (as in
     :func:`~reservoir.service.reservoir_lifespan`). Its metrics are in a registry of its
-    own (``app.state.metrics``)."""
+    own (``app.state.metrics``). Its live dashboard is at ``/ui`` (:mod:`.dashboard`)."""
     metrics = ServiceMetrics()
 
     @asynccontextmanager
@@ -65,6 +66,7 @@ def create_app(
     app.middleware("http")(trace_requests)
     app.middleware("http")(count_requests)
     app.include_router(router)
+    app.include_router(dashboard.router)  # /ui, / redirecting to it, /v1/activity
     return app
 
 

@@ -34,6 +34,7 @@ from reservoir.protocol.placement import (
 from reservoir.runtime.auditor import LedgerCollector
 from reservoir.runtime.requestor import Requestor, RequestorClosed
 from reservoir.runtime.settings import Settings
+from reservoir.service.activity import Activity
 from reservoir.service.shapes import Problem
 
 if TYPE_CHECKING:
@@ -86,6 +87,8 @@ class ReservoirService:
     #: request id -> its release in progress (a second DELETE joins it)
     freeing: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     closing: bool = False
+    #: this replica's recent outcomes, for the dashboard (``GET /v1/activity``)
+    activity: Activity = field(default_factory=Activity)
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
 
     @property
@@ -120,6 +123,7 @@ class ReservoirService:
         try:
             self.check_ready()
         except Problem:
+            self.activity.failed(spec.request_id or "", 0.0, "unavailable")
             if self.metrics is not None:
                 self.metrics.failures.labels("unavailable").inc()
             raise
@@ -181,6 +185,8 @@ class ReservoirService:
         if metrics is not None:
             metrics.in_flight.inc()
         outcome = "placed"
+        reason = ""  # for the dashboard: why the nodes would not take it
+        request_id = spec.request_id or ""
         try:
             placement = await self.requestor.reserve_async(spec, timeout_s=timeout_s)
         except PlacementTimeout:
@@ -189,6 +195,8 @@ class ReservoirService:
         except PlacementError as error:
             # abandoned by the shutdown, not refused by the nodes
             outcome = "unavailable" if self.closing else "not_placed"
+            reason = _main_reason(error)
+            request_id = error.explanation.request_id
             log.info(
                 "not placed: %s",
                 error.explanation,
@@ -202,11 +210,16 @@ class ReservoirService:
             outcome = "error"
             raise
         finally:
+            if outcome != "placed":
+                self.activity.failed(request_id, time.monotonic() - started, reason or outcome)
             if metrics is not None:
                 metrics.in_flight.dec()
                 metrics.placement_seconds.labels(outcome).observe(time.monotonic() - started)
                 if outcome != "placed":
                     metrics.failures.labels(outcome).inc()
+        self.activity.placed(
+            placement.request_id, placement.elapsed_s, placement.nodes, partial=placement.partial
+        )
         if metrics is not None:
             metrics.placements.labels(str(placement.partial).lower()).inc()
         log.info(
@@ -267,6 +280,15 @@ class ReservoirService:
         self._tasks.discard(task)
         if not task.cancelled():
             task.exception()  # retrieved: nobody may be left to await it
+
+
+def _main_reason(error: PlacementError) -> str:
+    """A refusal's reason for the dashboard: what most nodes said, else the note."""
+    explanation = error.explanation
+    if explanation.reasons:
+        label, _count = min(explanation.reasons.items(), key=lambda item: (-item[1], item[0]))
+        return f"not placed: {label}"
+    return f"not placed: {explanation.note}" if explanation.note else "not_placed"
 
 
 def _same_allocations(one: Placement, other: Placement) -> bool:

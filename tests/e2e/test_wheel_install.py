@@ -79,3 +79,6 @@ def test_the_wheel_installs_as_reservoir_scheduler_and_gives_the_reservoir_comma
     ).stdout.split()  # fmt: skip
     assert Path(where[0]).is_relative_to(env)
     assert where[1] == __version__
+    # the dashboard's page ships as package data
+    ui = Path(where[0]).parent / "service" / "ui"
+    assert sorted(p.name for p in ui.iterdir()) == ["dashboard.css", "dashboard.js", "index.html"]

@@ -79,7 +79,7 @@ def test_the_version_option_reads_the_release_without_asking_for_a_distribution(
     assert shown.strip() == f"reservoir, version {__version__}"
 
 
-@pytest.mark.parametrize("path", ["README.md"])
+@pytest.mark.parametrize("path", ["README.md", "docs/getting-started.md"])
 def test_the_quick_start_installs_the_distribution(path: str) -> None:
     page = ROOT / path
     if not page.exists():

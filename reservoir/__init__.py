@@ -3,7 +3,7 @@
 A requestor broadcasts a reservation request on utilisation-tiered topics; every node that
 can take it reserves the resources and answers; the requestor awards a winner and releases
 the rest; unclaimed reservations expire. The node is the source of truth, so concurrent
-requestors never double-book it. See README.md and docs/design.md.
+requestors never double-book it. See README.md and docs/ (docs/design.md is the design of record).
 """
 
 from reservoir.broker import Broker, BrokerError, Delivery, Endpoint, UnsupportedBroker

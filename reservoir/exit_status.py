@@ -1,7 +1,7 @@
 """The exit statuses of every ``reservoir`` command, owned here so they agree.
 
 A script around the commands tells "not placed" from "broker down" by these numbers, so
-each has one definition; the README's "Exit status" line lists them.
+each has one definition; docs/cli.md, "Exit status", lists them.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ EXIT_NOT_PLACED: Final = 1
 #: a usage error: an option or argument a command cannot take
 EXIT_USAGE: Final = 2
 #: a run that could not be carried out, or whose invariant audit or checks failed; the
-#: same number as a usage error, as the README's "Exit status" line says
+#: same number as a usage error, as docs/cli.md's "Exit status" line says
 EXIT_RUN_FAILED: Final = 2
 EXIT_BROKER: Final = 3
 #: stopped by Ctrl-C or SIGTERM: 128 + SIGINT, as a shell reports it

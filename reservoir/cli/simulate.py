@@ -210,7 +210,7 @@ def simulate(
     node's ledger; a broken invariant exits with status 2.
 
     A run of 100,000 nodes takes minutes per load; the mypyc build of the machines
-    (README, "The compiled build") runs it about 1.3x faster, with the same results. The
+    (docs/benchmarks.md, "The compiled build") runs it about 1.3x faster, with the same results. The
     output says which build ran.
     """
     simulator = _simulator()

@@ -92,7 +92,7 @@ def test_invariants_hold_whatever_the_network_does(
             # One requestor's retries of an id are exactly-once whatever the network does.
             # Two requestors given one id at once must hear of each other in time, which a
             # lossy or slow network may prevent: the next test covers that on a network
-            # whose delays stay within the lookup window (README: "Exactly once").
+            # whose delays stay within the lookup window (docs/internals.md, "Exactly once").
             requestor = requestors[0]
         futures.append(requestor.submit(**fields))
     assert sim.run_until_done(futures, timeout_s=600), "a request never got a verdict"

@@ -121,3 +121,21 @@ def test_mkdocs_build_strict_passes_and_the_cli_reference_lists_every_option(
         for url in loads.findall(page.read_text())
     ]
     assert external == []
+
+
+def test_the_readme_is_short_keeps_the_ci_test_command_and_links_to_pages_that_exist() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 200
+    # .ci/run runs the README's second quick-start command, exactly
+    assert "python -m pip install -e '.[test]' && python -m pytest\n" in readme
+    assert (
+        "python -m pip install -e '.[test]' && python -m pytest"
+        in (ROOT / ".ci" / "run").read_text()
+    )
+    targets = [link for link in re.findall(r"\]\(([^)#]+)", readme) if "://" not in link]
+    assert targets, "the README links into the docs"
+    assert [t for t in targets if not (ROOT / t).exists()] == []
+    linked_pages = {Path(t).name for t in targets if t.startswith("docs/")}
+    wanted = {"getting-started.md", "deploying.md", "http-api.md", "cli.md", "testing.md",
+              "operating.md", "design.md", "performance.md"}  # fmt: skip
+    assert linked_pages >= wanted

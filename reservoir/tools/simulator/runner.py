@@ -118,7 +118,7 @@ class SimulationResult:
 
 def machines_build() -> str:
     """``compiled`` when the protocol machines and this event loop run as the mypyc build
-    (README, "The compiled build"), else ``interpreted``: the two differ in speed by
+    (docs/benchmarks.md, "The compiled build"), else ``interpreted``: the two differ in speed by
     1.3-1.4x, so a timing is worth little without it."""
     return "interpreted" if str(engine.__file__).endswith(".py") else "compiled"
 

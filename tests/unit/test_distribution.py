@@ -87,3 +87,9 @@ def test_the_quick_start_installs_the_distribution(path: str) -> None:
     assert f"pip install '{DISTRIBUTION}" in page.read_text() or f"pip install {DISTRIBUTION}" in (
         page.read_text()
     )
+
+
+def test_the_image_installs_the_distributions_wheel_by_its_name() -> None:
+    dockerfile = (ROOT / "deploy" / "docker" / "Dockerfile").read_text()
+    wheel = DISTRIBUTION.replace("-", "_")  # a wheel's file name normalises the name
+    assert f"/tmp/wheels/project/{wheel}-*.whl" in dockerfile

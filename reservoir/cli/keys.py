@@ -63,13 +63,9 @@ def add_node(name: str, keyring: Path, key_file: Path, key_id: str | None, force
     first in the keyring's NAME.pub, keeping the keys listed there (to roll a key over:
     add the new one, restart the node with it, then `retire` the old one)."""
     from reservoir.runtime.keys import (
-        add_node_key,
-        node_keyring_file,
-        write_node_key,
-    )
-    from reservoir.runtime.keys import (
         generate as make,
     )
+    from reservoir.runtime.keys.nodes import add_node_key, node_keyring_file, write_node_key
 
     key_id = key_id if key_id is not None else f"{name[:55]}-{secrets.token_hex(4)}"
     try:
@@ -95,7 +91,7 @@ def add_node(name: str, keyring: Path, key_file: Path, key_id: str | None, force
 def retire(name: str, key_id: str, keyring: Path) -> None:
     """Take key KEY_ID of node NAME out of the keyring: messages signed with it are
     refused from then on (within seconds, with no restart)."""
-    from reservoir.runtime.keys import retire_node_key
+    from reservoir.runtime.keys.nodes import retire_node_key
 
     try:
         left = retire_node_key(keyring, name, key_id)
@@ -121,7 +117,8 @@ def retire(name: str, key_id: str, keyring: Path) -> None:
 def show(keyring: Path | None, key_file: Path | None, as_json: bool) -> None:
     """List the nodes of a keyring and their keys, and a node key file's key: ids and
     fingerprints, never a secret."""
-    from reservoir.runtime.keys import KeyConfigError, NodeKeyring, load_node_key
+    from reservoir.runtime.keys import KeyConfigError
+    from reservoir.runtime.keys.nodes import NodeKeyring, load_node_key
 
     if keyring is None and key_file is None:
         usage_error("give --keyring DIR or --key-file PATH (or RESERVOIR_NODE_KEYRING)")

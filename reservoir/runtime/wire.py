@@ -41,7 +41,8 @@ from reservoir.protocol.messages import (
     encode_message,
     validation_error_at,
 )
-from reservoir.runtime.keys import ROLES, Keyring, NodeKeyring, Role, kinds_of, role_of
+from reservoir.runtime.keys import ROLES, Keyring, Role, kinds_of, role_of
+from reservoir.runtime.keys.nodes import NodeKeyring
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",

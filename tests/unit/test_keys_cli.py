@@ -13,7 +13,8 @@ import pytest
 from click.testing import CliRunner
 
 from reservoir.cli import main
-from reservoir.runtime.keys import NodeKeyring, load_node_key, parse_keys
+from reservoir.runtime.keys import parse_keys
+from reservoir.runtime.keys.nodes import NodeKeyring, load_node_key
 
 pytest.importorskip("cryptography")
 

@@ -12,14 +12,11 @@ from pathlib import Path
 import pytest
 
 from reservoir.protocol.messages import Accepted, AllocationInfo, Offer
-from reservoir.runtime.keys import (
-    KeyConfigError,
-    Keyring,
+from reservoir.runtime.keys import KeyConfigError, Keyring, generate, parse_keys
+from reservoir.runtime.keys.nodes import (
     NodeKeyring,
     add_node_key,
-    generate,
     load_node_key,
-    parse_keys,
     retire_node_key,
     write_node_key,
 )

@@ -34,11 +34,8 @@ import hashlib
 import hmac
 import json
 import logging
-import os
 import re
 import secrets
-import stat
-import threading
 import tomllib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -48,6 +45,9 @@ from typing import TYPE_CHECKING, Final, Literal, cast
 from reservoir.protocol.messages import NODE_KINDS, REQUESTOR_KINDS
 
 if TYPE_CHECKING:
+    from reservoir.runtime.keys.nodes import NodeKeyring
+
+if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import (
         Ed25519PrivateKey,
         Ed25519PublicKey,
@@ -55,23 +55,16 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MIN_SECRET_BYTES",
-    "NODE_KEYRING_SUFFIX",
     "ROLES",
     "Key",
     "KeyConfigError",
     "Keyring",
-    "NodeKeyring",
     "Role",
-    "add_node_key",
     "generate",
     "kinds_of",
-    "load_node_key",
-    "node_keyring_file",
     "parse_keys",
-    "parse_node_file",
-    "retire_node_key",
+    "read_key_file",
     "role_of",
-    "write_node_key",
 ]
 
 # the logger's name predates the runtime package: operators' logging configs name it
@@ -82,10 +75,6 @@ ROLES: Final[tuple[Role, ...]] = ("node", "requestor")
 MIN_SECRET_BYTES: Final = 16
 _KEY_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _ED25519_KEY_BYTES: Final = 32
-#: a node's file in a keyring directory is ``<node name>.pub``
-NODE_KEYRING_SUFFIX: Final = ".pub"
-#: what a keyring file's stem may be: a node name that is a plain file name
-_NODE_FILE_STEM = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.@-]{0,199}$")
 
 
 class KeyConfigError(ValueError):
@@ -286,7 +275,7 @@ class Keyring:
         ``{"node": ["n2:...", "n1:..."], "requestor": ["r1:ed25519-public:..."]}``.
         ``with_node=False`` (keys per node, given apart): the file has no ``node`` list."""
         where = f"{setting} ({path})"
-        text = _read_private(path, where)
+        text = read_key_file(path, where)
         try:
             loaded = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
         except ValueError as error:
@@ -390,6 +379,8 @@ class Keyring:
                 "RESERVOIR_REQUESTOR_KEYS is not set: signing needs the requestor keys too "
                 "(a node's to verify requests, a requestor's own to sign them)"
             )
+        from reservoir.runtime.keys.nodes import NodeKeyring, load_node_key
+
         own = (load_node_key(node_key),) if node_key is not None else ()
         identities = NodeKeyring(node_keyring) if node_keyring is not None else None
         return cls(node=own, requestor=requestor, node_identities=identities)
@@ -414,7 +405,7 @@ def generate(key_id: str, *, ed25519: bool) -> tuple[str, str]:
     return f"{key_id}:ed25519:{base64.b64encode(raw).decode()}", key.public_entry()
 
 
-def _read_private(path: Path, where: str) -> str:
+def read_key_file(path: Path, where: str) -> str:
     """The text of a file holding private keys, with a warning when others can read it."""
     try:
         text = path.read_text()
@@ -430,218 +421,3 @@ def _read_private(path: Path, where: str) -> str:
             mode & 0o777,
         )
     return text
-
-
-def _lines(text: str) -> list[str]:
-    """The entries of a key file: one a line; blank lines and ``#`` comments skipped."""
-    return [
-        line.strip()
-        for line in text.splitlines()
-        if line.strip() and not line.lstrip().startswith("#")
-    ]
-
-
-def load_node_key(path: Path, *, setting: str = "RESERVOIR_NODE_KEY") -> Key:
-    """A node's own key: a file holding one ``id:ed25519:<private key>`` entry."""
-    where = f"{setting} ({path})"
-    entries = _lines(_read_private(path, where))
-    if len(entries) != 1:
-        raise KeyConfigError(
-            f"{where}: holds {len(entries)} keys; a node's key file holds exactly one, "
-            "its current key (the keyring may list its old one during a rollover)"
-        )
-    (key,) = parse_keys(entries, setting=where)
-    if key.algorithm != "ed25519" or not key.can_sign:
-        raise KeyConfigError(
-            f"{where}: a node's own key must be an Ed25519 private key (id:ed25519:...), "
-            "so that requestors verify it with its public half and cannot sign with it; "
-            "make one with `reservoir keys add-node`"
-        )
-    return key
-
-
-def parse_node_file(text: str, *, where: str) -> tuple[Key, ...]:
-    """The public keys of one node's keyring file (one ``id:ed25519-public:...`` a line)."""
-    keys = parse_keys(_lines(text), setting=where) if _lines(text) else ()
-    for key in keys:
-        if key.can_sign:
-            raise KeyConfigError(
-                f"{where}: key {key.key_id!r} can sign ({key.algorithm}); a keyring holds "
-                "public keys only (id:ed25519-public:...), or every reader could speak "
-                "for this node"
-            )
-    return keys
-
-
-class NodeKeyring:
-    """Whose key is whose: a directory with one file per node, ``<name>.pub``, each listing
-    that node's public keys (more than one during a rollover). A requestor believes a node
-    message only when the node it claims to be lists the key that signed it.
-
-    The directory is read at start (a bad file is then an error naming it) and looked at
-    again at most every ``recheck_s`` seconds of the caller's clock when a key is looked up:
-    a node added, rolled over or removed is known within that, with no restart. A file
-    that has become unreadable or bad on a later look keeps the keys it had (and is
-    warned about), so a half-edited file cannot lock a node out. Thread-safe."""
-
-    def __init__(
-        self,
-        directory: Path,
-        *,
-        recheck_s: float = 2.0,
-        setting: str = "RESERVOIR_NODE_KEYRING",
-    ) -> None:
-        self.directory = directory
-        self.recheck_s = recheck_s
-        self._where = f"{setting} ({directory})"
-        self._lock = threading.Lock()
-        #: file name -> what its stat said when read; a change means read it again
-        self._stamps: dict[str, tuple[int, int, int]] = {}
-        self._keys: dict[str, tuple[Key, ...]] = {}
-        self._checked_s: float | None = None
-        self._reload(strict=True)
-
-    def find(self, node: str, key_id: str, now_s: float) -> Key | None:
-        """The key ``key_id`` of ``node``, or None when that node lists no such key."""
-        self._recheck(now_s)
-        return next((k for k in self._keys.get(node, ()) if k.key_id == key_id), None)
-
-    def holders(self, key_id: str) -> list[tuple[str, Key]]:
-        """Every node listing a key with this id (ids are chosen per node, so several may)."""
-        return [(n, k) for n, keys in self._keys.items() for k in keys if k.key_id == key_id]
-
-    def nodes(self) -> dict[str, tuple[Key, ...]]:
-        """Every node named in the keyring and its keys, by name."""
-        return dict(sorted(self._keys.items()))
-
-    def _recheck(self, now_s: float) -> None:
-        checked_s = self._checked_s
-        if checked_s is not None and abs(now_s - checked_s) < self.recheck_s:
-            return
-        with self._lock:
-            if self._checked_s is not None and abs(now_s - self._checked_s) < self.recheck_s:
-                return
-            self._checked_s = now_s
-            self._reload(strict=False)
-
-    def _reload(self, *, strict: bool) -> None:
-        try:
-            stamps = self._scan()
-        except OSError as error:
-            if strict:
-                raise KeyConfigError(
-                    f"{self._where}: cannot read the directory: {error.strerror}"
-                ) from None
-            log.warning("%s: cannot read the directory: %s; keeping its keys", self._where, error)
-            return
-        if stamps == self._stamps:
-            return
-        keys: dict[str, tuple[Key, ...]] = {}
-        for file_name, stamp in stamps.items():
-            node = file_name[: -len(NODE_KEYRING_SUFFIX)]
-            if stamp == self._stamps.get(file_name) and node in self._keys:
-                keys[node] = self._keys[node]
-                continue
-            where = f"{self._where} {file_name}"
-            try:
-                keys[node] = parse_node_file((self.directory / file_name).read_text(), where=where)
-            except (OSError, KeyConfigError) as error:
-                problem = error.strerror if isinstance(error, OSError) else str(error)
-                if strict:
-                    raise KeyConfigError(f"{where}: {problem}") from None
-                log.warning("%s: %s; keeping the keys it had", where, problem)
-                if node in self._keys:
-                    keys[node] = self._keys[node]
-                stamps[file_name] = self._stamps.get(file_name, (0, 0, 0))
-        # one assignment each: a lookup on another thread sees the old or the new map
-        self._keys = keys
-        self._stamps = stamps
-
-    def _scan(self) -> dict[str, tuple[int, int, int]]:
-        stamps: dict[str, tuple[int, int, int]] = {}
-        with os.scandir(self.directory) as entries:
-            for entry in entries:
-                stem = entry.name[: -len(NODE_KEYRING_SUFFIX)]
-                if not entry.name.endswith(NODE_KEYRING_SUFFIX) or not _NODE_FILE_STEM.match(stem):
-                    continue
-                try:
-                    # follows symbolic links: Kubernetes mounts a ConfigMap's files as such
-                    st = entry.stat()
-                except OSError:
-                    continue
-                if stat.S_ISREG(st.st_mode):
-                    stamps[entry.name] = (st.st_mtime_ns, st.st_size, st.st_ino)
-        return stamps
-
-    def __repr__(self) -> str:
-        return f"NodeKeyring({str(self.directory)!r}, {len(self._keys)} node(s))"
-
-
-def node_keyring_file(directory: Path, node: str) -> Path:
-    """Where ``node``'s public keys live in a keyring directory."""
-    if not _NODE_FILE_STEM.match(node):
-        raise ValueError(
-            f"node name {node!r} cannot name a keyring file: use up to 200 of "
-            "A-Z a-z 0-9 _ . @ -, not starting with . or -"
-        )
-    return directory / f"{node}{NODE_KEYRING_SUFFIX}"
-
-
-def _write_atomically(path: Path, text: str, mode: int) -> None:
-    # a reader (a requestor re-reading the keyring) sees the old file or the new, never half
-    partial = path.with_name(f".{path.name}.{secrets.token_hex(4)}.partial")
-    descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    try:
-        with os.fdopen(descriptor, "w") as file:
-            file.write(text)
-        os.replace(partial, path)
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
-
-
-def add_node_key(directory: Path, node: str, public_entry: str) -> tuple[Key, ...]:
-    """Put a public key first in ``node``'s keyring file (made if need be), keeping the
-    keys it lists (the overlap of a rollover); returns the node's keys now."""
-    path = node_keyring_file(directory, node)
-    where = str(path)
-    old = parse_node_file(path.read_text(), where=where) if path.exists() else ()
-    (new,) = parse_node_file(public_entry, where="the new key")
-    if any(k.key_id == new.key_id for k in old):
-        raise ValueError(f"{where} already lists a key {new.key_id!r}: give the new key another id")
-    directory.mkdir(parents=True, exist_ok=True)
-    entries = [new.public_entry(), *(k.public_entry() for k in old)]
-    _write_atomically(path, _keyring_file_text(node, entries), 0o644)
-    return (new, *old)
-
-
-def retire_node_key(directory: Path, node: str, key_id: str) -> tuple[Key, ...]:
-    """Take ``key_id`` out of ``node``'s keyring file (the end of a rollover); returns the
-    keys left. The last key is not taken out: removing the file retires the node."""
-    path = node_keyring_file(directory, node)
-    if not path.exists():
-        raise ValueError(f"{path}: no such file, so node {node!r} has no keys here")
-    keys = parse_node_file(path.read_text(), where=str(path))
-    left = tuple(k for k in keys if k.key_id != key_id)
-    if len(left) == len(keys):
-        listed = ", ".join(k.key_id for k in keys) or "none"
-        raise ValueError(f"{path} lists no key {key_id!r} (it lists {listed})")
-    if not left:
-        raise ValueError(
-            f"{key_id!r} is the last key of node {node!r}: to retire the node, delete {path}"
-        )
-    _write_atomically(path, _keyring_file_text(node, [k.public_entry() for k in left]), 0o644)
-    return left
-
-
-def write_node_key(path: Path, signing_entry: str, *, replace: bool) -> None:
-    """Write a node's own key file, readable by its owner only."""
-    if path.exists() and not replace:
-        raise ValueError(f"{path} exists: give another path, or --force to replace it")
-    text = "# a reservoir node's own signing key: keep it private (RESERVOIR_NODE_KEY)\n"
-    _write_atomically(path, text + signing_entry + "\n", 0o600)
-
-
-def _keyring_file_text(node: str, entries: Sequence[str]) -> str:
-    header = f"# public keys of reservoir node {node}, the current one first\n"
-    return header + "".join(f"{entry}\n" for entry in entries)

@@ -16,9 +16,11 @@ the JSON::
 The signature (HMAC-SHA256, or Ed25519 for such keys: see :mod:`reservoir.runtime.keys`) covers
 the header up to the signature, a newline and the JSON, byte for byte: the role, key id,
 stamp, nonce, routing key or address it was sent to, and sender cannot be changed without
-the key. No header field contains a space or a newline, so the split is unambiguous. The
-algorithm is the one of the key the receiver holds under that id, never read from the
-message, so no one can choose a weaker check for it.
+the key. With a node keyring (keys per node), a node message's key is looked up among the
+keys of the node its sender names, so no node can sign in another's name. No header field
+contains a space or a newline, so the split is unambiguous. The algorithm is the one of the
+key the receiver holds under that id, never read from the message, so no one can choose a
+weaker check for it.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from reservoir.protocol.messages import Accepted, AllocationInfo, Offer
+from reservoir.protocol.messages import Accepted, AllocationInfo, Freed, Offer
 from reservoir.runtime.keys import KeyConfigError, Keyring, generate, parse_keys
 from reservoir.runtime.keys.nodes import (
     NodeKeyring,
@@ -97,13 +97,14 @@ def refusal(codec: Codec, body: bytes, wall_s: float = WALL_S) -> DecodeError:
 # -- what a requestor believes ------------------------------------------------------------
 
 
-def test_a_message_signed_with_another_nodes_key_is_impersonation_naming_the_signer(
+def test_an_offer_accepted_or_freed_signed_with_another_nodes_key_is_impersonation(
     cluster: Cluster,
 ) -> None:
     cluster.add_key("victim", "victim-1")
     mallory = node_codec(cluster.add_key("mallory", "mallory-1"))
     requestor = cluster.requestor_settings().codec("requestor")
-    for forged in (offer_from("victim"), accepted_from("victim")):
+    freed = Freed(request_id="r1", sender="victim", reply_to="reservoir.node.victim")
+    for forged in (offer_from("victim"), accepted_from("victim"), freed):
         body = mallory.encode(forged, WALL_S, destination="reservoir.requestor.web")
         error = refusal(requestor, body)
         assert error.reason == "impersonation"

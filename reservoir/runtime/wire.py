@@ -163,6 +163,8 @@ class Codec:
         role = role_of(message.kind)
         if self.role is not None and role != self.role:
             raise ValueError(f"a {self.role} does not send {message.kind!r} messages")
+        if role == "node" and self.keys.own_key is not None:
+            self.keys.own_key.recheck(wall_s)  # a node's key file may have been replaced
         key = self.keys.signing_key(role)
         if key is None:
             raise ValueError(f"no key to sign a {role}'s {message.kind!r} with")

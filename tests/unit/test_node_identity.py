@@ -14,6 +14,7 @@ import pytest
 from reservoir.protocol.messages import Accepted, AllocationInfo, Freed, Offer
 from reservoir.runtime.keys import KeyConfigError, Keyring, generate, parse_keys
 from reservoir.runtime.keys.nodes import (
+    NodeKeyFile,
     NodeKeyring,
     add_node_key,
     load_node_key,
@@ -243,6 +244,47 @@ def test_a_nodes_key_rolls_over_with_no_restart_of_any_requestor(cluster: Cluste
     assert requestor.metrics.get("dropped", "unknown_key") == 1
     assert requestor.metrics.get("dropped", "impersonation") == 0
     sim.finish([first, second, third], allow_orphans=False)
+
+
+def test_a_nodes_key_file_replaced_in_place_is_signed_with_and_nobody_restarts(
+    cluster: Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    key_file = cluster.add_key("n1", "n1-old")
+    sim = Simulation(settings=cluster.requestor_settings())
+    node = sim.add_node("n1", vcpus=8, settings=cluster.node_settings(key_file))
+    requestor = sim.add_requestor("web")
+    first = sim.place(requestor, vcpus=1)
+
+    new_file = cluster.add_key("n1", "n1-new")  # the keyring lists both
+    sim.advance(2.0)  # every requestor has looked again
+    os.replace(new_file, key_file)  # the node's key file, replaced whole
+    retire_node_key(cluster.keyring, "n1", "n1-old")
+    sim.advance(2.0)
+    with caplog.at_level(logging.INFO, logger="reservoir.keys"):
+        second = sim.place(requestor, vcpus=1)
+    assert second.nodes == ("n1",)  # signed with the new key: the old one is retired
+    assert sim.nodes["n1"] is node
+    assert requestor.metrics.total("dropped") == 0
+    assert "now signing with key 'n1-new' (was 'n1-old')" in caplog.text
+    sim.finish([first, second], allow_orphans=False)
+
+
+def test_a_node_key_file_gone_bad_keeps_the_key_in_use(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "n1.key"
+    write_node_key(path, generate("n1-a", ed25519=True)[0], replace=False)
+    own = NodeKeyFile(path, recheck_s=1.0)
+    path.write_text("nonsense\n")
+    with caplog.at_level(logging.WARNING, logger="reservoir.keys"):
+        own.recheck(5.0)
+    assert [k.key_id for k in own.in_use()] == ["n1-a"]
+    assert "still signing with key 'n1-a'" in caplog.text
+    write_node_key(path, generate("n1-a", ed25519=True)[0], replace=True)
+    with caplog.at_level(logging.WARNING, logger="reservoir.keys"):
+        own.recheck(10.0)
+    assert "a different key under the same id 'n1-a'" in caplog.text
+    assert [k.key_id for k in own.in_use()] == ["n1-a"]
 
 
 def test_the_keyring_is_read_again_only_after_its_recheck_interval(cluster: Cluster) -> None:

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Final, Literal, cast
 from reservoir.protocol.messages import NODE_KINDS, REQUESTOR_KINDS
 
 if TYPE_CHECKING:
-    from reservoir.runtime.keys.nodes import NodeKeyring
+    from reservoir.runtime.keys.nodes import NodeKeyFile, NodeKeyring
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import (
@@ -250,8 +250,13 @@ class Keyring:
     #: with keys per node: whose key is whose, for verifying node messages (then ``node``
     #: holds at most this node's own key, and no key is believed for every node)
     node_identities: NodeKeyring | None = None
+    #: this node's own key file, read again when it changes: then the node role's keys are
+    #: its current key and the one it replaced (``node`` is what it held at start)
+    own_key: NodeKeyFile | None = None
 
     def of(self, role: Role) -> tuple[Key, ...]:
+        if role == "node" and self.own_key is not None:
+            return self.own_key.in_use()
         return self.node if role == "node" else self.requestor
 
     def find(self, role: Role, key_id: str) -> Key | None:
@@ -379,11 +384,16 @@ class Keyring:
                 "RESERVOIR_REQUESTOR_KEYS is not set: signing needs the requestor keys too "
                 "(a node's to verify requests, a requestor's own to sign them)"
             )
-        from reservoir.runtime.keys.nodes import NodeKeyring, load_node_key
+        from reservoir.runtime.keys.nodes import NodeKeyFile, NodeKeyring
 
-        own = (load_node_key(node_key),) if node_key is not None else ()
+        own = NodeKeyFile(node_key) if node_key is not None else None
         identities = NodeKeyring(node_keyring) if node_keyring is not None else None
-        return cls(node=own, requestor=requestor, node_identities=identities)
+        return cls(
+            node=own.in_use() if own is not None else (),
+            requestor=requestor,
+            node_identities=identities,
+            own_key=own,
+        )
 
 
 def generate(key_id: str, *, ed25519: bool) -> tuple[str, str]:

@@ -25,6 +25,7 @@ from reservoir.runtime.keys import Key, KeyConfigError, parse_keys, read_key_fil
 
 __all__ = [
     "NODE_KEYRING_SUFFIX",
+    "NodeKeyFile",
     "NodeKeyring",
     "add_node_key",
     "load_node_key",
@@ -68,6 +69,81 @@ def load_node_key(path: Path, *, setting: str = "RESERVOIR_NODE_KEY") -> Key:
             "make one with `reservoir keys add-node`"
         )
     return key
+
+
+def _stamp(path: Path) -> tuple[int, int, int]:
+    st = path.stat()
+    return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+
+class NodeKeyFile:
+    """A node's own key file, looked at again at most every ``recheck_s`` seconds of the
+    caller's clock when the node signs: a new key put in its place (``mv``, so it is never
+    read half written) is signed with from then on, with no restart. The key it replaced
+    is still accepted on the node's own messages handed back by the broker. A file gone
+    bad after start keeps the key it had, with a warning. Thread-safe."""
+
+    def __init__(
+        self, path: Path, *, recheck_s: float = 2.0, setting: str = "RESERVOIR_NODE_KEY"
+    ) -> None:
+        self.path = path
+        self.recheck_s = recheck_s
+        self._setting = setting
+        self._lock = threading.Lock()
+        self._current = load_node_key(path, setting=setting)
+        self._previous: Key | None = None
+        try:
+            self._stamp = _stamp(path)
+        except OSError:  # pragma: no cover - it was just read
+            self._stamp = (0, 0, 0)
+        self._checked_s: float | None = None
+
+    def in_use(self) -> tuple[Key, ...]:
+        """The current key first, then the one it replaced, if any."""
+        current, previous = self._current, self._previous
+        return (current,) if previous is None else (current, previous)
+
+    def recheck(self, now_s: float) -> None:
+        checked_s = self._checked_s
+        if checked_s is not None and abs(now_s - checked_s) < self.recheck_s:
+            return
+        with self._lock:
+            if self._checked_s is not None and abs(now_s - self._checked_s) < self.recheck_s:
+                return
+            self._checked_s = now_s
+            try:
+                stamp = _stamp(self.path)
+                if stamp == self._stamp:
+                    return
+                key = load_node_key(self.path, setting=self._setting)
+            except (OSError, KeyConfigError) as error:
+                problem = error.strerror if isinstance(error, OSError) else str(error)
+                log.warning("%s (%s): %s; still signing with key %r", self._setting,
+                            self.path, problem, self._current.key_id)  # fmt: skip
+                return
+            self._stamp = stamp
+            if key.key_id == self._current.key_id:
+                if key.fingerprint != self._current.fingerprint:
+                    log.warning(
+                        "%s (%s): a different key under the same id %r; keeping the one in "
+                        "use: give a new key a new id",
+                        self._setting,
+                        self.path,
+                        key.key_id,
+                    )
+                return
+            log.info(
+                "%s (%s): now signing with key %r (was %r); requestors must have it in "
+                "their node keyring",
+                self._setting,
+                self.path,
+                key.key_id,
+                self._current.key_id,
+            )
+            self._previous, self._current = self._current, key
+
+    def __repr__(self) -> str:
+        return f"NodeKeyFile({str(self.path)!r}, current={self._current.key_id!r})"
 
 
 def parse_node_file(text: str, *, where: str) -> tuple[Key, ...]:

@@ -60,8 +60,9 @@ def generate(key_id: str, ed25519: bool) -> None:
 @click.option("--force", is_flag=True, help="Replace --key-file if it exists.")
 def add_node(name: str, keyring: Path, key_file: Path, key_id: str | None, force: bool) -> None:
     """Give node NAME a new Ed25519 key: its private half to --key-file, its public half
-    first in the keyring's NAME.pub, keeping the keys listed there (to roll a key over:
-    add the new one, restart the node with it, then `retire` the old one)."""
+    first in the keyring's NAME.pub, keeping the keys listed there. To roll a key over:
+    add-node to a new file; once the keyring has reached the requestors, move the file
+    over the node's key file (the node signs with it within 2 s); then `retire` the old."""
     from reservoir.runtime.keys import (
         generate as make,
     )

@@ -278,7 +278,9 @@ def test_a_node_key_file_gone_bad_keeps_the_key_in_use(
     path.write_text("nonsense\n")
     with caplog.at_level(logging.WARNING, logger="reservoir.keys"):
         own.recheck(5.0)
+        own.recheck(7.0)
     assert [k.key_id for k in own.in_use()] == ["n1-a"]
+    assert len(caplog.records) == 1  # said once, not every recheck
     assert "still signing with key 'n1-a'" in caplog.text
     write_node_key(path, generate("n1-a", ed25519=True)[0], replace=True)
     with caplog.at_level(logging.WARNING, logger="reservoir.keys"):
@@ -304,10 +306,15 @@ def test_a_keyring_file_gone_bad_keeps_the_keys_it_had_and_says_so(
     cluster.add_key("n1", "n1-a")
     keyring = NodeKeyring(cluster.keyring, recheck_s=1.0)
     (cluster.keyring / "n1.pub").write_text("n1-a:ed25519-public:not-base64!\n")
+    (cluster.keyring / "n2.pub").write_text("n2-a:ed25519-public:not-base64!\n")  # new, bad
     with caplog.at_level(logging.WARNING, logger="reservoir.keys"):
         assert keyring.find("n1", "n1-a", 5.0) is not None
-    assert "n1.pub" in caplog.text
-    assert "keeping the keys it had" in caplog.text
+        assert keyring.find("n1", "n1-a", 10.0) is not None
+        assert keyring.find("n2", "n2-a", 15.0) is None
+    warnings = sorted(r.getMessage() for r in caplog.records)
+    assert len(warnings) == 2  # once per file and change, not once per recheck
+    assert "n1.pub, key 1: not base64; keeping the keys it had" in warnings[0]
+    assert "n2.pub, key 1: not base64; node 'n2' has no keys until it is fixed" in warnings[1]
 
 
 # -- settings ------------------------------------------------------------------------------

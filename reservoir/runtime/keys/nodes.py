@@ -71,9 +71,17 @@ def load_node_key(path: Path, *, setting: str = "RESERVOIR_NODE_KEY") -> Key:
     return key
 
 
-def _stamp(path: Path) -> tuple[int, int, int]:
-    st = path.stat()
-    return (st.st_mtime_ns, st.st_size, st.st_ino)
+#: what says a file may have changed: modification and change times (a chmod is a change),
+#: size and inode (a file moved into place)
+_Stamp = tuple[int, int, int, int]
+
+
+def _stamp_of(st: os.stat_result) -> _Stamp:
+    return (st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_ino)
+
+
+def _stamp(path: Path) -> _Stamp:
+    return _stamp_of(path.stat())
 
 
 class NodeKeyFile:
@@ -95,8 +103,10 @@ class NodeKeyFile:
         try:
             self._stamp = _stamp(path)
         except OSError:  # pragma: no cover - it was just read
-            self._stamp = (0, 0, 0)
+            self._stamp = (0, 0, 0, 0)
         self._checked_s: float | None = None
+        #: the last problem warned about, so that it is said once, not every recheck
+        self._problem: str | None = None
 
     def in_use(self) -> tuple[Key, ...]:
         """The current key first, then the one it replaced, if any."""
@@ -113,15 +123,18 @@ class NodeKeyFile:
             self._checked_s = now_s
             try:
                 stamp = _stamp(self.path)
-                if stamp == self._stamp:
-                    return
-                key = load_node_key(self.path, setting=self._setting)
-            except (OSError, KeyConfigError) as error:
-                problem = error.strerror if isinstance(error, OSError) else str(error)
-                log.warning("%s (%s): %s; still signing with key %r", self._setting,
-                            self.path, problem, self._current.key_id)  # fmt: skip
+            except OSError as error:
+                self._cannot_use(str(error.strerror))
                 return
-            self._stamp = stamp
+            if stamp == self._stamp:
+                return
+            self._stamp = stamp  # a bad file is warned about once, not every recheck
+            try:
+                key = load_node_key(self.path, setting=self._setting)
+            except KeyConfigError as error:
+                self._cannot_use(str(error))
+                return
+            self._problem = None
             if key.key_id == self._current.key_id:
                 if key.fingerprint != self._current.fingerprint:
                     log.warning(
@@ -141,6 +154,12 @@ class NodeKeyFile:
                 self._current.key_id,
             )
             self._previous, self._current = self._current, key
+
+    def _cannot_use(self, problem: str) -> None:
+        if problem != self._problem:
+            self._problem = problem
+            log.warning("%s (%s): %s; still signing with key %r", self._setting, self.path,
+                        problem, self._current.key_id)  # fmt: skip
 
     def __repr__(self) -> str:
         return f"NodeKeyFile({str(self.path)!r}, current={self._current.key_id!r})"
@@ -182,7 +201,7 @@ class NodeKeyring:
         self._where = f"{setting} ({directory})"
         self._lock = threading.Lock()
         #: file name -> what its stat said when read; a change means read it again
-        self._stamps: dict[str, tuple[int, int, int]] = {}
+        self._stamps: dict[str, _Stamp] = {}
         self._keys: dict[str, tuple[Key, ...]] = {}
         self._checked_s: float | None = None
         self._reload(strict=True)
@@ -225,26 +244,31 @@ class NodeKeyring:
         keys: dict[str, tuple[Key, ...]] = {}
         for file_name, stamp in stamps.items():
             node = file_name[: -len(NODE_KEYRING_SUFFIX)]
-            if stamp == self._stamps.get(file_name) and node in self._keys:
-                keys[node] = self._keys[node]
+            if stamp == self._stamps.get(file_name):
+                # unchanged; a bad one was warned about when it changed, and keeps the
+                # keys it had (if any)
+                if node in self._keys:
+                    keys[node] = self._keys[node]
                 continue
             where = f"{self._where} {file_name}"
             try:
                 keys[node] = parse_node_file((self.directory / file_name).read_text(), where=where)
             except (OSError, KeyConfigError) as error:
-                problem = error.strerror if isinstance(error, OSError) else str(error)
+                # a KeyConfigError names the file already
+                problem = f"{where}: {error.strerror}" if isinstance(error, OSError) else str(error)
                 if strict:
-                    raise KeyConfigError(f"{where}: {problem}") from None
-                log.warning("%s: %s; keeping the keys it had", where, problem)
+                    raise KeyConfigError(problem) from None
                 if node in self._keys:
                     keys[node] = self._keys[node]
-                stamps[file_name] = self._stamps.get(file_name, (0, 0, 0))
+                    log.warning("%s; keeping the keys it had", problem)
+                else:
+                    log.warning("%s; node %r has no keys until it is fixed", problem, node)
         # one assignment each: a lookup on another thread sees the old or the new map
         self._keys = keys
         self._stamps = stamps
 
-    def _scan(self) -> dict[str, tuple[int, int, int]]:
-        stamps: dict[str, tuple[int, int, int]] = {}
+    def _scan(self) -> dict[str, _Stamp]:
+        stamps: dict[str, _Stamp] = {}
         with os.scandir(self.directory) as entries:
             for entry in entries:
                 stem = entry.name[: -len(NODE_KEYRING_SUFFIX)]
@@ -256,7 +280,7 @@ class NodeKeyring:
                 except OSError:
                     continue
                 if stat.S_ISREG(st.st_mode):
-                    stamps[entry.name] = (st.st_mtime_ns, st.st_size, st.st_ino)
+                    stamps[entry.name] = _stamp_of(st)
         return stamps
 
     def __repr__(self) -> str:

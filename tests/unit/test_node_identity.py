@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -87,6 +88,11 @@ def accepted_from(sender: str, request_id: str = "r1") -> Accepted:
         reservation_id="forged-1",
         allocations=(allocation,),
     )
+
+
+def dropped(counters: Mapping[str, int]) -> int:
+    """Messages dropped for any reason (counters are ``dropped:<reason>``)."""
+    return sum(n for key, n in counters.items() if key.startswith("dropped:"))
 
 
 def refusal(codec: Codec, body: bytes, wall_s: float = WALL_S) -> DecodeError:
@@ -202,12 +208,32 @@ def test_a_node_forging_another_nodes_offer_and_accepted_is_dropped_and_counted_
     sim.finish([placement], allow_orphans=False)  # the placement is what the nodes hold
 
 
+def test_a_roster_keeper_and_its_requestors_place_on_nodes_with_keys_of_their_own(
+    cluster: Cluster,
+) -> None:
+    settings = Settings(
+        node_keyring=cluster.keyring, requestor_keys=REQUESTOR_PRIVATE, roster_from="keeper"
+    )
+    sim = Simulation(settings=settings)
+    for name in ("n1", "n2"):
+        sim.add_node(name, vcpus=4, settings=cluster.node_settings(cluster.add_key(name, name)))
+    keeper = sim.add_keeper()
+    placements = [sim.place(sim.add_requestor(), vcpus=2) for _ in range(3)]
+    assert all(p.nodes for p in placements)
+    assert dropped(sim.counters()) == 0
+    assert keeper.metrics.total("dropped") == 0
+    # the keeper believed both nodes' statuses, and the requestors asked it
+    assert keeper.metrics.get("received", "status") >= 2
+    assert keeper.metrics.get("received", "roster_query") >= 3
+    sim.finish(placements, allow_orphans=False)
+
+
 def test_unsigned_clusters_place_as_before() -> None:
     sim = Simulation()
     sim.add_nodes(2, vcpus=4)
     placement = sim.place(sim.add_requestor(), vcpus=2)
     assert placement.nodes
-    assert sim.counters().get("dropped", 0) == 0
+    assert dropped(sim.counters()) == 0
     sim.finish([placement], allow_orphans=False)
 
 

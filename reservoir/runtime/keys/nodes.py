@@ -17,7 +17,7 @@ import re
 import secrets
 import stat
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Final
 
@@ -84,6 +84,29 @@ def _stamp(path: Path) -> _Stamp:
     return _stamp_of(path.stat())
 
 
+class _Every:
+    """Runs an action at most every ``interval_s`` seconds of the caller's clock (a clock
+    set back counts as time gone by, so a jump never stops the looks). Thread-safe: of
+    callers racing past the interval, one runs it."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self._last_s: float | None = None
+        self._lock = threading.Lock()
+
+    def _due(self, now_s: float) -> bool:
+        last_s = self._last_s
+        return last_s is None or abs(now_s - last_s) >= self.interval_s
+
+    def run(self, now_s: float, action: Callable[[], None]) -> None:
+        if not self._due(now_s):
+            return
+        with self._lock:
+            if self._due(now_s):
+                self._last_s = now_s
+                action()
+
+
 class NodeKeyFile:
     """A node's own key file, looked at again at most every ``recheck_s`` seconds of the
     caller's clock when the node signs: a new key put in its place (``mv``, so it is never
@@ -95,16 +118,14 @@ class NodeKeyFile:
         self, path: Path, *, recheck_s: float = 2.0, setting: str = "RESERVOIR_NODE_KEY"
     ) -> None:
         self.path = path
-        self.recheck_s = recheck_s
         self._setting = setting
-        self._lock = threading.Lock()
+        self._every = _Every(recheck_s)
         self._current = load_node_key(path, setting=setting)
         self._previous: Key | None = None
         try:
             self._stamp = _stamp(path)
         except OSError:  # pragma: no cover - it was just read
             self._stamp = (0, 0, 0, 0)
-        self._checked_s: float | None = None
         #: the last problem warned about, so that it is said once, not every recheck
         self._problem: str | None = None
 
@@ -113,47 +134,48 @@ class NodeKeyFile:
         current, previous = self._current, self._previous
         return (current,) if previous is None else (current, previous)
 
+    @property
+    def recheck_s(self) -> float:
+        return self._every.interval_s
+
     def recheck(self, now_s: float) -> None:
-        checked_s = self._checked_s
-        if checked_s is not None and abs(now_s - checked_s) < self.recheck_s:
+        """Look at the file again if ``recheck_s`` has gone by since the last look."""
+        self._every.run(now_s, self._look)
+
+    def _look(self) -> None:
+        try:
+            stamp = _stamp(self.path)
+        except OSError as error:
+            self._cannot_use(str(error.strerror))
             return
-        with self._lock:
-            if self._checked_s is not None and abs(now_s - self._checked_s) < self.recheck_s:
-                return
-            self._checked_s = now_s
-            try:
-                stamp = _stamp(self.path)
-            except OSError as error:
-                self._cannot_use(str(error.strerror))
-                return
-            if stamp == self._stamp:
-                return
-            self._stamp = stamp  # a bad file is warned about once, not every recheck
-            try:
-                key = load_node_key(self.path, setting=self._setting)
-            except KeyConfigError as error:
-                self._cannot_use(str(error))
-                return
-            self._problem = None
-            if key.key_id == self._current.key_id:
-                if key.fingerprint != self._current.fingerprint:
-                    log.warning(
-                        "%s (%s): a different key under the same id %r; keeping the one in "
-                        "use: give a new key a new id",
-                        self._setting,
-                        self.path,
-                        key.key_id,
-                    )
-                return
-            log.info(
-                "%s (%s): now signing with key %r (was %r); requestors must have it in "
-                "their node keyring",
-                self._setting,
-                self.path,
-                key.key_id,
-                self._current.key_id,
-            )
-            self._previous, self._current = self._current, key
+        if stamp == self._stamp:
+            return
+        self._stamp = stamp  # a bad file is warned about once, not every recheck
+        try:
+            key = load_node_key(self.path, setting=self._setting)
+        except KeyConfigError as error:
+            self._cannot_use(str(error))
+            return
+        self._problem = None
+        if key.key_id == self._current.key_id:
+            if key.fingerprint != self._current.fingerprint:
+                log.warning(
+                    "%s (%s): a different key under the same id %r; keeping the one in "
+                    "use: give a new key a new id",
+                    self._setting,
+                    self.path,
+                    key.key_id,
+                )
+            return
+        log.info(
+            "%s (%s): now signing with key %r (was %r); requestors must have it in "
+            "their node keyring",
+            self._setting,
+            self.path,
+            key.key_id,
+            self._current.key_id,
+        )
+        self._previous, self._current = self._current, key
 
     def _cannot_use(self, problem: str) -> None:
         if problem != self._problem:
@@ -197,14 +219,16 @@ class NodeKeyring:
         setting: str = "RESERVOIR_NODE_KEYRING",
     ) -> None:
         self.directory = directory
-        self.recheck_s = recheck_s
         self._where = f"{setting} ({directory})"
-        self._lock = threading.Lock()
+        self._every = _Every(recheck_s)
         #: file name -> what its stat said when read; a change means read it again
         self._stamps: dict[str, _Stamp] = {}
         self._keys: dict[str, tuple[Key, ...]] = {}
-        self._checked_s: float | None = None
         self._reload(strict=True)
+
+    @property
+    def recheck_s(self) -> float:
+        return self._every.interval_s
 
     def find(self, node: str, key_id: str, now_s: float) -> Key | None:
         """The key ``key_id`` of ``node``, or None when that node lists no such key."""
@@ -220,14 +244,7 @@ class NodeKeyring:
         return dict(sorted(self._keys.items()))
 
     def _recheck(self, now_s: float) -> None:
-        checked_s = self._checked_s
-        if checked_s is not None and abs(now_s - checked_s) < self.recheck_s:
-            return
-        with self._lock:
-            if self._checked_s is not None and abs(now_s - self._checked_s) < self.recheck_s:
-                return
-            self._checked_s = now_s
-            self._reload(strict=False)
+        self._every.run(now_s, lambda: self._reload(strict=False))
 
     def _reload(self, *, strict: bool) -> None:
         try:

@@ -18,6 +18,7 @@ from reservoir.cli import (
     free,
     inspect,
     keeper,
+    keys,
     node,
     nodes,
     request,
@@ -41,5 +42,6 @@ for command in (
     bench.bench,
     chaos.chaos,
     serve.serve,
+    keys.keys,
 ):
     main.add_command(command)

@@ -102,6 +102,14 @@ def _node_inventories(
     help="Keep allocations durably (SQLite) here, so a restart keeps them.",
 )
 @click.option(
+    "--node-key",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    envvar="RESERVOIR_NODE_KEY",
+    help="Sign with this node's own key (a file `reservoir keys add-node` wrote); "
+    "requestors then believe only this node's key for its messages.",
+)
+@click.option(
     "--numa-cells",
     type=click.IntRange(1),
     default=None,
@@ -138,6 +146,7 @@ def node(
     reserved: tuple[str, ...],
     traits: tuple[str, ...],
     state_dir: Path | None,
+    node_key: Path | None,
     numa_cells: int | None,
     hugepages: tuple[str, ...],
     metrics_port: int | None,
@@ -157,7 +166,7 @@ def node(
 
     inventories = _node_inventories(vcpus, memory_mb, disk_gb, inventory, ratio, reserved)
     topology = _numa_topology(numa_cells, hugepages, inventories)
-    settings = load_settings(broker_url=broker_url, state_dir=state_dir)
+    settings = load_settings(broker_url=broker_url, state_dir=state_dir, node_key=node_key)
     # before connecting: a port in use is a usage error, said before any waiting
     registry = _serve_metrics(metrics_port) if metrics_port is not None else None
     set_up_tracing("node")

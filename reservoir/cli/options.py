@@ -142,10 +142,13 @@ def _setting_name(loc: tuple[int | str, ...]) -> str:
 def command_path() -> str:
     """``reservoir request``, say: the words a message of the running command starts with."""
     context = click.get_current_context(silent=True)
-    if context is None or context.parent is None:
-        return "reservoir"
-    # the program's name as users type it, whatever the test runner or entry point calls it
-    return f"reservoir {context.info_name}"
+    words: list[str] = []
+    # up to the group, whose name is the program's as users type it, whatever the test
+    # runner or entry point calls it (and a subcommand's, ``reservoir keys show``, in full)
+    while context is not None and context.parent is not None:
+        words.insert(0, context.info_name or "")
+        context = context.parent
+    return " ".join(["reservoir", *words])
 
 
 def usage_error(problem: str) -> NoReturn:

@@ -3,8 +3,9 @@
 Every field can also be passed directly (``Settings(ttl_s=3.0)``); command-line options
 override both. Defaults are those of docs/design.md. Signing keys come from here too
 (``RESERVOIR_SECRET``, or ``RESERVOIR_NODE_KEYS`` and ``RESERVOIR_REQUESTOR_KEYS``, or
-``RESERVOIR_KEYS_FILE``; see :mod:`reservoir.runtime.keys`) and are checked when the settings are
-made, so a bad key fails at start with the setting's name.
+``RESERVOIR_KEYS_FILE``, with ``RESERVOIR_NODE_KEY`` and ``RESERVOIR_NODE_KEYRING`` for keys
+per node; see :mod:`reservoir.runtime.keys`) and are checked when the settings are made, so a
+bad key fails at start with the setting's name.
 """
 
 from __future__ import annotations
@@ -64,6 +65,12 @@ class Settings(BaseSettings):
     requestor_keys: SecretStr | None = None
     #: a JSON or TOML file with both roles' keys, instead of the two settings above
     keys_file: Path | None = None
+    #: this node's own key: a file with one ``id:ed25519:...`` entry (``reservoir keys
+    #: add-node`` makes one); instead of ``node_keys``, with ``node_keyring`` on the others
+    node_key: Path | None = None
+    #: a directory with every node's public keys, ``NAME.pub`` per node: node messages are
+    #: believed only when signed by a key of the node they claim to be from
+    node_keyring: Path | None = None
     max_message_bytes: int = Field(default=DEFAULT_MAX_MESSAGE_BYTES, ge=1024)
     #: signed messages stamped further than this from the receiver's clock are dropped
     replay_window_s: float = Field(default=30.0, gt=0)
@@ -132,6 +139,8 @@ class Settings(BaseSettings):
             node_keys=self.node_keys.get_secret_value() if self.node_keys else None,
             requestor_keys=self.requestor_keys.get_secret_value() if self.requestor_keys else None,
             keys_file=self.keys_file,
+            node_key=self.node_key,
+            node_keyring=self.node_keyring,
         )
 
     def codec(self, role: Role | None = None) -> Codec:

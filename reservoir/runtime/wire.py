@@ -16,9 +16,11 @@ the JSON::
 The signature (HMAC-SHA256, or Ed25519 for such keys: see :mod:`reservoir.runtime.keys`) covers
 the header up to the signature, a newline and the JSON, byte for byte: the role, key id,
 stamp, nonce, routing key or address it was sent to, and sender cannot be changed without
-the key. No header field contains a space or a newline, so the split is unambiguous. The
-algorithm is the one of the key the receiver holds under that id, never read from the
-message, so no one can choose a weaker check for it.
+the key. With a node keyring (keys per node), a node message's key is looked up among the
+keys of the node its sender names, so no node can sign in another's name. No header field
+contains a space or a newline, so the split is unambiguous. The algorithm is the one of the
+key the receiver holds under that id, never read from the message, so no one can choose a
+weaker check for it.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import re
 import secrets
 import threading
 from collections import OrderedDict, deque
-from typing import Final
+from typing import Final, NoReturn
 
 import msgspec
 
@@ -42,6 +44,7 @@ from reservoir.protocol.messages import (
     validation_error_at,
 )
 from reservoir.runtime.keys import ROLES, Keyring, Role, kinds_of, role_of
+from reservoir.runtime.keys.nodes import NodeKeyring
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
@@ -59,6 +62,9 @@ DEFAULT_REPLAY_CACHE_ENTRIES: Final = 250_000
 _MAGIC: Final = b"RSV2"
 _HEADER_FIELDS: Final = 8
 _FIELD = re.compile(rb"^[\x21-\x7e]{1,300}$")  # printable ASCII, no space
+#: how many nodes sharing a key id a refused node message is checked against, to name
+#: an impersonator (a bound, since the message chooses the id)
+_MAX_HOLDERS_CHECKED: Final = 4
 
 #: The reasons that say a key or a clock is wrong (or someone is forging): a participant
 #: warns about these, rate-limited, rather than only counting them.
@@ -72,6 +78,7 @@ SIGNATURE_REASONS: Final = frozenset(
         "bad_signature",
         "wrong_destination",
         "wrong_sender",
+        "impersonation",
         "stale",
     }
 )
@@ -115,6 +122,16 @@ class Codec:
             if len(secret) < 16:
                 raise ValueError("a signing secret must be at least 16 bytes")
             keys = Keyring.shared_secret(secret)
+        if (
+            keys is not None
+            and role == "node"
+            and keys.node_identities is not None
+            and not keys.node
+        ):
+            raise ValueError(
+                "a node needs a key of its own to sign with (RESERVOIR_NODE_KEY, or "
+                "--node-key): the node keyring holds only public keys"
+            )
         if keys is not None and role is not None and keys.signing_key(role) is None:
             raise ValueError(
                 f"the {role} role's current (first) key cannot sign: a {role} needs its own "
@@ -146,6 +163,8 @@ class Codec:
         role = role_of(message.kind)
         if self.role is not None and role != self.role:
             raise ValueError(f"a {self.role} does not send {message.kind!r} messages")
+        if role == "node" and self.keys.own_key is not None:
+            self.keys.own_key.recheck(wall_s)  # a node's key file may have been replaced
         key = self.keys.signing_key(role)
         if key is None:
             raise ValueError(f"no key to sign a {role}'s {message.kind!r} with")
@@ -224,7 +243,14 @@ class Codec:
         if role not in ROLES:
             raise DecodeError("bad_envelope", f"no role {role!r}", sender)
         signed_role: Role = "node" if role == "node" else "requestor"
-        key = self.keys.find(signed_role, key_id)
+        identities = self.keys.node_identities
+        if signed_role == "node" and identities is not None:
+            # keys per node: only the node the message claims to be from can have signed it
+            key = identities.find(sender, key_id, wall_s)
+            if key is None:
+                self._refuse_other_nodes_key(identities, header, signature, body, key_id, sender)
+        else:
+            key = self.keys.find(signed_role, key_id)
         if key is None:
             other: Role = "node" if signed_role == "requestor" else "requestor"
             if self.keys.find(other, key_id) is not None:
@@ -264,6 +290,33 @@ class Codec:
                 _, forgotten_s = self._seen.popitem(last=False)
                 self._forgotten_up_to_s = max(self._forgotten_up_to_s, forgotten_s)
         return body, signed_role, sender
+
+    @staticmethod
+    def _refuse_other_nodes_key(
+        identities: NodeKeyring,
+        header: bytes,
+        signature: bytes,
+        body: bytes,
+        key_id: str,
+        sender: str,
+    ) -> NoReturn:
+        """Why a node message signed with a key its claimed sender does not list is refused:
+        ``impersonation`` when another node's key really signed it (that node is named: it
+        is the one to look at), else ``unknown_key``. Only messages that are refused anyway
+        pay for the extra checks, and only a few of them, since ids are few per node."""
+        for holder, key in identities.holders(key_id)[:_MAX_HOLDERS_CHECKED]:
+            if key.verify(header[: -len(signature) - 1] + b"\n" + body, signature):
+                raise DecodeError(
+                    "impersonation",
+                    f"signed with node {holder!r}'s key {key_id!r}, claims to be {sender!r}",
+                    sender,
+                )
+        raise DecodeError(
+            "unknown_key",
+            f"node {sender!r} has no key {key_id!r} in the node keyring (a new node, or a "
+            "key rolled over?)",
+            sender,
+        )
 
     def _forget_before(self, oldest_s: float) -> None:
         # Ids arrive roughly in stamp order, so the oldest sit at the front.

@@ -1,12 +1,15 @@
 """Per-role signing on a real RabbitMQ: with correct keys placement works through both
 adapters (HMAC and Ed25519 keys); an award forged with a node's key and an offer sniffed
-off the broker and replayed are each dropped and counted in the receiver's metrics."""
+off the broker and replayed are each dropped and counted in the receiver's metrics; with
+keys per node, a node's offer and acceptance in another node's name are dropped as
+impersonation and the placement is real."""
 
 from __future__ import annotations
 
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pika
 import pytest
@@ -15,8 +18,16 @@ from brokers import connect
 from reservoir import NodeAgent, Requestor, audit
 from reservoir.broker import Broker, Delivery
 from reservoir.clock import SystemClock
-from reservoir.protocol.messages import Award, Message, Offer, ReservationRequest
+from reservoir.protocol.messages import (
+    Accepted,
+    AllocationInfo,
+    Award,
+    Message,
+    Offer,
+    ReservationRequest,
+)
 from reservoir.runtime.keys import Keyring, generate, parse_keys
+from reservoir.runtime.keys.nodes import add_node_key, load_node_key, write_node_key
 from reservoir.runtime.settings import Settings
 from reservoir.runtime.wire import Codec
 
@@ -170,3 +181,71 @@ def test_an_offer_sniffed_off_the_broker_and_replayed_is_dropped_and_counted_by_
         sniffer.close()
         requestor.close()
         node.close()
+
+
+def test_a_node_forging_another_nodes_offer_and_accepted_is_dropped_and_the_placement_is_real(
+    broker: Broker, tmp_path: Path
+) -> None:
+    pytest.importorskip("cryptography")
+    requestor_private, requestor_public = generate("requestor-1", ed25519=True)
+    keyring = tmp_path / "keyring"
+    suffix = uuid.uuid4().hex[:6]
+    names = {role: f"{role}-{suffix}" for role in ("victim", "mallory", "honest")}
+    key_files: dict[str, Path] = {}
+    for role, name in names.items():
+        signing, verifying = generate(f"{role}-1", ed25519=True)
+        add_node_key(keyring, name, verifying)
+        key_files[role] = tmp_path / f"{role}.key"
+        write_node_key(key_files[role], signing, replace=False)
+
+    def node(role: str, vcpus: int) -> NodeAgent:
+        settings = Settings(node_key=key_files[role], requestor_keys=requestor_public)
+        return NodeAgent(broker, name=names[role], vcpus=vcpus, settings=settings)
+
+    # the victim cannot take the request: believed, the forgery would place it there
+    nodes = [node("victim", 1), node("mallory", 8), node("honest", 8)]
+    forger = Codec(
+        keys=Keyring(
+            node=(load_node_key(key_files["mallory"]),),
+            requestor=parse_keys(requestor_public, setting="test"),
+        ),
+        role="node",
+    )
+    peer = broker.open_endpoint(lambda delivery: None, name=f"reservoir.peer-{suffix}")
+    clock = SystemClock()
+    victim = names["victim"]
+    try:
+        with Requestor(
+            broker, settings=Settings(node_keyring=keyring, requestor_keys=requestor_private)
+        ) as requestor:
+            request_id = f"forged-{suffix}"
+            future = requestor.submit(request_id=request_id, vcpus=2, timeout_s=15)
+            offer = Offer(
+                request_id=request_id,
+                sender=victim,
+                reply_to=f"reservoir.node.{victim}",
+                reservation_id="forged-1",
+                attempt=1,
+                slots=1,
+                utilisation=0.0,
+                ttl_s=5.0,
+            )
+            accepted = Accepted(
+                request_id=request_id,
+                sender=victim,
+                reply_to=f"reservoir.node.{victim}",
+                reservation_id="forged-1",
+                allocations=(AllocationInfo(allocation_id="forged-a1", resources={"VCPU": 2}),),
+            )
+            for forged in (offer, accepted):
+                body = forger.encode(forged, clock.wall(), destination=requestor.address)
+                peer.send(requestor.address, body)
+            placement = future.result(timeout=20)
+            wait_for(lambda: requestor.metrics.get("dropped", "impersonation") == 2)
+            assert victim not in placement.nodes
+        audit([n.snapshot() for n in nodes], [placement]).raise_if_failed(allow_orphans=False)
+        assert nodes[0].allocations() == []
+    finally:
+        peer.close()
+        for n in nodes:
+            n.close()

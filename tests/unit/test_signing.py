@@ -38,7 +38,7 @@ from reservoir.protocol.messages import (
     RosterSample,
     encode_message,
 )
-from reservoir.runtime.keys import Key, Keyring, generate, main, parse_keys
+from reservoir.runtime.keys import Key, Keyring, generate, parse_keys
 from reservoir.runtime.settings import Settings
 from reservoir.runtime.wire import Codec, DecodeError, DropWarnings
 from reservoir.testing import Simulation
@@ -379,13 +379,6 @@ def test_a_key_never_shows_its_secret() -> None:
     key = parse_keys(NODE_KEYS, setting="x")[0]
     assert NODE_SECRET not in repr(key)
     assert NODE_SECRET not in repr(Settings(node_keys=NODE_KEYS, requestor_keys=REQUESTOR_KEYS))
-
-
-def test_the_key_generator_prints_entries_that_parse(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["generate", "--id", "n-2026-12"]) == 0
-    signing = capsys.readouterr().out.splitlines()[0].split()[1]
-    assert parse_keys(signing, setting="x")[0].key_id == "n-2026-12"
-    assert main(["generate", "--id", "bad id"]) == 2
 
 
 # -- the rate-limited warning --------------------------------------------------------------

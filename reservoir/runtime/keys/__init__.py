@@ -18,12 +18,17 @@ A key is one of:
   given only the requestors' public keys cannot sign an award at all. Needs the
   ``cryptography`` package.
 
-``python -m reservoir.runtime.keys generate --id ID [--ed25519]`` prints a fresh key.
+A node may instead have a key of its own (``RESERVOIR_NODE_KEY``, a file with its Ed25519
+private entry), and requestors, keepers and auditors a :class:`NodeKeyring`
+(``RESERVOIR_NODE_KEYRING``, a directory with one ``NAME.pub`` file of public entries per
+node): then a node's message is believed only when it is signed with a key of the node it
+claims to be, so no node can speak for another (docs/design.md, "Node identities").
+
+``reservoir keys`` (:mod:`reservoir.cli.keys`) makes keys and keyring files.
 """
 
 from __future__ import annotations
 
-import argparse
 import base64
 import hashlib
 import hmac
@@ -31,7 +36,6 @@ import json
 import logging
 import re
 import secrets
-import sys
 import tomllib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -40,6 +44,9 @@ from typing import TYPE_CHECKING, Final, Literal, cast
 
 from reservoir.protocol.messages import NODE_KINDS, REQUESTOR_KINDS
 from reservoir.version import install_hint
+
+if TYPE_CHECKING:
+    from reservoir.runtime.keys.nodes import NodeKeyFile, NodeKeyring
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import (
@@ -54,8 +61,10 @@ __all__ = [
     "KeyConfigError",
     "Keyring",
     "Role",
+    "generate",
     "kinds_of",
     "parse_keys",
+    "read_key_file",
     "role_of",
 ]
 
@@ -154,6 +163,21 @@ class Key:
         raw = self._public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
         return f"{self.key_id}:ed25519-public:{base64.b64encode(raw).decode()}"
 
+    @property
+    def fingerprint(self) -> str:
+        """A short digest of the verifying half, to compare keys by eye; never the secret
+        (for HMAC: a digest of a digest of it)."""
+        if self._public is not None:
+            from cryptography.hazmat.primitives import serialization
+
+            raw = self._public.public_bytes(
+                serialization.Encoding.Raw, serialization.PublicFormat.Raw
+            )
+        else:
+            assert self._hmac_secret is not None
+            raw = hashlib.sha256(self._hmac_secret).digest()
+        return "SHA256:" + base64.b64encode(hashlib.sha256(raw).digest()).decode().rstrip("=")
+
     def __repr__(self) -> str:
         kind = "private" if self.can_sign else "public"
         return f"Key({self.key_id!r}, {self.algorithm}, {kind})"
@@ -224,8 +248,16 @@ class Keyring:
     #: True for the single shared ``RESERVOIR_SECRET``: one key for both roles, so no
     #: role separation at all
     shared: bool = False
+    #: with keys per node: whose key is whose, for verifying node messages (then ``node``
+    #: holds at most this node's own key, and no key is believed for every node)
+    node_identities: NodeKeyring | None = None
+    #: this node's own key file, read again when it changes: then the node role's keys are
+    #: its current key and the one it replaced (``node`` is what it held at start)
+    own_key: NodeKeyFile | None = None
 
     def of(self, role: Role) -> tuple[Key, ...]:
+        if role == "node" and self.own_key is not None:
+            return self.own_key.in_use()
         return self.node if role == "node" else self.requestor
 
     def find(self, role: Role, key_id: str) -> Key | None:
@@ -242,23 +274,14 @@ class Keyring:
         return cls(node=(key,), requestor=(key,), shared=True)
 
     @classmethod
-    def from_file(cls, path: Path, *, setting: str = "RESERVOIR_KEYS_FILE") -> Keyring:
+    def from_file(
+        cls, path: Path, *, setting: str = "RESERVOIR_KEYS_FILE", with_node: bool = True
+    ) -> Keyring:
         """A JSON or TOML file (by its suffix) with a list of entries per role:
-        ``{"node": ["n2:...", "n1:..."], "requestor": ["r1:ed25519-public:..."]}``."""
+        ``{"node": ["n2:...", "n1:..."], "requestor": ["r1:ed25519-public:..."]}``.
+        ``with_node=False`` (keys per node, given apart): the file has no ``node`` list."""
         where = f"{setting} ({path})"
-        try:
-            text = path.read_text()
-            mode = path.stat().st_mode
-        except OSError as error:
-            raise KeyConfigError(f"{where}: cannot read it: {error.strerror}") from None
-        if mode & 0o077:
-            # Like ssh with a private key: say so, since anyone who can read it can sign.
-            log.warning(
-                "%s can be read by users other than its owner (mode %o): anyone who can "
-                "read it can sign; chmod 600 it",
-                where,
-                mode & 0o777,
-            )
+        text = read_key_file(path, where)
         try:
             loaded = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
         except ValueError as error:
@@ -267,8 +290,13 @@ class Keyring:
             ) from None
         if not isinstance(loaded, dict) or set(loaded) - set(ROLES):
             raise KeyConfigError(f"{where}: only the keys 'node' and 'requestor' belong here")
-        found: dict[str, tuple[Key, ...]] = {}
-        for role in ROLES:
+        if not with_node and "node" in loaded:
+            raise KeyConfigError(
+                f"{where}: has a 'node' list, but nodes have keys of their own "
+                "(RESERVOIR_NODE_KEY, RESERVOIR_NODE_KEYRING): leave it out"
+            )
+        found: dict[str, tuple[Key, ...]] = {"node": ()}
+        for role in ROLES if with_node else ("requestor",):
             entries = loaded.get(role)
             if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
                 raise KeyConfigError(f"{where}: '{role}' must be a list of 'id:key' strings")
@@ -283,12 +311,16 @@ class Keyring:
         node_keys: str | None,
         requestor_keys: str | None,
         keys_file: Path | None,
+        node_key: Path | None = None,
+        node_keyring: Path | None = None,
     ) -> Keyring | None:
         """The keyring the settings describe, or None when nothing is signed."""
         per_role = {
             "RESERVOIR_NODE_KEYS": node_keys,
             "RESERVOIR_REQUESTOR_KEYS": requestor_keys,
             "RESERVOIR_KEYS_FILE": keys_file,
+            "RESERVOIR_NODE_KEY": node_key,
+            "RESERVOIR_NODE_KEYRING": node_keyring,
         }
         given = [name for name, value in per_role.items() if value is not None]
         if secret is not None and given:
@@ -301,6 +333,8 @@ class Keyring:
                 return cls.shared_secret(secret.encode())
             except ValueError as error:
                 raise KeyConfigError(f"RESERVOIR_SECRET: {error}") from None
+        if node_key is not None or node_keyring is not None:
+            return cls._per_node(node_key, node_keyring, node_keys, requestor_keys, keys_file)
         if keys_file is not None:
             if node_keys is not None or requestor_keys is not None:
                 raise KeyConfigError(
@@ -319,6 +353,47 @@ class Keyring:
         return cls(
             node=parse_keys(node_keys, setting="RESERVOIR_NODE_KEYS"),
             requestor=parse_keys(requestor_keys, setting="RESERVOIR_REQUESTOR_KEYS"),
+        )
+
+    @classmethod
+    def _per_node(
+        cls,
+        node_key: Path | None,
+        node_keyring: Path | None,
+        node_keys: str | None,
+        requestor_keys: str | None,
+        keys_file: Path | None,
+    ) -> Keyring:
+        """Keys per node: this node's own key and/or the keyring of every node's public
+        keys, with the requestor role's keys as ever."""
+        if node_keys is not None:
+            raise KeyConfigError(
+                "RESERVOIR_NODE_KEYS (keys every node shares) and RESERVOIR_NODE_KEY or "
+                "RESERVOIR_NODE_KEYRING (a key per node) are both set: use one or the other"
+            )
+        if keys_file is not None and requestor_keys is not None:
+            raise KeyConfigError(
+                "RESERVOIR_KEYS_FILE and RESERVOIR_REQUESTOR_KEYS are both set: put the "
+                "requestor keys in the file, or none"
+            )
+        if keys_file is not None:
+            requestor = cls.from_file(keys_file, with_node=False).requestor
+        elif requestor_keys is not None:
+            requestor = parse_keys(requestor_keys, setting="RESERVOIR_REQUESTOR_KEYS")
+        else:
+            raise KeyConfigError(
+                "RESERVOIR_REQUESTOR_KEYS is not set: signing needs the requestor keys too "
+                "(a node's to verify requests, a requestor's own to sign them)"
+            )
+        from reservoir.runtime.keys.nodes import NodeKeyFile, NodeKeyring
+
+        own = NodeKeyFile(node_key) if node_key is not None else None
+        identities = NodeKeyring(node_keyring) if node_keyring is not None else None
+        return cls(
+            node=own.in_use() if own is not None else (),
+            requestor=requestor,
+            node_identities=identities,
+            own_key=own,
         )
 
 
@@ -341,24 +416,19 @@ def generate(key_id: str, *, ed25519: bool) -> tuple[str, str]:
     return f"{key_id}:ed25519:{base64.b64encode(raw).decode()}", key.public_entry()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    from reservoir.exit_status import EXIT_USAGE
-
-    parser = argparse.ArgumentParser(prog="python -m reservoir.runtime.keys")
-    commands = parser.add_subparsers(dest="command", required=True)
-    make = commands.add_parser("generate", help="print a fresh key")
-    make.add_argument("--id", required=True, help="the key id, e.g. node-2026-12")
-    make.add_argument("--ed25519", action="store_true", help="an Ed25519 key pair, not HMAC")
-    args = parser.parse_args(argv)
+def read_key_file(path: Path, where: str) -> str:
+    """The text of a file holding private keys, with a warning when others can read it."""
     try:
-        signing, verifying = generate(args.id, ed25519=args.ed25519)
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return EXIT_USAGE
-    print(f"signing:   {signing}")
-    print(f"verifying: {verifying}")
-    return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+        text = path.read_text()
+        mode = path.stat().st_mode
+    except OSError as error:
+        raise KeyConfigError(f"{where}: cannot read it: {error.strerror}") from None
+    if mode & 0o077:
+        # Like ssh with a private key: say so, since anyone who can read it can sign.
+        log.warning(
+            "%s can be read by users other than its owner (mode %o): anyone who can "
+            "read it can sign; chmod 600 it",
+            where,
+            mode & 0o777,
+        )
+    return text

@@ -23,6 +23,7 @@ from reservoir.cli import (
     request,
     serve,
     simulate,
+    versus,
 )
 from reservoir.cli.group import main
 
@@ -41,5 +42,6 @@ for command in (
     bench.bench,
     chaos.chaos,
     serve.serve,
+    versus.versus,
 ):
     main.add_command(command)

@@ -1,0 +1,136 @@
+"""``reservoir versus placement`` as a user meets it: both systems measured side by side
+in one JSON object, Nova's ranking of candidates, clear errors, and nothing it started
+left running. A short run (a few nodes, a few dozen placements); no timing is asserted."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from reservoir.cli.versus import versus
+from reservoir.tools.versus_placement.scheduler import ranked
+from reservoir.tools.versus_placement.services import missing
+
+
+def candidates(free: dict[str, tuple[int, int]]) -> dict[str, Any]:
+    """An /allocation_candidates answer: provider -> (free VCPUs, free MB), in this order."""
+    return {
+        "allocation_requests": [
+            {"allocations": {p: {"resources": {"VCPU": 1}}}} for p in free
+        ],
+        "provider_summaries": {
+            p: {"resources": {"VCPU": {"capacity": 64, "used": 64 - v},
+                              "MEMORY_MB": {"capacity": 65536, "used": 65536 - m}}}
+            for p, (v, m) in free.items()
+        },
+    }  # fmt: skip
+
+
+def test_candidates_are_ranked_most_free_memory_first_as_novas_ram_weigher_does() -> None:
+    answer = candidates({"a": (8, 1024), "b": (8, 8192), "c": (8, 4096)})
+    assert ranked(answer) == ["b", "c", "a"]
+
+
+def test_free_vcpus_count_as_much_as_free_memory_after_normalising() -> None:
+    # b: most memory, least CPU (1 + 0); c: second on both (0.5 + 0.5 = 1); a: most CPU
+    # and least memory (0 + 1): equal weights keep Placement's order, as Nova's sort does
+    answer = candidates({"a": (16, 1024), "b": (0, 9216), "c": (8, 5120)})
+    assert ranked(answer) == ["a", "b", "c"]
+    assert ranked(candidates({"x": (4, 4096), "y": (4, 4096)})) == ["x", "y"]
+    assert ranked({"allocation_requests": [], "provider_summaries": {}}) == []
+
+
+def test_an_in_process_broker_is_refused_with_a_one_line_error() -> None:
+    result = CliRunner().invoke(versus, ["placement", "--broker", "memory://"])
+    assert result.exit_code == 2
+    assert "Invalid value for '--broker'" in result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_only_placement_is_an_incumbent() -> None:
+    result = CliRunner().invoke(versus, ["slurm", "--broker", "amqp://guest:guest@h/"])
+    assert result.exit_code == 2
+    assert "'slurm' is not 'placement'" in result.stderr
+
+
+def ours(pattern: str) -> set[str]:
+    return {str(p) for p in Path(tempfile.gettempdir()).glob(pattern)}
+
+
+#: what names the processes a run starts: MariaDB's datadir, gunicorn's app, a scheduler
+STARTED_BY_A_RUN = (
+    "reservoir-versus-placement-",
+    "placement.wsgi.api",
+    "versus_placement.scheduler",
+)
+
+
+def running_ones() -> set[tuple[int, str]]:
+    """(pid, command line) of the running processes a run of the command starts."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                line = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if any(mark in line for mark in STARTED_BY_A_RUN):
+                found.add((int(entry.name), line))
+    return found
+
+
+@pytest.mark.rabbitmq
+def test_a_short_run_measures_both_side_by_side_and_leaves_nothing_behind(
+    reservoir_amqp_url: str,
+) -> None:
+    lacking = missing()
+    if lacking:
+        pytest.skip("the incumbent cannot run here: missing " + ", ".join(lacking))
+    before = ours("reservoir-versus-placement-*")
+    running_before = running_ones()
+    result = CliRunner().invoke(
+        versus,
+        ["placement", "--broker", reservoir_amqp_url, "--nodes", "6", "--requestors", "2",
+         "--placements", "30", "--incumbent-placements", "12", "--json"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)  # the whole of stdout is one JSON object
+    (size,) = report["sizes"]
+    assert size["nodes"] == 6
+    reservoir, placement = size["reservoir"], size["placement"]
+    assert reservoir["placed"] == 30 and reservoir["refused"] == 0
+    assert placement["placed"] + placement["refused"] == 12
+    assert placement["refused"] == 0  # 6 providers of 16+ instances: room for all 12
+    for side in (reservoir, placement):
+        assert side["placements_per_s"] > 0
+        assert 0 < side["p50_ms"] <= side["p99_ms"]
+        # the 90 % fill: 6 nodes of 5 instances, 4 each first, then 3 single instances
+        assert side["fill_placed"] + side["false_failures_at_90"] == 3
+        assert side["cpu_ms_total"] == pytest.approx(sum(side["cpu_ms_per_placement"].values()))
+    assert reservoir["audit"] == {
+        "overcommitted": 0, "leaked_reservations": 0, "duplicate_placements": 0,
+    }  # fmt: skip
+    assert set(reservoir["cpu_ms_per_placement"]) >= {"nodes", "requestors"}
+    parts = placement["cpu_ms_per_placement"]
+    assert parts["placement (gunicorn)"] > 0 and parts["schedulers"] > 0
+    assert "mariadb" in parts
+    assert set(placement["retries"]) == {"same_provider", "next_candidate"}
+    assert size["ratio"]["placements_per_s"] == pytest.approx(
+        reservoir["placements_per_s"] / placement["placements_per_s"], rel=0.05
+    )
+    assert any("filters on host state" in line for line in report["left_out"])
+    # everything it started is gone: its temporary directories and what ran in them
+    started = ours("reservoir-versus-placement-*") - before
+    assert started == set()
+    assert running_ones() - running_before == set()
+    if shutil.which("rabbitmqctl"):
+        listed = subprocess.run(["rabbitmqctl", "-q", "list_exchanges", "name"],
+                                capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+        assert [n for n in listed.stdout.split() if n.startswith("reservoir.versus.")] == []

@@ -519,14 +519,20 @@ def _run_schedulers(
 
 
 def _end(process: subprocess.Popen[str]) -> None:
+    """A scheduler that has said ``done`` exits when its stdin closes; one still placing
+    (the run was interrupted) is terminated."""
     if process.stdin is not None:
         with contextlib.suppress(OSError):
             process.stdin.close()
     try:
-        process.wait(5)
+        process.wait(1)
     except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+        process.terminate()
+        try:
+            process.wait(5)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def _child_env() -> dict[str, str]:

@@ -81,10 +81,10 @@ def _answers(port: int) -> bool:
     return False
 
 
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    """SIGTERM, then SIGKILL if it does not go within STOP_TIMEOUT_S."""
+def _stop(process: subprocess.Popen[bytes], stop_signal: int = signal.SIGTERM) -> None:
+    """``stop_signal``, then SIGKILL if it does not go within STOP_TIMEOUT_S."""
     if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
+        process.send_signal(stop_signal)
         try:
             process.wait(STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -100,13 +100,17 @@ def _tail(log: Path) -> str:
 
 
 def _started(
-    command: list[str], log: Path, stack: contextlib.ExitStack, env: dict[str, str] | None = None
+    command: list[str],
+    log: Path,
+    stack: contextlib.ExitStack,
+    env: dict[str, str] | None = None,
+    stop_signal: int = signal.SIGTERM,
 ) -> subprocess.Popen[bytes]:
     with log.open("wb") as out:
         process = subprocess.Popen(
             command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
         )
-    stack.callback(_stop, process)
+    stack.callback(_stop, process, stop_signal)
     return process
 
 
@@ -216,7 +220,7 @@ def start_placement(
         [sys.executable, "-m", "gunicorn", "--workers", str(WSGI_WORKERS),
          "--bind", f"127.0.0.1:{api_port}", "--control-socket", str(workdir / "gunicorn.ctl"),
          "--worker-tmp-dir", str(workdir), "placement.wsgi.api:application"],
-        api_log, stack, env,
+        api_log, stack, env, signal.SIGINT,  # gunicorn's quick shutdown: no request to wait for
     )  # fmt: skip
     url = f"http://127.0.0.1:{api_port}"
     _wait_until(lambda: _placement_answers(url), gunicorn, "gunicorn (Placement)", api_log)

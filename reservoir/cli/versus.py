@@ -12,7 +12,7 @@ import click
 from brokers import BrokerUrl
 from reservoir.broker import BrokerError, UnsupportedBroker
 from reservoir.cli.options import stopped_by_sigterm
-from reservoir.exit_status import EXIT_BROKER, EXIT_RUN_FAILED
+from reservoir.exit_status import EXIT_BROKER, EXIT_INTERRUPTED, EXIT_RUN_FAILED
 from reservoir.tools.bench.runner import BenchError, bench_url
 
 LEFT_OUT_HELP = (
@@ -100,7 +100,7 @@ def versus(
     PUT /allocations/{consumer}, the next candidate on a 409). Needs
     pip install 'reservoir[placement]' and MariaDB's server (apt-get install
     mariadb-server). Exit status 3 when the broker cannot be reached, 2 when the run
-    cannot be carried out.
+    cannot be carried out, 130 when stopped by Ctrl-C or SIGTERM.
     """
     from reservoir.observe import metrics
     from reservoir.tools.versus_placement.services import IncumbentUnavailable, missing
@@ -139,6 +139,10 @@ def versus(
     except IncumbentUnavailable as error:
         click.echo(f"reservoir versus: cannot start Placement: {error}", err=True)
         sys.exit(EXIT_RUN_FAILED)
+    except KeyboardInterrupt:
+        # everything the run started was stopped and removed on the way out
+        click.echo("reservoir versus: stopped; what it started is gone", err=True)
+        sys.exit(EXIT_INTERRUPTED)
     if as_json:
         click.echo(json.dumps(result.as_json(), sort_keys=True))
     else:
@@ -203,6 +207,10 @@ def _print_table(result: dict[str, object]) -> None:
         retries = ", ".join(f"{k} {v}" for k, v in p["retries"].items())
         table.add_row("409 conflicts", "-", conflicts, "")
         table.add_row("retries", "-", retries, "")
+        conflicts = ", ".join(f"{k} {v}" for k, v in p["fill_conflicts"].items()) or "0"
+        retries = ", ".join(f"{k} {v}" for k, v in p["fill_retries"].items())
+        table.add_row("  at 90 % fill: 409s", "-", conflicts, "")
+        table.add_row("  at 90 % fill: retries", "-", retries, "")
         table.add_row(
             "false failures at 90 % fill",
             f"{r['false_failures_at_90']} of {r['fill_placed'] + r['false_failures_at_90']}",

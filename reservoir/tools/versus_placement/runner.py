@@ -123,6 +123,9 @@ class Side:
     fill_placed: int
     false_failures_at_90: int
     filler_refused: int
+    #: Placement: the 409s and retries of the fill's claims (as ``conflicts``, ``retries``)
+    fill_conflicts: dict[str, int] = field(default_factory=dict)
+    fill_retries: dict[str, int] = field(default_factory=dict)
     audit: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -604,4 +607,6 @@ def _placement_side(
         fill_placed=len(fill.latencies_s),
         false_failures_at_90=fill.refused,
         filler_refused=0,
+        fill_conflicts=dict(fill.conflicts),
+        fill_retries={"same_provider": fill.retries, "next_candidate": fill.next_candidate},
     )

@@ -14,14 +14,9 @@ from reservoir.broker import BrokerError, UnsupportedBroker
 from reservoir.cli.options import stopped_by_sigterm
 from reservoir.exit_status import EXIT_BROKER, EXIT_INTERRUPTED, EXIT_RUN_FAILED
 from reservoir.tools.bench.runner import BenchError, bench_url
+from reservoir.tools.versus_placement.runner import LEFT_OUT, run_versus
 
-LEFT_OUT_HELP = (
-    "What it leaves out of Nova: the filters on host state (the HostManager's view of "
-    "compute nodes: candidates come from Placement alone), nova-api and nova-conductor, "
-    "the RPC to the scheduler and to nova-compute (the compute's own claim and its "
-    "reschedule to an alternate host), Keystone (auth_strategy = noauth2), and the "
-    "weighers other than RAM and CPU, which weigh every provider of the run alike."
-)
+LEFT_OUT_HELP = "What it leaves out of Nova: " + "; ".join(LEFT_OUT) + "."
 
 
 def _parse_url(ctx: click.Context, param: click.Parameter, value: str) -> BrokerUrl:
@@ -113,7 +108,6 @@ def versus(
     lacking = missing()
     if lacking:
         raise click.UsageError("reservoir versus placement needs " + ", ".join(lacking))
-    from reservoir.tools.versus_placement.runner import run_versus
 
     def progress(message: str) -> None:
         click.echo(f"versus: {message}", err=True)

@@ -67,7 +67,7 @@ from reservoir.tools.bench.limits import (
 )
 from reservoir.tools.bench.node_host import counters_of, echo_back, ledger_summary, node_inventories
 
-__all__ = ["BenchError", "BenchResult", "run_bench", "slots_per_node"]
+__all__ = ["BenchError", "BenchResult", "child_env", "run_bench", "slots_per_node"]
 
 #: the size of the body the round trip bounces (a probe or an offer is 400-500 bytes)
 RTT_BODY_BYTES: Final = 512
@@ -482,7 +482,7 @@ class ProcessNodes:
         memory_mb: int,
         vcpu_ratio: float,
     ) -> None:
-        env = _child_env()
+        env = child_env()
         self._children: list[_Child] = []
         shares = [list(names[index::processes]) for index in range(processes)]
         for share in shares:
@@ -594,7 +594,7 @@ def _spawn(module: str, args: list[str], participants: int, env: dict[str, str])
     return child
 
 
-def _child_env() -> dict[str, str]:
+def child_env() -> dict[str, str]:
     """A child process's environment: this checkout first on its path."""
     # the directory holding the reservoir package: reservoir/tools/bench/runner.py
     package_root = str(Path(__file__).resolve().parents[3])
@@ -619,7 +619,7 @@ class ProcessRequestors:
     ) -> None:
         self._children: list[_Child] = []
         shares = [list(names[index::processes]) for index in range(processes)]
-        env = _child_env()
+        env = child_env()
         for share in (s for s in shares if s):
             count = round(placements * len(share) / len(names))
             self._children.append(

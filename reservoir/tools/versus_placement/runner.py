@@ -41,7 +41,6 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import IO, Any, Final
 
 from brokers import BrokerUrl
@@ -60,12 +59,18 @@ from reservoir.tools.bench.runner import (
     ProcessNodes,
     audit_ledgers,
     bench_url,
+    child_env,
     percentile,
     roster_wanted,
     run_bench,
     slots_per_node,
 )
-from reservoir.tools.versus_placement.scheduler import MICROVERSION, PlacementClient
+from reservoir.tools.versus_placement.scheduler import (
+    MICROVERSION,
+    PROJECT_ID,
+    USER_ID,
+    PlacementClient,
+)
 from reservoir.tools.versus_placement.services import PlacementService, start_placement
 
 __all__ = ["LEFT_OUT", "Side", "VersusResult", "run_versus"]
@@ -85,9 +90,6 @@ BULK_CONSUMERS: Final = 100
 SETUP_THREADS: Final = 4
 #: node processes of reservoir's runs (the bench's default)
 NODE_PROCESSES: Final = 2
-PROJECT_ID: Final = "a" * 32
-USER_ID: Final = "b" * 32
-
 #: what the incumbent's side leaves out of Nova (also in --help and docs/performance.md)
 LEFT_OUT: Final = (
     "Nova's filters on host state (the HostManager's view of compute nodes, "
@@ -463,7 +465,7 @@ def _run_schedulers(
             [sys.executable, "-m", "reservoir.tools.versus_placement.scheduler",
              "--url", service.url, "--placements", str(share),
              "--vcpus", str(FLAVOUR_VCPUS), "--memory-mb", str(FLAVOUR_MEMORY_MB)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_child_env(),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=child_env(),
         )  # fmt: skip
         stack.callback(_end, process)
         lines: queue.SimpleQueue[str] = queue.SimpleQueue()
@@ -536,14 +538,6 @@ def _end(process: subprocess.Popen[str]) -> None:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
-
-
-def _child_env() -> dict[str, str]:
-    """This checkout first on the scheduler processes' path."""
-    package_root = str(Path(__file__).resolve().parents[3])
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
-    return env
 
 
 def _prefill(service: PlacementService, providers: Sequence[str]) -> None:

@@ -34,7 +34,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-__all__ = ["MICROVERSION", "Claims", "PlacementClient", "main", "ranked"]
+__all__ = ["MICROVERSION", "PROJECT_ID", "USER_ID", "Claims", "PlacementClient", "main", "ranked"]
 
 #: the microversion of both calls: Nova's scheduler asks allocation candidates at 1.36
 #: (same_subtree, required traits) and its claim carries a consumer generation (1.28+)
@@ -50,6 +50,7 @@ WARMUP_QUERIES: Final = 5
 #: Nova's weigher multipliers for the weighers modelled (ram, cpu: 1.0 by default)
 RAM_WEIGHT_MULTIPLIER: Final = 1.0
 CPU_WEIGHT_MULTIPLIER: Final = 1.0
+#: the project and user every claim is made for (noauth2 takes any)
 PROJECT_ID: Final = "a" * 32
 USER_ID: Final = "b" * 32
 

@@ -24,6 +24,7 @@ from reservoir.cli import (
     request,
     serve,
     simulate,
+    versus,
 )
 from reservoir.cli.group import main
 
@@ -43,5 +44,6 @@ for command in (
     chaos.chaos,
     serve.serve,
     keys.keys,
+    versus.versus,
 ):
     main.add_command(command)

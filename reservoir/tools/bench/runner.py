@@ -67,7 +67,7 @@ from reservoir.tools.bench.limits import (
 )
 from reservoir.tools.bench.node_host import counters_of, echo_back, ledger_summary, node_inventories
 
-__all__ = ["BenchError", "BenchResult", "run_bench"]
+__all__ = ["BenchError", "BenchResult", "child_env", "run_bench", "slots_per_node"]
 
 #: the size of the body the round trip bounces (a probe or an offer is 400-500 bytes)
 RTT_BODY_BYTES: Final = 512
@@ -482,7 +482,7 @@ class ProcessNodes:
         memory_mb: int,
         vcpu_ratio: float,
     ) -> None:
-        env = _child_env()
+        env = child_env()
         self._children: list[_Child] = []
         shares = [list(names[index::processes]) for index in range(processes)]
         for share in shares:
@@ -594,7 +594,7 @@ def _spawn(module: str, args: list[str], participants: int, env: dict[str, str])
     return child
 
 
-def _child_env() -> dict[str, str]:
+def child_env() -> dict[str, str]:
     """A child process's environment: this checkout first on its path."""
     # the directory holding the reservoir package: reservoir/tools/bench/runner.py
     package_root = str(Path(__file__).resolve().parents[3])
@@ -619,7 +619,7 @@ class ProcessRequestors:
     ) -> None:
         self._children: list[_Child] = []
         shares = [list(names[index::processes]) for index in range(processes)]
-        env = _child_env()
+        env = child_env()
         for share in (s for s in shares if s):
             count = round(placements * len(share) / len(names))
             self._children.append(
@@ -844,7 +844,7 @@ def _say_nothing(message: str) -> None:
     return
 
 
-def _slots_per_node(nodes: int, requestors: int, placements: int) -> int:
+def slots_per_node(nodes: int, requestors: int, placements: int) -> int:
     """Instances each node can hold: every placement of the run, CAPACITY_HEADROOM times
     over (so nothing needs freeing while measuring, and nodes stay in the lower tiers)."""
     total = WARMUP_PLACEMENTS * (1 + requestors) + 2 * placements
@@ -1009,7 +1009,7 @@ def _plan(
         placements=placements,
         requestor_processes=requestor_processes,
         keepers=keepers,
-        slots=_slots_per_node(nodes, requestors, placements),
+        slots=slots_per_node(nodes, requestors, placements),
         names=[f"bench-{run_id}-node-{index:04d}" for index in range(nodes)],
         full_names=[f"bench-{run_id}-full-{index}" for index in range(FULL_NODES)],
         settings=Settings(broker_url=main_url, roster_from=roster_from),

@@ -93,17 +93,17 @@ def versus(
     Ctrl-C included; K scheduler processes claim as Nova's scheduler does (GET
     /allocation_candidates with limit=1000 at microversion 1.36, RAM and CPU weighers,
     PUT /allocations/{consumer}, the next candidate on a 409). Needs
-    pip install 'reservoir[placement]' and MariaDB's server (apt-get install
+    pip install 'reservoir-scheduler[placement]' and MariaDB's server (apt-get install
     mariadb-server). Exit status 3 when the broker cannot be reached, 2 when the run
     cannot be carried out, 130 when stopped by Ctrl-C or SIGTERM.
     """
     from reservoir.observe import metrics
+    from reservoir.version import install_hint
     from reservoir.tools.versus_placement.services import IncumbentUnavailable, missing
 
     if not metrics.AVAILABLE:
         raise click.UsageError(
-            "reservoir versus counts messages with prometheus-client: "
-            "pip install 'reservoir[prometheus]'"
+            f"reservoir versus counts messages with prometheus-client: {install_hint('prometheus')}"
         )
     lacking = missing()
     if lacking:

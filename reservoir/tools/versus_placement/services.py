@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from reservoir.version import install_hint
+
 __all__ = ["IncumbentUnavailable", "PlacementService", "missing", "start_placement"]
 
 #: the Debian MariaDB server's programs (apt-get install mariadb-server)
@@ -62,7 +64,7 @@ def missing() -> list[str]:
         try:
             __import__(module)
         except ImportError:
-            lacking.append(f"{package} (pip install 'reservoir[placement]')")
+            lacking.append(f"{package} ({install_hint('placement')})")
     for program in (MARIADB_SERVER, MARIADB_INSTALL_DB):
         if _program(program) is None:
             lacking.append(f"{program} (apt-get install mariadb-server)")

@@ -98,8 +98,8 @@ def versus(
     cannot be carried out, 130 when stopped by Ctrl-C or SIGTERM.
     """
     from reservoir.observe import metrics
-    from reservoir.version import install_hint
     from reservoir.tools.versus_placement.services import IncumbentUnavailable, missing
+    from reservoir.version import install_hint
 
     if not metrics.AVAILABLE:
         raise click.UsageError(

@@ -139,6 +139,9 @@ class NodeMachine:
     def __init__(self, config: NodeConfig, allocations: Sequence[Allocation] = ()) -> None:
         self.config = config
         self.ledger = Ledger.with_allocations(config.inventories, allocations)
+        self.ledger.devices = (
+            config.numa.device_addresses() if config.numa is not None else frozenset()
+        )
         self.view = NodeView(
             name=config.name, traits=config.traits, ledger=self.ledger, numa=config.numa
         )

@@ -261,6 +261,10 @@ def _print_placement(placement: Placement, as_json: bool) -> None:
     )
     for allocation in placement.allocations:
         shown = ", ".join(f"{rc}={n}" for rc, n in sorted(allocation.resources.items()))
+        numa = allocation.numa
+        if numa is not None and numa.devices:
+            cells = ",".join(map(str, numa.cells)) or "-"
+            shown += f"; PCI {' '.join(numa.devices)} (NUMA cell {cells})"
         click.echo(f"  {allocation.node}  {allocation.allocation_id}  {shown}")
 
 

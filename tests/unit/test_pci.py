@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -265,3 +266,20 @@ def test_racing_requestors_get_disjoint_devices_end_to_end(
         (allocation,) = placement.allocations
         assert allocation.numa is not None and len(allocation.numa.devices) == 1
     sim.finish(placed)
+
+
+def test_the_sqlite_store_keeps_an_allocations_device_addresses(tmp_path: Path) -> None:
+    from reservoir.runtime.store import SqliteStore
+
+    allocation = Allocation(
+        allocation_id="a1", request_id="r1", reservation_id="x", owner="req",
+        resources={"PCPU": 2},
+        numa=NumaPlacement(cells=(1,), cpus=(4, 5), devices=("0000:af:00.0",)),
+    )  # fmt: skip
+    store = SqliteStore.for_node(tmp_path, "pci-node")
+    store.put(allocation)
+    store.close()
+    reopened = SqliteStore.for_node(tmp_path, "pci-node")
+    (loaded,) = reopened.load()
+    reopened.close()
+    assert loaded.numa is not None and loaded.numa.devices == ("0000:af:00.0",)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
 import threading
@@ -237,6 +238,10 @@ def node(
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
 
+    running = _running_configuration(
+        config_path, inventories, traits, topology, state_dir, metrics_port, host
+    )
+
     def start_agent() -> NodeAgent:
         # the adapters' own line per attempt would repeat ours (one per attempt, below)
         with quietly_connecting():
@@ -246,6 +251,7 @@ def node(
                 inventories=inventories,
                 traits=[t.upper() for t in traits],
                 numa=topology,
+                configuration=json.loads(running),
                 settings=settings,
                 metrics_registry=registry,
             )
@@ -263,12 +269,7 @@ def node(
     if agent is None:
         say(f"node {name}: stopped before the broker answered")
         return
-    say(
-        f"node {name}: configuration "
-        + _running_configuration(
-            config_path, inventories, traits, topology, state_dir, metrics_port, host
-        )
-    )
+    say(f"node {name}: configuration {running}")
     snapshot = agent.snapshot()
     metrics_at = f"; metrics on port {metrics_port}" if metrics_port is not None else ""
     say(

@@ -835,6 +835,9 @@ class LedgerReport(_Message, tag="ledger_report", frozen=True, kw_only=True):
     reservations: tuple[HeldReservation, ...] = ()
     #: what the node's own ledger says is wrong with it (overcommit)
     violations: tuple[Annotated[str, Meta(max_length=500)], ...] = ()
+    #: the configuration the node runs with (inventory, NUMA cells, PCI devices, where
+    #: it came from), for ``reservoir nodes``; in part 0 only
+    configuration: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.part >= self.parts:

@@ -132,6 +132,12 @@ def test_a_gpu_request_lands_on_the_node_and_cell_holding_the_gpu(
 
         again = reservoir(*ask, "--pci", "gpu-a100:1", env=env)
         assert again.returncode == 1  # the one A100 is held
+        listed = reservoir("nodes", "--json", "--expect-nodes", "2", env=env)
+        configurations = {n["node"]: n["configuration"] for n in json.loads(listed.stdout)["nodes"]}
+        assert configurations["gpu-node"]["pci_devices"] == [
+            {"address": "0000:af:00.0", "alias": "gpu-a100", "cell": 1}
+        ]
+        assert configurations["nic-node"]["config_file"] == str(tmp_path / "nic-node.toml")
         audited = reservoir("audit", "--expect-nodes", "2", env=env)
         assert audited.returncode == 0, audited.stdout + audited.stderr
     finally:

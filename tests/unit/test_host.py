@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -247,3 +250,34 @@ def test_inventories_refuse_a_ratio_for_a_class_without_a_total() -> None:
     assert inventories_of({"VCPU": 4}, {"VCPU": 2.0}, {})["VCPU"] == Inventory(
         total=4, allocation_ratio=2.0
     )
+
+
+def test_a_node_runs_with_its_file_and_discovery_and_flags_override_the_file(
+    tmp_path: Path,
+) -> None:
+    write(tmp_path / "node.toml", CONFIG + "\n[allocation_ratio]\nVCPU = 4.0\n")
+    root = fake_host(tmp_path / "root")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "reservoir.cli", "node", "--broker", "memory://",
+         "--config", str(tmp_path / "node.toml"), "--root", str(root),
+         "--name", "from-flag", "--vcpus", "3"],
+        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    assert process.stderr is not None
+    try:
+        for line in process.stderr:
+            if "configuration" in line:
+                break
+        else:
+            raise AssertionError("the node never logged its configuration")
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=20)
+    running = json.loads(line.split("configuration ", 1)[1])
+    assert "node from-flag: configuration" in line  # --name overrides the file's name
+    assert running["inventory"]["VCPU"] == {"total": 3, "reserved": 0, "allocation_ratio": 4.0}
+    assert running["inventory"]["PCPU"]["total"] == 6  # discovered, CPUs 0 and 4 kept
+    assert running["inventory"]["MEMORY_MB"]["reserved"] == 1024
+    assert running["discovered_under"] == str(root)
+    assert {d["alias"] for d in running["pci_devices"]} == {"gpu-a100", "nic-vf"}
+    assert "CUSTOM_RACK_A" in running["traits"] and "HW_CPU_X86_AVX2" in running["traits"]

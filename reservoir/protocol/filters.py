@@ -210,8 +210,18 @@ class NumaFilter:
         if shortfall is not None:
             code = "numa" if shortfall.alias is None else "pci"
             reason = Reason(code=code, subject=shortfall.alias, detail=shortfall.why[:500])
-            return Verdict(max_slots=0, reasons=(reason,))
+            return Verdict(max_slots=0, reasons=(reason,), busy=_busy(request, node))
         return Verdict(max_slots=len(placements), numa=tuple(placements))
+
+
+def _busy(request: ReservationRequest, node: NodeView) -> bool:
+    """Whether only live reservations hold the cells, CPUs or devices the request needs
+    (then it is worth asking again shortly, as for any resource)."""
+    if not node.ledger.reservations or node.numa is None:
+        return False
+    allocated = (a.numa for a in node.ledger.allocations.values() if a.numa is not None)
+    placements, _ = fit_instances(node.numa, allocated, request, 1)
+    return bool(placements)
 
 
 class SoftGroupWeigher:

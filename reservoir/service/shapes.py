@@ -168,6 +168,10 @@ class AllocationOut(BaseModel):
     node: str
     allocation_id: str
     resources: dict[str, int]
+    #: the PCI devices the instance holds, by address (a request with ``pci``)
+    pci_devices: list[str] = Field(default_factory=list)
+    #: the NUMA cells it sits on (a request with a NUMA shape)
+    numa_cells: list[int] = Field(default_factory=list)
 
 
 class PlacementOut(BaseModel):
@@ -190,7 +194,11 @@ class PlacementOut(BaseModel):
             requested=placement.requested,
             allocations=[
                 AllocationOut(
-                    node=a.node, allocation_id=a.allocation_id, resources=dict(a.resources)
+                    node=a.node,
+                    allocation_id=a.allocation_id,
+                    resources=dict(a.resources),
+                    pci_devices=list(a.numa.devices) if a.numa else [],
+                    numa_cells=list(a.numa.cells) if a.numa else [],
                 )
                 for a in placement.allocations
             ],

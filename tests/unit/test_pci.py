@@ -283,3 +283,28 @@ def test_the_sqlite_store_keeps_an_allocations_device_addresses(tmp_path: Path) 
     (loaded,) = reopened.load()
     reopened.close()
     assert loaded.numa is not None and loaded.numa.devices == ("0000:af:00.0",)
+
+
+def test_a_device_held_only_by_a_live_reservation_makes_the_node_busy_not_full() -> None:
+    node = device_node(two_cell_topology(GPU_ON_1))
+    assert isinstance(answer(node, request("first", pci={"gpu": 1}, numa_policy="required")), Offer)
+    decline = answer(node, request("second", pci={"gpu": 1}, numa_policy="required"))
+    assert decline.kind == "decline" and decline.busy  # worth asking again shortly
+    expired = node.on_timer("expire-reservations", T0 + 6.0)  # the first is never awarded
+    assert expired is not None and node.ledger.reservation_for("first") is None
+    assert isinstance(answer(node, request("third", pci={"gpu": 1})), Offer)
+
+
+def test_a_device_held_by_an_allocation_makes_the_node_full_not_busy() -> None:
+    node = device_node(two_cell_topology(GPU_ON_1))
+    node.ledger.add_allocation(
+        Allocation(
+            allocation_id="a1", request_id="placed", reservation_id="x", owner="req",
+            resources={"PCPU": 2, "MEMORY_MB": 1024},
+            numa=NumaPlacement(cells=(1,), cpus=(4, 5), memory_mb_per_cell=(1024,),
+                               vcpus_per_cell=(2,), devices=(GPU_ON_1.address,)),
+        )
+    )  # fmt: skip
+    answer(node, request("other", resources={"PCPU": 1, "MEMORY_MB": 64}))  # a reservation
+    decline = answer(node, request("second", pci={"gpu": 1}, numa_policy="required"))
+    assert decline.kind == "decline" and not decline.busy

@@ -226,6 +226,7 @@ def node(
     state_dir = state_dir or (Path(file.state_dir) if file.state_dir else None)
     metrics_port = metrics_port or file.metrics_port
     status_interval = status_interval or file.status_interval or 1.0
+    broker_url = broker_url or file.broker_url
     settings = load_settings(broker_url=broker_url, state_dir=state_dir)
     # before connecting: a port in use is a usage error, said before any waiting
     registry = _serve_metrics(metrics_port) if metrics_port is not None else None

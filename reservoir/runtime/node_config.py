@@ -3,6 +3,7 @@
 Everything ``reservoir node``'s flags hold, and the node's PCI devices::
 
     name = "compute-7"
+    broker_url = "amqp://node:secret@rabbit:5672/"
     state_dir = "/var/lib/reservoir"
     metrics_port = 9100
     traits = ["CUSTOM_RACK_A"]
@@ -125,6 +126,8 @@ class DiscoveryConfig(_Section):
 
 class NodeFile(_Section):
     name: str | None = None
+    #: where the broker is (``--broker`` and ``RESERVOIR_BROKER_URL`` override it)
+    broker_url: str | None = None
     state_dir: str | None = None
     metrics_port: Annotated[int, Meta(ge=1, le=65535)] | None = None
     status_interval: Annotated[float, Meta(ge=0.1)] | None = None

@@ -26,6 +26,7 @@ pytestmark = [pytest.mark.rabbitmq, pytest.mark.e2e]
 
 NODE_FILE = """
 name = "{name}"
+broker_url = "{url}"
 state_dir = "{state_dir}"
 status_interval = 0.2
 
@@ -102,10 +103,13 @@ def test_a_gpu_request_lands_on_the_node_and_cell_holding_the_gpu(
         for name, (address, vendor, product, cell, alias) in devices.items():
             config = tmp_path / f"{name}.toml"
             config.write_text(
-                NODE_FILE.format(name=name, state_dir=tmp_path, address=address,
-                                 vendor=vendor, product=product, cell=cell, alias=alias)
+                NODE_FILE.format(name=name, url=env["RESERVOIR_BROKER_URL"], state_dir=tmp_path,
+                                 address=address, vendor=vendor, product=product, cell=cell,
+                                 alias=alias)
             )  # fmt: skip
-            process, said = start_node(config, env)
+            # the broker's URL from the file alone
+            node_env = {k: v for k, v in env.items() if k != "RESERVOIR_BROKER_URL"}
+            process, said = start_node(config, node_env)
             processes.append(process)
             configuration = next(line for line in said if "configuration" in line)
             assert address in configuration  # the configuration it runs with is logged

@@ -78,6 +78,8 @@ class Host:
     memory_mb: int
     pci: tuple[HostPci, ...]
     cpu_flags: tuple[str, ...]
+    #: whose names the flags are: ``x86`` (cpuinfo's ``flags``) or ``aarch64`` (``Features``)
+    cpu_architecture: str = "x86"
     #: DISK_GB of the configured path (None when none was given)
     disk_gb: int | None = None
 
@@ -144,13 +146,15 @@ def discover(root: Path | str = "/", disk_path: Path | str | None = None) -> Hos
     if disk_path is not None:
         stat = os.statvfs(disk_path)
         disk_gb = stat.f_blocks * stat.f_frsize // 2**30
+    flags, architecture = _cpu_flags(root / "proc" / "cpuinfo")
     return Host(
         root=str(root),
         cells=cells,
         siblings=siblings,
         memory_mb=sum(c.memory_mb for c in cells),
         pci=_pci_devices(root / "sys" / "bus" / "pci" / "devices"),
-        cpu_flags=_cpu_flags(root / "proc" / "cpuinfo"),
+        cpu_flags=flags,
+        cpu_architecture=architecture,
         disk_gb=disk_gb,
     )
 
@@ -234,12 +238,15 @@ def _pci_devices(devices: Path) -> tuple[HostPci, ...]:
     return tuple(found)
 
 
-def _cpu_flags(cpuinfo: Path) -> tuple[str, ...]:
+def _cpu_flags(cpuinfo: Path) -> tuple[tuple[str, ...], str]:
+    """The first CPU's flags, and whose names they are (x86's ``flags``, aarch64's
+    ``Features``)."""
     for line in (_read(cpuinfo) or "").splitlines():
         key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):  # x86, and aarch64's name for them
-            return tuple(sorted(set(value.split())))
-    return ()
+        if key.strip() in ("flags", "Features"):
+            architecture = "x86" if key.strip() == "flags" else "aarch64"
+            return tuple(sorted(set(value.split()))), architecture
+    return (), "x86"
 
 
 #: /proc/cpuinfo flags whose os-traits name is not the flag's upper-cased letters
@@ -263,9 +270,10 @@ _FLAG_TRAITS = {
 }
 
 
-def cpu_traits(flags: tuple[str, ...]) -> frozenset[str]:
+def cpu_traits(flags: tuple[str, ...], architecture: str = "x86") -> frozenset[str]:
     """The standard traits (``os-traits``) the CPU flags stand for, e.g. ``avx2`` ->
-    ``HW_CPU_X86_AVX2``. Needs the ``host`` extra; raises ImportError saying so."""
+    ``HW_CPU_X86_AVX2`` (``architecture``: ``x86`` or ``aarch64``, whose trait names the
+    flags are read as). Needs the ``host`` extra; raises ImportError saying so."""
     try:
         import os_traits  # type: ignore[import-untyped]
     except ImportError:
@@ -273,8 +281,10 @@ def cpu_traits(flags: tuple[str, ...]) -> frozenset[str]:
     known = set(os_traits.get_traits("HW_CPU_"))
     traits: set[str] = set()
     for flag in flags:
-        candidates = [_FLAG_TRAITS.get(flag, "")]
         letters = flag.replace(".", "").replace("_", "").upper()
-        candidates += [f"HW_CPU_X86_{letters}", f"HW_CPU_AARCH64_{letters}"]
+        if architecture == "aarch64":
+            candidates = [f"HW_CPU_AARCH64_{letters}"]
+        else:
+            candidates = [_FLAG_TRAITS.get(flag, ""), f"HW_CPU_X86_{letters}"]
         traits.update(c for c in candidates if c in known)
     return frozenset(traits)

@@ -308,7 +308,7 @@ def host_inventories(host: Host, config: NodeFile) -> HostInventory:
     totals = {"VCPU": len(cpus), "PCPU": len(cpus), "MEMORY_MB": host.memory_mb}
     if host.disk_gb is not None:
         totals["DISK_GB"] = host.disk_gb
-    traits = set(cpu_traits(host.cpu_flags))
+    traits = set(cpu_traits(host.cpu_flags, host.cpu_architecture))
     if any(len(s) > 1 for s in host.siblings.values()):
         traits.add("HW_CPU_HYPERTHREADING")
     reserved = {"MEMORY_MB": min(config.discovery.reserved_memory_mb, host.memory_mb)}

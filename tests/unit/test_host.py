@@ -120,7 +120,11 @@ def test_discovery_reads_cells_siblings_huge_pages_devices_and_traits(tmp_path: 
     assert all(by_address[vf].physical_function == NIC for vf in VFS)
     assert all(by_address[vf].cell == 1 and by_address[vf].kind == "type-VF" for vf in VFS)
     assert by_address["0000:00:1f.0"].cell is None
-    assert cpu_traits(host.cpu_flags) >= {"HW_CPU_X86_AVX2", "HW_CPU_X86_SSE42", "HW_CPU_X86_AESNI"}
+    assert cpu_traits(host.cpu_flags) == {"HW_CPU_X86_AVX2", "HW_CPU_X86_SSE42", "HW_CPU_X86_AESNI"}
+    assert cpu_traits(("aes", "sve", "avx2"), "aarch64") == {
+        "HW_CPU_AARCH64_AES",
+        "HW_CPU_AARCH64_SVE",
+    }
 
 
 def test_configuration_reduces_what_discovery_found(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ import contextlib
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from reservoir.protocol.effects import Send
@@ -308,3 +309,44 @@ def test_a_device_held_by_an_allocation_makes_the_node_full_not_busy() -> None:
     answer(node, request("other", resources={"PCPU": 1, "MEMORY_MB": 64}))  # a reservation
     decline = answer(node, request("second", pci={"gpu": 1}, numa_policy="required"))
     assert decline.kind == "decline" and not decline.busy
+
+
+def test_over_http_a_gpu_request_is_placed_and_names_its_device_and_cell() -> None:
+    import asyncio
+
+    from brokers.inprocess import InProcessBroker
+    from reservoir import NodeAgent, audit
+    from reservoir.service import create_app
+    from reservoir.testing.asgi import serving
+
+    broker = InProcessBroker()
+    node = NodeAgent(
+        broker,
+        name="gpu-node",
+        inventories={"PCPU": 8, "MEMORY_MB": 16384},
+        numa=two_cell_topology(GPU_ON_1),
+    )
+    body = {
+        "resources": {"PCPU": 2}, "memory_mb": 1024, "pci": {"gpu": 1},
+        "numa": {"nodes": 1, "dedicated_cpus": True}, "numa_policy": "required",
+        "timeout_s": 5,
+    }  # fmt: skip
+
+    async def post_twice() -> tuple[httpx.Response, httpx.Response]:
+        async with serving(create_app(broker)) as client:
+            first = await client.post("/v1/reservations", json=body)
+            second = await client.post("/v1/reservations", json=body)
+            return first, second
+
+    try:
+        first, second = asyncio.run(post_twice())
+    finally:
+        node.close()
+        broker.close()
+    assert first.status_code == 201, first.text
+    (allocation,) = first.json()["allocations"]
+    assert allocation["pci_devices"] == [GPU_ON_1.address]
+    assert allocation["numa_cells"] == [1]
+    assert second.status_code == 409, second.text
+    assert "no free gpu on the NUMA cell of 2 free dedicated CPUs" in second.text
+    audit([node.snapshot()]).raise_if_failed()

@@ -46,6 +46,8 @@ def _node_inventories(
             totals[rc] = int(total)
         except ValueError:
             raise click.BadParameter(f"{rc}={total}: the total must be a whole number") from None
+    from reservoir.runtime.node_config import inventories_of
+
     ratios = parse_pairs(ratio, "CLASS=RATIO")
     reserve = parse_pairs(reserved, "CLASS=AMOUNT")
     for rc in (*ratios, *reserve):
@@ -56,14 +58,11 @@ def _node_inventories(
             "a node needs an inventory: --vcpus, --memory-mb, --disk-gb or --inventory CLASS=TOTAL"
         )
     try:
-        return {
-            rc: Inventory(
-                total=total,
-                allocation_ratio=float(ratios.get(rc, 1.0)),
-                reserved=int(reserve.get(rc, 0)),
-            )
-            for rc, total in totals.items()
-        }
+        return inventories_of(
+            totals,
+            {rc: float(r) for rc, r in ratios.items()},
+            {rc: int(n) for rc, n in reserve.items()},
+        )
     except ValueError as error:
         raise click.BadParameter(str(error)) from None
 

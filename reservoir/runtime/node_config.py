@@ -335,8 +335,3 @@ def inventories_of(
         )
         for rc, total in totals.items()
     }
-
-
-def described(config: NodeFile) -> dict[str, Any]:
-    """The configuration as JSON-able data, for the start's log line and ``nodes``."""
-    return msgspec.to_builtins(config)  # type: ignore[no-any-return]

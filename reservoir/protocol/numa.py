@@ -182,14 +182,14 @@ def fit_instances(
 ) -> tuple[list[NumaPlacement], Shortfall | None]:
     """Place up to ``max_slots`` instances of a request with a NUMA shape, PCI devices or
     both on what ``held`` leaves free. Returns the placements and, when none fits, why."""
-    held = list(held)
-    taken = {address for placement in held for address in placement.devices}
+    placed = list(held)
+    taken = {address for placement in placed for address in placement.devices}
     missing = sorted(alias for alias in request.pci if not _devices_of(topology, alias))
     if missing:
         return [], Shortfall(f"the node has no PCI device with alias {missing[0]}", missing[0])
     if request.numa is None:
         return _fit_floating_devices(topology, taken, request, max_slots)
-    return _fit_numa(topology, held, taken, request, max_slots)
+    return _fit_numa(topology, placed, taken, request, max_slots)
 
 
 def fit_numa(

@@ -18,7 +18,7 @@ from reservoir.clock import (
 from reservoir.protocol.audit import AuditFailed, AuditReport, NodeSnapshot, audit
 from reservoir.protocol.ledger import Allocation, Inventory
 from reservoir.protocol.messages import GroupSpec, NumaSpec
-from reservoir.protocol.numa import NumaCell, NumaTopology
+from reservoir.protocol.numa import NumaCell, NumaTopology, PciDevice
 from reservoir.protocol.placement import (
     Explanation,
     PlacedAllocation,
@@ -54,6 +54,7 @@ __all__ = [
     "NumaCell",
     "NumaSpec",
     "NumaTopology",
+    "PciDevice",
     "PlacedAllocation",
     "Placement",
     "PlacementError",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
 import threading
@@ -24,7 +25,7 @@ from reservoir.cli.options import (
 from reservoir.exit_status import EXIT_BROKER, EXIT_USAGE
 from reservoir.protocol.addresses import node_address
 from reservoir.protocol.ledger import Inventory
-from reservoir.protocol.numa import NumaTopology
+from reservoir.protocol.numa import NumaTopology, PciDevice
 from reservoir.protocol.placement import SHORTHAND_CLASSES
 from reservoir.version import install_hint
 
@@ -46,6 +47,8 @@ def _node_inventories(
             totals[rc] = int(total)
         except ValueError:
             raise click.BadParameter(f"{rc}={total}: the total must be a whole number") from None
+    from reservoir.runtime.node_config import inventories_of
+
     ratios = parse_pairs(ratio, "CLASS=RATIO")
     reserve = parse_pairs(reserved, "CLASS=AMOUNT")
     for rc in (*ratios, *reserve):
@@ -56,21 +59,47 @@ def _node_inventories(
             "a node needs an inventory: --vcpus, --memory-mb, --disk-gb or --inventory CLASS=TOTAL"
         )
     try:
-        return {
-            rc: Inventory(
-                total=total,
-                allocation_ratio=float(ratios.get(rc, 1.0)),
-                reserved=int(reserve.get(rc, 0)),
-            )
-            for rc, total in totals.items()
-        }
+        return inventories_of(
+            totals,
+            {rc: float(r) for rc, r in ratios.items()},
+            {rc: int(n) for rc, n in reserve.items()},
+        )
     except ValueError as error:
         raise click.BadParameter(str(error)) from None
 
 
 @click.command()
 @broker_option()
-@click.option("--name", required=True, help="The node's name; its inbox is reservoir.node.NAME.")
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="A node configuration file (TOML): inventory, ratios, NUMA, PCI devices and "
+    "aliases, discovery, state dir, metrics port. Flags override it.",
+)
+@click.option(
+    "--discover/--no-discover",
+    "discovering",
+    default=None,
+    help="Read the host's CPUs, NUMA cells, memory, huge pages, PCI devices and CPU "
+    "traits from /sys and /proc (default: the file's [discovery] enabled).",
+)
+@click.option(
+    "--root",
+    "discovery_root",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Discover under this root instead of / (or the file's [discovery] root).",
+)
+@click.option(
+    "--print",
+    "print_only",
+    is_flag=True,
+    help="With --discover: show what was found (a table, or --json) and exit.",
+)
+@click.option("--json", "as_json", is_flag=True, help="With --print: JSON.")
+@click.option("--name", default=None, help="The node's name; its inbox is reservoir.node.NAME.")
 @click.option("--vcpus", type=click.IntRange(0), help="VCPU inventory.")
 @click.option("--memory-mb", type=click.IntRange(0), help="MEMORY_MB inventory.")
 @click.option("--disk-gb", type=click.IntRange(0), help="DISK_GB inventory.")
@@ -130,14 +159,18 @@ def _node_inventories(
 @click.option(
     "--status-interval",
     type=click.FloatRange(0.1),
-    default=1.0,
-    show_default=True,
-    help="With --state-dir, rewrite NAME.status.json this often (seconds).",
+    default=None,
+    help="With --state-dir, rewrite NAME.status.json this often (seconds; default 1).",
 )
 @connect_attempts_option()
 def node(
     broker_url: str | None,
-    name: str,
+    config_path: Path | None,
+    discovering: bool | None,
+    discovery_root: Path | None,
+    print_only: bool,
+    as_json: bool,
+    name: str | None,
     vcpus: int | None,
     memory_mb: int | None,
     disk_gb: int | None,
@@ -150,7 +183,7 @@ def node(
     numa_cells: int | None,
     hugepages: tuple[str, ...],
     metrics_port: int | None,
-    status_interval: float,
+    status_interval: float | None,
     connect_attempts: int,
 ) -> None:
     """Run a node agent until SIGTERM or SIGINT.
@@ -162,10 +195,48 @@ def node(
     from reservoir.observe.logs import say
     from reservoir.runtime.backoff import quietly_connecting, until_connected
     from reservoir.runtime.node_agent import NodeAgent
+    from reservoir.runtime.node_config import NodeFile
     from reservoir.runtime.store import StateError
 
-    inventories = _node_inventories(vcpus, memory_mb, disk_gb, inventory, ratio, reserved)
-    topology = _numa_topology(numa_cells, hugepages, inventories)
+    file = _node_file(config_path) if config_path is not None else NodeFile()
+    if discovering is None:
+        discovering = file.discovery.enabled
+    host = _discover(file, discovery_root) if discovering else None
+    if print_only:
+        if host is None:
+            raise click.UsageError("--print shows what discovery finds: give --discover")
+        _print_host(host, file, as_json)
+        return
+    name = name or file.name
+    if not name:
+        raise click.UsageError("a node needs a name: --name, or name in the --config file")
+    # the file's settings first, the flags after them: a flag overrides the file
+    base_totals, base_reserved, host_traits = _discovered_amounts(host, file)
+    shorthands = {"vcpus": vcpus, "memory_mb": memory_mb, "disk_gb": disk_gb}
+    inventories = _node_inventories(
+        None,
+        None,
+        None,
+        (
+            *(f"{rc}={n}" for rc, n in base_totals.items()),
+            *(f"{rc}={n}" for rc, n in file.inventory.items()),
+            *(f"{SHORTHAND_CLASSES[k]}={v}" for k, v in shorthands.items() if v is not None),
+            *inventory,
+        ),
+        (*(f"{rc}={r}" for rc, r in file.allocation_ratio.items()), *ratio),
+        (
+            *(f"{rc}={n}" for rc, n in base_reserved.items()),
+            *(f"{rc}={n}" for rc, n in file.reserved.items()),
+            *reserved,
+        ),
+    )
+    traits = (*file.traits, *sorted(host_traits), *traits)
+    topology = _node_topology(file, host, numa_cells, hugepages, inventories)
+    state_dir = state_dir or (Path(file.state_dir) if file.state_dir else None)
+    metrics_port = metrics_port or file.metrics_port
+    status_interval = status_interval or file.status_interval or 1.0
+    broker_url = broker_url or file.broker_url
+    node_key = node_key or (Path(file.node_key) if file.node_key else None)
     settings = load_settings(broker_url=broker_url, state_dir=state_dir, node_key=node_key)
     # before connecting: a port in use is a usage error, said before any waiting
     registry = _serve_metrics(metrics_port) if metrics_port is not None else None
@@ -178,6 +249,10 @@ def node(
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
 
+    running = _running_configuration(
+        config_path, inventories, traits, topology, state_dir, metrics_port, host
+    )
+
     def start_agent() -> NodeAgent:
         # the adapters' own line per attempt would repeat ours (one per attempt, below)
         with quietly_connecting():
@@ -187,6 +262,7 @@ def node(
                 inventories=inventories,
                 traits=[t.upper() for t in traits],
                 numa=topology,
+                configuration=json.loads(running),
                 settings=settings,
                 metrics_registry=registry,
             )
@@ -204,6 +280,7 @@ def node(
     if agent is None:
         say(f"node {name}: stopped before the broker answered")
         return
+    say(f"node {name}: configuration {running}")
     snapshot = agent.snapshot()
     metrics_at = f"; metrics on port {metrics_port}" if metrics_port is not None else ""
     say(
@@ -269,8 +346,160 @@ def _serve_metrics(port: int) -> Any:
     return registry
 
 
+def _node_file(path: Path) -> Any:
+    from reservoir.runtime.node_config import ConfigError, load_node_file
+
+    try:
+        return load_node_file(path)
+    except ConfigError as error:
+        click.echo(f"reservoir node: --config {error}", err=True)
+        sys.exit(EXIT_USAGE)
+
+
+def _discover(file: Any, root: Path | None) -> Any:
+    from reservoir.runtime.node_config import discover_for
+
+    try:
+        return discover_for(file, str(root) if root is not None else None)
+    except OSError as error:
+        raise click.UsageError(f"--discover: cannot read the host: {error}") from None
+
+
+def _discovered_amounts(
+    host: Any, file: Any
+) -> tuple[dict[str, int], dict[str, int], frozenset[str]]:
+    if host is None:
+        return {}, {}, frozenset()
+    from reservoir.runtime.node_config import host_inventories
+
+    try:
+        found = host_inventories(host, file)
+    except ImportError as error:
+        raise click.UsageError(f"--discover: {error}") from None
+    return found.totals, found.reserved, found.traits
+
+
+def _node_topology(
+    file: Any,
+    host: Any,
+    numa_cells: int | None,
+    hugepages: Sequence[str],
+    inventories: dict[str, Inventory],
+) -> NumaTopology | None:
+    """The discovered topology, or equal cells (--numa-cells, else the file's), with the
+    file's PCI devices."""
+    from reservoir.runtime.node_config import devices_of, host_topology
+
+    if host is not None and numa_cells is None and not hugepages:
+        try:
+            return host_topology(host, file, devices_of(file, host))
+        except ValueError as error:
+            raise click.UsageError(f"--discover: {error}") from None
+    cells = numa_cells or file.numa.cells
+    pages = (*(f"{size}={n}" for size, n in file.numa.hugepages.items()), *hugepages)
+    devices = devices_of(file, None)
+    if devices and cells is None:
+        raise click.UsageError(
+            "PCI devices sit on NUMA cells: set [numa] cells in the file, or --numa-cells"
+        )
+    return _numa_topology(cells, pages, inventories, devices)
+
+
+def _print_host(host: Any, file: Any, as_json: bool) -> None:
+    """What discovery found, and which devices the configuration hands out."""
+    import json
+
+    from reservoir.runtime.node_config import devices_of, host_inventories
+
+    handed_out = {d.address: d.alias for d in devices_of(file, host)}
+    try:
+        found = host_inventories(host, file)
+    except ImportError as error:
+        raise click.UsageError(f"--discover: {error}") from None
+    if as_json:
+        shown = host.as_json()
+        shown["inventory"] = found.totals
+        shown["traits"] = sorted(found.traits)
+        shown["devices"] = handed_out
+        click.echo(json.dumps(shown, indent=2, sort_keys=True))
+        return
+    click.echo(f"host under {host.root}")
+    click.echo("cell  socket  cpus                 memory MB  huge pages")
+    for cell in host.cells:
+        pages = ", ".join(f"{n} x {size} KiB" for size, n in sorted(cell.hugepages.items()))
+        cpus = _cpu_ranges(cell.cpus)
+        socket = "-" if cell.socket is None else str(cell.socket)
+        click.echo(f"{cell.cell_id:<5} {socket:<7} {cpus:<20} {cell.memory_mb:>9}  {pages or '-'}")
+    shared = sorted({s for s in host.siblings.values() if len(s) > 1})
+    click.echo(f"thread siblings: {', '.join(_cpu_ranges(s) for s in shared) or 'none'}")
+    if host.disk_gb is not None:
+        click.echo(f"disk: {host.disk_gb} GB")
+    click.echo("inventory: " + ", ".join(f"{rc}={n}" for rc, n in sorted(found.totals.items())))
+    click.echo(f"traits: {' '.join(sorted(found.traits)) or 'none'}")
+    click.echo("pci address    vendor:product  class   cell  kind      alias")
+    for device in host.pci:
+        cell = "-" if device.cell is None else str(device.cell)
+        kind = device.kind
+        if device.virtual_functions:
+            kind += f" ({len(device.virtual_functions)} VFs)"
+        click.echo(
+            f"{device.address:<14} {device.vendor_id}:{device.product_id:<10} "
+            f"{device.class_id[:6]:<7} {cell:<5} {kind:<9} {handed_out.get(device.address, '-')}"
+        )
+
+
+def _cpu_ranges(cpus: Sequence[int]) -> str:
+    """CPU numbers in the kernel's list format (0-3,8)."""
+    parts: list[str] = []
+    for cpu in sorted(cpus):
+        if parts and "-" not in parts[-1].split(",")[-1] and int(parts[-1]) == cpu - 1:
+            parts[-1] = f"{parts[-1]}-{cpu}"
+        elif parts and "-" in parts[-1] and int(parts[-1].split("-")[1]) == cpu - 1:
+            parts[-1] = f"{parts[-1].split('-')[0]}-{cpu}"
+        else:
+            parts.append(str(cpu))
+    return ",".join(parts)
+
+
+def _running_configuration(
+    config_path: Path | None,
+    inventories: dict[str, Inventory],
+    traits: Sequence[str],
+    topology: NumaTopology | None,
+    state_dir: Path | None,
+    metrics_port: int | None,
+    host: Any,
+) -> str:
+    """The configuration the node runs with, as one line of JSON for its log."""
+    import json
+
+    shown: dict[str, Any] = {
+        "config_file": str(config_path) if config_path else None,
+        "discovered_under": host.root if host is not None else None,
+        "inventory": {
+            rc: {"total": i.total, "reserved": i.reserved, "allocation_ratio": i.allocation_ratio}
+            for rc, i in sorted(inventories.items())
+        },
+        "traits": sorted({t.upper() for t in traits}),
+        "state_dir": str(state_dir) if state_dir else None,
+        "metrics_port": metrics_port,
+    }
+    if topology is not None:
+        shown["numa_cells"] = [
+            {"cell": c.cell_id, "cpus": _cpu_ranges(sorted(c.cpus)), "memory_mb": c.memory_mb}
+            for c in topology.cells
+        ]
+        shown["pci_devices"] = [
+            {"address": d.address, "alias": d.alias, "cell": d.cell} for d in topology.devices
+        ]
+    return json.dumps(shown, sort_keys=True)
+
+
 def _numa_topology(
-    cells: int | None, hugepages: Sequence[str], inventories: dict[str, Inventory]
+    cells: int | None,
+    hugepages: Sequence[str],
+    inventories: dict[str, Inventory],
+    devices: Sequence[PciDevice] = (),
 ) -> NumaTopology | None:
     if cells is None:
         if hugepages:
@@ -282,7 +511,8 @@ def _numa_topology(
         raise click.UsageError("--numa-cells needs CPUs (--vcpus or PCPU) and --memory-mb")
     try:
         pages = {int(k): int(v) for k, v in parse_pairs(hugepages, "SIZE_KB=COUNT").items()}
-        return NumaTopology.uniform(cells, cpus.total, memory.total, pages)
+        uniform = NumaTopology.uniform(cells, cpus.total, memory.total, pages)
+        return NumaTopology(uniform.cells, devices=tuple(devices))
     except ValueError as error:
         raise click.BadParameter(str(error)) from None
 

@@ -41,6 +41,7 @@ def nodes_command(
             },
             "allocations": len(s.allocations),
             "reservations": len(s.reservations),
+            "configuration": dict(s.configuration),
         }
         for s in snapshots
     ]

@@ -20,7 +20,7 @@ from reservoir.cli.options import (
     set_up_tracing,
 )
 from reservoir.exit_status import EXIT_NOT_PLACED
-from reservoir.protocol.messages import GroupPolicy, GroupSpec, NumaSpec
+from reservoir.protocol.messages import PCI_POLICIES, GroupPolicy, GroupSpec, NumaSpec
 from reservoir.protocol.placement import (
     Placement,
     PlacementError,
@@ -90,6 +90,19 @@ from reservoir.protocol.placement import (
     help="Back each instance's memory with huge pages of this size (KiB), e.g. 2048.",
 )
 @click.option(
+    "--pci",
+    "pci",
+    multiple=True,
+    metavar="ALIAS:COUNT",
+    help="PCI devices per instance by the alias the nodes give them, e.g. gpu-a100:1. Repeatable.",
+)
+@click.option(
+    "--numa-policy",
+    type=click.Choice(PCI_POLICIES),
+    help="Where the PCI devices sit relative to the instance's NUMA cells "
+    "(as Nova's hw:pci_numa_affinity_policy; default legacy).",
+)
+@click.option(
     "--hint",
     "hints",
     multiple=True,
@@ -129,6 +142,8 @@ def request(
     numa_nodes: int | None,
     pinned: bool,
     hugepage_kb: int | None,
+    pci: tuple[str, ...],
+    numa_policy: str | None,
     hints: tuple[str, ...],
     request_id: str | None,
     explain: bool,
@@ -158,6 +173,8 @@ def request(
         any_of_traits=tuple(frozenset(t.strip() for t in one.split(",")) for one in any_of),
         group=GroupSpec(name=group, policy=cast(GroupPolicy, group_policy)) if group else None,
         numa=numa,
+        pci=_devices(pci),
+        numa_policy=numa_policy,
         explain=explain,
         hints=parse_pairs(hints, "KEY=VALUE", upper=False),
         request_id=request_id,
@@ -178,6 +195,19 @@ def _amounts(pairs: tuple[str, ...]) -> dict[str, int]:
         except ValueError:
             raise click.BadParameter(f"{resource_class}={text}: a whole number") from None
     return amounts
+
+
+def _devices(pairs: tuple[str, ...]) -> dict[str, int]:
+    """``--pci ALIAS:COUNT`` options as alias -> count (one alias given twice adds up)."""
+    devices: dict[str, int] = {}
+    for pair in pairs:
+        alias, colon, text = pair.rpartition(":")
+        if not colon or not alias or not text.isdigit() or int(text) < 1:
+            raise click.BadParameter(
+                f"{pair!r}: give ALIAS:COUNT, e.g. gpu-a100:1", param_hint="--pci"
+            )
+        devices[alias] = devices.get(alias, 0) + int(text)
+    return devices
 
 
 def _request_of(**fields: Any) -> PlacementRequest:
@@ -231,6 +261,10 @@ def _print_placement(placement: Placement, as_json: bool) -> None:
     )
     for allocation in placement.allocations:
         shown = ", ".join(f"{rc}={n}" for rc, n in sorted(allocation.resources.items()))
+        numa = allocation.numa
+        if numa is not None and numa.devices:
+            cells = ",".join(map(str, numa.cells)) or "-"
+            shown += f"; PCI {' '.join(numa.devices)} (NUMA cell {cells})"
         click.echo(f"  {allocation.node}  {allocation.allocation_id}  {shown}")
 
 

@@ -15,8 +15,8 @@ It looks at what the *nodes* hold, independently of what requestors believe, and
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from reservoir.protocol.ledger import Allocation, Ledger, Reservation, ResourceUsage
 
@@ -35,6 +35,8 @@ class NodeSnapshot:
     allocations: tuple[Allocation, ...]
     reservations: tuple[Reservation, ...]
     violations: tuple[str, ...]
+    #: the configuration the node said it runs with (when it was asked over the broker)
+    configuration: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
     def of(cls, name: str, ledger: Ledger, taken_at: float, tier: int) -> NodeSnapshot:

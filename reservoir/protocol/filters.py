@@ -15,7 +15,7 @@ from typing import Protocol, runtime_checkable
 
 from reservoir.protocol.ledger import Ledger
 from reservoir.protocol.messages import NumaPlacement, Reason, ReservationRequest
-from reservoir.protocol.numa import NumaTopology, fit_numa
+from reservoir.protocol.numa import NumaTopology, fit_instances
 
 __all__ = [
     "BUILT_IN_FILTERS",
@@ -183,23 +183,45 @@ class GroupFilter:
 
 
 class NumaFilter:
-    """Fits NUMA-shaped requests onto the node's cells and chooses their CPUs (see
-    :mod:`reservoir.protocol.numa`)."""
+    """Fits NUMA-shaped requests onto the node's cells and chooses their CPUs, and chooses
+    the PCI devices of requests that ask for some (see :mod:`reservoir.protocol.numa`)."""
 
     name = "numa"
 
     def check(self, request: ReservationRequest, node: NodeView, max_slots: int) -> Verdict:
-        if request.numa is None:
+        if request.numa is None and not request.pci:
             return allowing(max_slots)
         if node.numa is None:
+            if request.pci:
+                alias = min(request.pci)
+                return Verdict(
+                    max_slots=0,
+                    reasons=(
+                        Reason(code="pci", subject=alias, detail="the node has no PCI devices"),
+                    ),
+                )
             return Verdict(
                 max_slots=0,
                 reasons=(Reason(code="numa", detail="the node describes no NUMA topology"),),
             )
-        placements, why = fit_numa(node.numa, node.ledger.numa_placements(), request, max_slots)
-        if not placements:
-            return Verdict(max_slots=0, reasons=(Reason(code="numa", detail=why),))
+        placements, shortfall = fit_instances(
+            node.numa, node.ledger.numa_placements(), request, max_slots
+        )
+        if shortfall is not None:
+            code = "numa" if shortfall.alias is None else "pci"
+            reason = Reason(code=code, subject=shortfall.alias, detail=shortfall.why[:500])
+            return Verdict(max_slots=0, reasons=(reason,), busy=_busy(request, node))
         return Verdict(max_slots=len(placements), numa=tuple(placements))
+
+
+def _busy(request: ReservationRequest, node: NodeView) -> bool:
+    """Whether only live reservations hold the cells, CPUs or devices the request needs
+    (then it is worth asking again shortly, as for any resource)."""
+    if not node.ledger.reservations or node.numa is None:
+        return False
+    allocated = (a.numa for a in node.ledger.allocations.values() if a.numa is not None)
+    placements, _ = fit_instances(node.numa, allocated, request, 1)
+    return bool(placements)
 
 
 class SoftGroupWeigher:

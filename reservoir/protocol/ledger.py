@@ -170,6 +170,9 @@ class Ledger:
     #: drain (only those can change what a lookup bucket must hold; most ids are the
     #: requestors' own, which no Lookup looks for)
     _touched: set[str] = field(default_factory=set)
+    #: the addresses of the PCI devices the node may hand out (None: it names none), for
+    #: :meth:`violations`: a device held must be one of them
+    devices: frozenset[str] | None = None
 
     @classmethod
     def with_allocations(
@@ -344,6 +347,26 @@ class Ledger:
                     f"{rc}: allocated {usage.allocated} + reserved {usage.reserved} "
                     f"> capacity {usage.capacity}"
                 )
+        return problems + self._device_violations()
+
+    def _device_violations(self) -> list[str]:
+        """PCI devices held twice (by allocations and live reservations together), or held
+        and not the node's."""
+        holders: dict[str, list[str]] = {}
+        for allocation in self.allocations.values():
+            if allocation.numa is not None:
+                for address in allocation.numa.devices:
+                    holders.setdefault(address, []).append(allocation.allocation_id)
+        for reservation in self.reservations.values():
+            for placement in reservation.numa:
+                for address in placement.devices:
+                    holders.setdefault(address, []).append(reservation.reservation_id)
+        problems = []
+        for address, held_by in sorted(holders.items()):
+            if len(held_by) > 1:
+                problems.append(f"PCI device {address} held {len(held_by)} times: {held_by}")
+            if self.devices is not None and address not in self.devices:
+                problems.append(f"PCI device {address} held by {held_by}: not the node's")
         return problems
 
     # -- changing --------------------------------------------------------------------

@@ -66,6 +66,8 @@ __all__ = [
     "MAX_SAMPLE",
     "MESSAGE_CLASSES",
     "NODE_KINDS",
+    "PCI_ALIAS_PATTERN",
+    "PCI_POLICIES",
     "PROTOCOL_VERSION",
     "REJOINED_TOPIC",
     "REQUESTOR_KINDS",
@@ -97,6 +99,7 @@ __all__ = [
     "NumaPlacement",
     "NumaSpec",
     "Offer",
+    "PciPolicy",
     "Reason",
     "Refused",
     "Release",
@@ -174,6 +177,18 @@ _IDENTIFIERS = re.compile(f"{_ONE_IDENTIFIER}(?:\x00{_ONE_IDENTIFIER})*")
 Identifier = Annotated[str, _IDENTIFIER_MARK]
 Trait = Annotated[str, Meta(min_length=1, max_length=TRAIT_MAX_LENGTH, pattern=_TRAIT)]
 Amount = Annotated[int, Meta(ge=0, le=2**53)]
+#: what a PCI alias may be (an operator's name for a kind of device, e.g. ``gpu-a100``)
+PCI_ALIAS_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+PciAlias = Annotated[str, Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")]
+#: a PCI address as the node names its devices (``0000:3b:00.0``)
+PciAddress = Annotated[str, Meta(min_length=1, max_length=64)]
+#: how a PCI device must sit relative to the instance's NUMA cells, as Nova's
+#: ``hw:pci_numa_affinity_policy``: ``required`` on one of the instance's cells;
+#: ``legacy`` (the default) the same, but a device with no NUMA cell may go anywhere;
+#: ``preferred`` on the instance's cells when there is one free, else anywhere;
+#: ``socket`` on a cell of the same socket as one of the instance's cells
+PciPolicy = Literal["required", "preferred", "legacy", "socket"]
+PCI_POLICIES: Final[tuple[str, ...]] = get_args(PciPolicy)
 #: when a placement was asked for, seconds since the epoch (0: unknown); bounded (about
 #: the year 5100), so that no message can claim infinity and win against every other
 PlacedAt = Annotated[float, Meta(ge=0, le=1e11)]
@@ -421,6 +436,10 @@ class NumaPlacement(_Frozen, frozen=True, kw_only=True):
     memory_mb_per_cell: tuple[int, ...] = ()
     vcpus_per_cell: tuple[int, ...] = ()
     hugepage_kb: int | None = None
+    #: the PCI devices the instance holds, by address (a request with ``pci``); held by
+    #: the reservation as its pinned CPUs are, so no two instances get one device. A
+    #: request with devices and no NUMA shape floats: ``cells`` is empty.
+    devices: tuple[PciAddress, ...] = ()
 
 
 class AllocationInfo(_Frozen, frozen=True, kw_only=True):
@@ -462,6 +481,10 @@ class InstanceShape(_Frozen, frozen=True, kw_only=True):
     #: each inner set is satisfied when the node has at least one of its traits
     any_of_traits: tuple[frozenset[Trait], ...] = ()
     numa: NumaSpec | None = None
+    #: PCI devices per instance, by the alias the nodes give them: alias -> count
+    pci: dict[PciAlias, Annotated[int, Meta(ge=1, le=64)]] = field(default_factory=dict)
+    #: where the devices must sit relative to the instance's NUMA cells (default legacy)
+    numa_policy: PciPolicy | None = None
     group: GroupSpec | None = None
     #: ask nodes that cannot take the request to say why
     explain: bool = False
@@ -479,6 +502,8 @@ class InstanceShape(_Frozen, frozen=True, kw_only=True):
         # frozenset(): a caller may build one with lists; the check makes them frozensets
         if frozenset(self.required_traits) & frozenset(self.forbidden_traits):
             raise ValueError("a trait cannot be both required and forbidden")
+        if self.numa_policy is not None and not self.pci:
+            raise ValueError("numa_policy places PCI devices: ask for some with pci")
 
     @property
     def wanted_slots(self) -> int:
@@ -810,6 +835,9 @@ class LedgerReport(_Message, tag="ledger_report", frozen=True, kw_only=True):
     reservations: tuple[HeldReservation, ...] = ()
     #: what the node's own ledger says is wrong with it (overcommit)
     violations: tuple[Annotated[str, Meta(max_length=500)], ...] = ()
+    #: the configuration the node runs with (inventory, NUMA cells, PCI devices, where
+    #: it came from), for ``reservoir nodes``; in part 0 only
+    configuration: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.part >= self.parts:

@@ -39,8 +39,8 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Final
+from dataclasses import dataclass, field
+from typing import Any, Final
 
 import msgspec.structs
 
@@ -131,6 +131,9 @@ class NodeConfig:
     max_ttl_s: float = 60.0
     #: the node's NUMA cells, if it describes them
     numa: NumaTopology | None = None
+    #: the configuration it runs with, as its operator would read it (JSON-able): told
+    #: to whoever asks for its ledger
+    configuration: Mapping[str, Any] = field(default_factory=dict)
 
 
 class NodeMachine:
@@ -139,6 +142,9 @@ class NodeMachine:
     def __init__(self, config: NodeConfig, allocations: Sequence[Allocation] = ()) -> None:
         self.config = config
         self.ledger = Ledger.with_allocations(config.inventories, allocations)
+        self.ledger.devices = (
+            config.numa.device_addresses() if config.numa is not None else frozenset()
+        )
         self.view = NodeView(
             name=config.name, traits=config.traits, ledger=self.ledger, numa=config.numa
         )
@@ -332,6 +338,7 @@ class NodeMachine:
                 allocations=tuple(e for e in chunk if isinstance(e, HeldAllocation)),
                 reservations=tuple(e for e in chunk if isinstance(e, HeldReservation)),
                 violations=tuple(self.ledger.violations()),
+                configuration=dict(self.config.configuration) if index == 0 else {},
             )
             for index, chunk in enumerate(chunks)
         ]

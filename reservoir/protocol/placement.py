@@ -158,11 +158,16 @@ _LABELS: Mapping[str, str] = {
     "anti_affinity": "anti-affinity group {subject} already on the node",
     "affinity": "affinity group {subject} does not fit on one node",
     "numa": "NUMA topology cannot fit it",
+    "pci": "no free {subject} where its NUMA policy allows",
 }
 
 
 def reason_label(reason: Reason) -> str:
     """A short phrase to count nodes under, e.g. ``VCPU exhausted``."""
+    if reason.code == "pci" and reason.detail:
+        # the detail says which cells lacked the device ("no free gpu-a100 on the NUMA
+        # cell of 4 free dedicated CPUs"), which is what an operator needs to know
+        return reason.detail
     template = _LABELS.get(reason.code)
     if template is None:
         return reason.code if reason.subject is None else f"{reason.code} {reason.subject}"

@@ -124,6 +124,7 @@ def snapshot_of(parts: Sequence[LedgerReport]) -> NodeSnapshot:
         allocations=allocations,
         reservations=reservations,
         violations=tuple(violations),
+        configuration=next((p.configuration for p in parts if p.part == 0), {}),
     )
 
 

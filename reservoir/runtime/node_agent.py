@@ -18,7 +18,7 @@ import os
 import secrets
 from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from brokers import BrokerUrl
 from reservoir.broker import Broker
@@ -103,6 +103,7 @@ class NodeAgent(Driver):
         disk_gb: int | None = None,
         traits: Iterable[str] = (),
         numa: NumaTopology | None = None,
+        configuration: Mapping[str, Any] | None = None,
         settings: Settings | None = None,
         scheduler: Scheduler | None = None,
         store: AllocationStore | None = None,
@@ -130,6 +131,7 @@ class NodeAgent(Driver):
             filters=tuple(filters) if filters is not None else load_filters(settings.filters),
             weighers=tuple(weighers) if weighers is not None else load_weighers(settings.weighers),
             numa=numa,
+            configuration=dict(configuration or {}),
         )
         self.machine = NodeMachine(config, allocations=self.store.load())
         try:

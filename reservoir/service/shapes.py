@@ -20,6 +20,7 @@ from reservoir.protocol.messages import (
     GroupPolicy,
     GroupSpec,
     NumaSpec,
+    PciPolicy,
 )
 from reservoir.protocol.placement import (
     Placement,
@@ -106,6 +107,11 @@ class ReservationIn(BaseModel):
     #: each inner list is satisfied when the node has at least one of its traits
     any_of_traits: list[list[Trait]] = Field(default_factory=list)
     numa: NumaIn | None = None
+    #: PCI devices per instance by the alias the nodes give them, e.g. ``{"gpu-a100": 1}``
+    pci: dict[str, int] = Field(default_factory=dict)
+    #: where the devices sit relative to the instance's NUMA cells (Nova's
+    #: ``hw:pci_numa_affinity_policy``; default ``legacy``)
+    numa_policy: PciPolicy | None = None
     #: free-form JSON for operators' node-side filters and weighers
     hints: dict[str, Any] = Field(default_factory=dict)
     #: ask nodes that cannot take it to say why (default: the service's ``--explain``)
@@ -150,6 +156,8 @@ class ReservationIn(BaseModel):
             forbidden_traits=frozenset(self.forbidden_traits),
             any_of_traits=tuple(frozenset(one) for one in self.any_of_traits),
             numa=numa,
+            pci=self.pci,
+            numa_policy=self.numa_policy,
             hints=self.hints,
             explain=explain if self.explain is None else self.explain,
             request_id=request_id,
@@ -160,6 +168,10 @@ class AllocationOut(BaseModel):
     node: str
     allocation_id: str
     resources: dict[str, int]
+    #: the PCI devices the instance holds, by address (a request with ``pci``)
+    pci_devices: list[str] = Field(default_factory=list)
+    #: the NUMA cells it sits on (a request with a NUMA shape)
+    numa_cells: list[int] = Field(default_factory=list)
 
 
 class PlacementOut(BaseModel):
@@ -182,7 +194,11 @@ class PlacementOut(BaseModel):
             requested=placement.requested,
             allocations=[
                 AllocationOut(
-                    node=a.node, allocation_id=a.allocation_id, resources=dict(a.resources)
+                    node=a.node,
+                    allocation_id=a.allocation_id,
+                    resources=dict(a.resources),
+                    pci_devices=list(a.numa.devices) if a.numa else [],
+                    numa_cells=list(a.numa.cells) if a.numa else [],
                 )
                 for a in placement.allocations
             ],

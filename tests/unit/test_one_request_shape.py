@@ -89,6 +89,8 @@ def by_the_library(broker: InProcessBroker, request_id: str) -> None:
             any_of_traits=[{"CUSTOM_RACK_A", "CUSTOM_RACK_B"}, {"CUSTOM_SSD"}],
             group=GroupSpec(name="web", policy="soft-anti-affinity"),
             numa=NumaSpec(nodes=2, dedicated_cpus=True, hugepage_kb=2048),
+            pci={"gpu-a100": 1, "nic-vf": 2},
+            numa_policy="required",
             hints={"zone": "z1"},
             explain=True,
             request_id=request_id,
@@ -105,6 +107,7 @@ def by_the_command(broker: InProcessBroker, request_id: str, monkeypatch: Any) -
          "--forbid", "CUSTOM_SLOW", "--any-of", "CUSTOM_RACK_A,CUSTOM_RACK_B",
          "--any-of", "CUSTOM_SSD", "--group", "web", "--policy", "soft-anti-affinity",
          "--numa-nodes", "2", "--pinned", "--hugepage-kb", "2048", "--hint", "zone=z1",
+         "--pci", "gpu-a100:1", "--pci", "nic-vf:2", "--numa-policy", "required",
          "--request-id", request_id, "--timeout", "0.3"],
     )  # fmt: skip
     assert done.exit_code == 1, done.output  # not placed: nobody answered
@@ -118,6 +121,7 @@ def by_http(broker: InProcessBroker, request_id: str) -> None:
         "any_of_traits": [["CUSTOM_RACK_A", "CUSTOM_RACK_B"], ["CUSTOM_SSD"]],
         "group": "web", "policy": "soft-anti-affinity",
         "numa": {"nodes": 2, "dedicated_cpus": True, "hugepage_kb": 2048},
+        "pci": {"gpu-a100": 1, "nic-vf": 2}, "numa_policy": "required",
         "hints": {"zone": "z1"}, "request_id": request_id, "timeout_s": 0.3,
     }  # fmt: skip
 
@@ -139,6 +143,8 @@ def test_the_three_front_doors_put_the_same_request_on_the_wire(
     assert shape_of(library)["any_of_traits"]  # the fields under test did reach the wire
     assert shape_of(library)["numa"] == NumaSpec(nodes=2, dedicated_cpus=True, hugepage_kb=2048)
     assert shape_of(library)["hints"] == {"zone": "z1"}
+    assert shape_of(library)["pci"] == {"gpu-a100": 1, "nic-vf": 2}
+    assert shape_of(library)["numa_policy"] == "required"
     for other in (command, http):
         assert {**shape_of(other), "request_id": None} == {**shape_of(library), "request_id": None}
 

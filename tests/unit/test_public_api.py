@@ -12,7 +12,8 @@ PROTOCOL = Path(reservoir.__file__).parent / "protocol"
 PUBLIC_NAMES = {
     "Allocation", "AuditFailed", "AuditReport", "Broker", "BrokerError", "Clock", "Delivery",
     "Endpoint", "Explanation", "FakeClock", "FreeIncomplete", "GroupSpec", "Inventory",
-    "NodeAgent", "NodeSnapshot", "NumaCell", "NumaSpec", "NumaTopology", "PlacedAllocation",
+    "NodeAgent", "NodeSnapshot", "NumaCell", "NumaSpec", "NumaTopology", "PciDevice",
+    "PlacedAllocation",
     "Placement",
     "PlacementError", "PlacementRequest", "PlacementTimeout", "Requestor", "RequestorClosed",
     "RosterKeeper",

@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from reservoir.version import install_hint
+
 __all__ = [
     "Host",
     "HostCell",
@@ -277,7 +279,7 @@ def cpu_traits(flags: tuple[str, ...], architecture: str = "x86") -> frozenset[s
     try:
         import os_traits  # type: ignore[import-untyped]
     except ImportError:
-        raise ImportError("CPU traits need os-traits: pip install 'reservoir[host]'") from None
+        raise ImportError(f"CPU traits need os-traits: {install_hint('host')}") from None
     known = set(os_traits.get_traits("HW_CPU_"))
     traits: set[str] = set()
     for flag in flags:

@@ -47,6 +47,8 @@ log = logging.getLogger("reservoir.serve")
 T = TypeVar("T")
 
 DEFAULT_DRAIN_TIMEOUT_S = 10.0
+#: after the drain, how long the placements the closing requestor failed get to end
+AFTER_CLOSE_S = 0.5
 #: placements (with their keys' body hashes) a service process keeps in its cache, the
 #: least recently used forgotten first: as many as its requestor remembers
 CACHE_ENTRIES = 100_000
@@ -87,6 +89,7 @@ class ReservoirService:
     freeing: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     closing: bool = False
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+    _stopping: "asyncio.Task[None] | None" = None
 
     @property
     def ready(self) -> bool:
@@ -174,6 +177,31 @@ class ReservoirService:
         if pending:
             _done, pending = await asyncio.wait(pending, timeout=timeout_s)
         return len(pending)
+
+    async def stop(self, drain_timeout_s: float) -> None:
+        """Stop placing: from now on every request is a 503; the placements and releases
+        in flight get ``drain_timeout_s`` to finish, then the requestor closes, failing
+        what is left (a 503 each: their routes answer before the server goes) and
+        releasing what it reserved for them. A server calls this as soon as it is told
+        to stop, before it gives up on open connections; the lifespan's exit calls it
+        too, and a second call joins the first."""
+        if self._stopping is None:
+            self._stopping = asyncio.ensure_future(self._stop(drain_timeout_s))
+        await asyncio.shield(self._stopping)
+
+    async def _stop(self, drain_timeout_s: float) -> None:
+        self.closing = True
+        left = await self.drain(drain_timeout_s)
+        if left:
+            log.warning(
+                "drain of %.1f s over with %d placement(s) still in flight: failing them",
+                drain_timeout_s,
+                left,
+                extra={"in_flight": left},
+            )
+        await asyncio.to_thread(self.requestor.close)
+        # the failed ones answer (503) now: a moment for their routes to do so
+        await self.drain(AFTER_CLOSE_S)
 
     async def _place(self, spec: PlacementRequest, timeout_s: float | None) -> Placement:
         metrics = self.metrics
@@ -333,11 +361,7 @@ async def reservoir_lifespan(
     try:
         yield service
     finally:
-        service.closing = True
-        left = await service.drain(drain_timeout_s)
-        if left:
-            log.warning("shutting down with %d placement(s) still in flight: failing them", left)
-        await asyncio.to_thread(requestor.close)
+        await service.stop(drain_timeout_s)
         if app is not None:
             app.state.reservoir = None
         if owned is not None:

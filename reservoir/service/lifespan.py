@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from brokers import BrokerUrl
 from reservoir.broker import Broker, BrokerError
+from reservoir.observe.metrics import default_participant
 from reservoir.protocol.audit import NodeSnapshot
 from reservoir.protocol.placement import (
     Placement,
@@ -347,7 +348,12 @@ async def reservoir_lifespan(
     try:
         # findable: every placement, generated ids too, can be found from any replica
         requestor = await asyncio.to_thread(
-            Requestor, broker, settings=settings, metrics_registry=registry, findable=True
+            Requestor,
+            broker,
+            settings=settings,
+            metrics_registry=registry,
+            findable=True,
+            participant=settings.requestor_name or default_participant("serve"),
         )
     except BaseException:
         if owned is not None:

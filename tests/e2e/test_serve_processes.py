@@ -279,7 +279,7 @@ def test_the_service_places_reads_lists_releases_and_explains_over_http(
                      how="awarded")  # fmt: skip
     assert awarded >= allocations
     assert sample(node_metrics, "reservoir_node_dry_runs_total", node=first) == 2
-    vcpus = sample(node_metrics, "reservoir_node_resource", node=first, state="allocated",
+    vcpus = sample(node_metrics, "reservoir_node_resource_units", node=first, state="allocated",
                    **{"class": "VCPU"})  # fmt: skip
     assert vcpus == allocations
 

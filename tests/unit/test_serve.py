@@ -328,7 +328,11 @@ def test_probes_and_metrics(broker: InProcessBroker, nodes: list[NodeAgent]) -> 
         service.closing = False
         exposition = await client.get("/metrics")
         assert exposition.status_code == 200
-        return exposition.text, service.requestor.name, list(service.placements.values())
+        return (
+            exposition.text,
+            service.requestor.metrics.participant,
+            list(service.placements.values()),
+        )
 
     text, requestor, placements = run_against(app, scenario)
     assert 'reservoir_service_placement_seconds_bucket{le="0.005",outcome="placed"}' in text

@@ -29,6 +29,7 @@ from reservoir.protocol.placement import (
     PlacementTimeout,
     request_of,
 )
+from reservoir.runtime.auditor import node_fields
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
@@ -202,34 +203,37 @@ class PlacementOut(BaseModel):
 
 
 class UsageOut(BaseModel):
-    capacity: int
-    allocated: int
+    """One resource class of a node (the field vocabulary of ``reservoir nodes`` too)."""
+
+    #: the inventory: total, host-reserved (Placement's "reserved") and allocation ratio
+    total: int
     reserved: int
+    allocation_ratio: float
+    #: what may be allocated: (total - reserved) x allocation_ratio
+    capacity: int
+    #: held by allocations
+    used: int
+    #: held by live reservations (offers not yet awarded or let go)
+    held: int
+    free: int
 
 
 class NodeOut(BaseModel):
     """One live node, as its ledger report says."""
 
     name: str
+    #: the narrowest tier the node hears, percent
     tier: int
+    #: dominant share, live reservations included (0..1)
     utilisation: float
     usage: dict[str, UsageOut]
+    #: allocations and live reservations held (counts)
     allocations: int
     reservations: int
 
     @classmethod
     def of(cls, snapshot: NodeSnapshot) -> "NodeOut":
-        return cls(
-            name=snapshot.name,
-            tier=snapshot.tier,
-            utilisation=round(snapshot.utilisation, 4),
-            usage={
-                rc: UsageOut(capacity=u.capacity, allocated=u.allocated, reserved=u.reserved)
-                for rc, u in snapshot.usages.items()
-            },
-            allocations=len(snapshot.allocations),
-            reservations=len(snapshot.reservations),
-        )
+        return cls.model_validate(node_fields(snapshot))
 
 
 class ProblemOut(BaseModel):

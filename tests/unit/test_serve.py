@@ -303,7 +303,15 @@ def test_the_nodes_list_shows_every_node_with_its_usage_and_tier(
         holder = by_name[allocation["node"]]
         assert holder["allocations"] == 1
         assert holder["reservations"] == 0
-        assert holder["usage"]["VCPU"] == {"capacity": NODE_VCPUS, "allocated": 4, "reserved": 0}
+        assert holder["usage"]["VCPU"] == {
+            "total": NODE_VCPUS,
+            "reserved": 0,
+            "allocation_ratio": 1.0,
+            "capacity": NODE_VCPUS,
+            "used": 4,
+            "held": 0,
+            "free": NODE_VCPUS - 4,
+        }
         assert all(isinstance(node["tier"], int) for node in by_name.values())
 
     run_against(app, scenario)

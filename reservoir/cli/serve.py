@@ -154,6 +154,9 @@ def serve(
             for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
                 logging.getLogger(name).setLevel(logging.INFO)
         app.state.access_log = access_log
+        if access_log:
+            # its lines are INFO: shown whatever the verbosity, as uvicorn's were
+            logging.getLogger("reservoir.serve.access").setLevel(logging.INFO)
         config = uvicorn.Config(
             app,
             # the app logs each request itself, with its fields (reservoir.service.app)

@@ -169,7 +169,8 @@ class ReservoirService:
             finally:
                 collector.close()
 
-        return await asyncio.to_thread(gather)
+        # a task of the service's own: the drain on shutdown waits for it too
+        return await self._to_the_end(asyncio.to_thread(gather))
 
     async def drain(self, timeout_s: float) -> int:
         """Wait up to ``timeout_s`` for the placements and releases in flight; returns how

@@ -304,7 +304,10 @@ def test_reservoir_nodes_lists_every_live_node_with_its_usage_and_tier(cluster: 
     assert {n["tier"] for n in listed.values()} <= {10, 25, 50}
     table = reservoir("nodes", "--expect-nodes", "2", env=cluster.env)
     assert table.returncode == 0 and "VCPU" in table.stdout
-    assert ("2/8" if holder == "a" else "2/4") in table.stdout
+    assert table.stdout.split("\n")[0].split()[:4] == ["node", "class", "unit", "total"]
+    picked = reservoir("nodes", "--expect-nodes", "2", "-f", "value", "-c", "name", "-c", "class",
+                       "-c", "used", "-c", "total", env=cluster.env)  # fmt: skip
+    assert f"{holder} VCPU 2 {8 if holder == 'a' else 4}" in picked.stdout.splitlines()
     for name in list(cluster.nodes):
         cluster.stop(name)
     audit_nodes(cluster, [placed], {placed["request_id"]: 1})

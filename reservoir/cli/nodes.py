@@ -1,18 +1,55 @@
-"""``reservoir nodes``: every live node's tier and usage, asked over the broker."""
+"""``reservoir nodes``: every live node's inventory and usage, asked over the broker."""
 
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import click
 
+from reservoir.cli.formats import Column, emit, format_options
 from reservoir.cli.options import (
     broker_option,
     expect_nodes_option,
-    json_option,
     ledgers,
     load_settings,
     seconds_option,
+)
+
+#: resource classes' units, for the table's unit column
+UNITS = {"MEMORY_MB": "MiB", "DISK_GB": "GiB"}
+
+
+def _compact_json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def _percent(value: Any) -> str:
+    return f"{value:.0%}"
+
+
+#: one row per node and resource class; field names as ``GET /v1/nodes`` has them
+COLUMNS = (
+    Column("name", "node", numeric=False),
+    Column("class", "class", numeric=False),
+    Column("unit", "unit", numeric=False),
+    Column("total", "total"),
+    Column("reserved", "host-reserved"),
+    Column("allocation_ratio", "alloc. ratio"),
+    Column("capacity", "capacity"),
+    Column("used", "used"),
+    Column("held", "held (reservations)"),
+    Column("free", "free"),
+    Column("tier", "tier %"),
+    Column("utilisation", "utilisation %", show=_percent),
+    Column("allocations", "allocations"),
+    Column("reservations", "reservations"),
+)
+
+#: ``--configuration``: a row per node
+CONFIGURATION_COLUMNS = (
+    Column("name", "node", numeric=False),
+    Column("configuration", "configuration", show=_compact_json, numeric=False),
 )
 
 
@@ -20,57 +57,47 @@ from reservoir.cli.options import (
 @broker_option()
 @seconds_option("--wait", 1.0, "How long to wait for the nodes to answer (seconds).")
 @expect_nodes_option("Stop waiting once this many nodes answered.")
-@json_option()
+@format_options
+@click.option("--json", "as_json", is_flag=True, help="The same as -f json.")
+@click.option(
+    "--configuration",
+    "show_configuration",
+    is_flag=True,
+    help="Show each node's configuration instead (what it runs with: inventory, NUMA "
+    "cells, PCI devices and aliases, its configuration file), as the node sends it.",
+)
 def nodes_command(
-    broker_url: str | None, wait_s: float, expect_nodes: int | None, as_json: bool
+    broker_url: str | None,
+    wait_s: float,
+    expect_nodes: int | None,
+    output_format: str,
+    columns: tuple[str, ...],
+    as_json: bool,
+    show_configuration: bool,
 ) -> None:
-    """List every live node: its tier, and per resource class its capacity, what is
-    allocated and what live reservations hold.
+    """List every live node's inventory and usage: a row per node and resource class,
+    with its total, host-reserved amount, allocation ratio, capacity ((total -
+    host-reserved) x ratio), what allocations use, what live reservations hold, what is
+    free; and the node's tier, utilisation and counts of allocations and reservations.
 
     Gathered over the broker (every serving node answers one query with its ledger), so
-    it shows what the nodes themselves hold, within --wait seconds."""
+    it shows what the nodes themselves hold, within --wait seconds. The field names are
+    those of GET /v1/nodes."""
+    from reservoir.runtime.auditor import node_fields
+
     snapshots = ledgers(load_settings(broker_url=broker_url), wait_s, expect_nodes)
-    listed = [
-        {
-            "node": s.name,
-            "tier": s.tier,
-            "utilisation": round(s.utilisation, 4),
-            "usage": {
-                rc: {"capacity": u.capacity, "allocated": u.allocated, "reserved": u.reserved}
-                for rc, u in s.usages.items()
-            },
-            "allocations": len(s.allocations),
-            "reservations": len(s.reservations),
-            "configuration": dict(s.configuration),
-        }
-        for s in snapshots
-    ]
-    if as_json:
-        click.echo(json.dumps({"nodes": listed}, sort_keys=True))
-        return
-    if not listed:
+    output_format = "json" if as_json else output_format
+    if not snapshots and output_format == "table":
         click.echo("no node answered")
         return
-    from rich.console import Console
-    from rich.table import Table
-
-    classes = sorted({rc for node in listed for rc in node["usage"]})  # type: ignore[attr-defined]
-    table = Table(box=None)
-    for heading in ("node", "tier", "allocations", "reservations", *classes):
-        table.add_column(heading, justify="left" if heading == "node" else "right")
-    for node in listed:
-        usage: dict[str, dict[str, int]] = node["usage"]  # type: ignore[assignment]
-        cells = [
-            f"{usage[rc]['allocated'] + usage[rc]['reserved']}/{usage[rc]['capacity']}"
-            if rc in usage
-            else "-"
-            for rc in classes
-        ]
-        table.add_row(
-            str(node["node"]), f"{node['tier']}%", str(node["allocations"]),
-            str(node["reservations"]), *cells,
-        )  # fmt: skip
-    Console().print(table)
-
-
-# -- audit ---------------------------------------------------------------------------------
+    if show_configuration:
+        configured = [{"name": s.name, "configuration": dict(s.configuration)} for s in snapshots]
+        emit(configured, CONFIGURATION_COLUMNS, output_format, columns)
+        return
+    rows = []
+    for snapshot in snapshots:
+        node = node_fields(snapshot)
+        usage: dict[str, dict[str, Any]] = node.pop("usage")
+        for rc, amounts in usage.items():
+            rows.append({**node, "class": rc, "unit": UNITS.get(rc, "units"), **amounts})
+    emit(rows, COLUMNS, output_format, columns)

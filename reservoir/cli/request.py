@@ -9,6 +9,7 @@ from typing import Any, cast
 import click
 
 from reservoir.broker import BrokerError
+from reservoir.cli.formats import Column, emit, format_options
 from reservoir.cli.options import (
     broker_option,
     cannot_reach_broker,
@@ -126,6 +127,7 @@ from reservoir.protocol.placement import (
     "1 when there is not room enough.",
 )
 @json_option()
+@format_options
 def request(
     broker_url: str | None,
     vcpus: int | None,
@@ -150,9 +152,12 @@ def request(
     timeout_s: float,
     dry_run: bool,
     as_json: bool,
+    output_format: str,
+    columns: tuple[str, ...],
 ) -> None:
     """Place one request and print the placement, or the failure with its explanation
-    (exit status 1). With --dry-run, only say where it would fit.
+    (exit status 1). With --dry-run, only say where it would fit: a row per node that
+    answered (-f table|json|yaml|csv|value, -c COLUMN; --json: the whole report).
 
     Resource classes and traits are written as the nodes know them (VCPU, CUSTOM_GPU,
     HW_CPU_X86_AVX2), exactly as in the library and the HTTP API."""
@@ -180,7 +185,7 @@ def request(
         request_id=request_id,
     )
     if dry_run:
-        _dry_run(spec, broker_url, min(timeout_s, DRY_RUN_WAIT_S), as_json)
+        _dry_run(spec, broker_url, min(timeout_s, DRY_RUN_WAIT_S), as_json, output_format, columns)
         return
     set_up_tracing("request")
     placement = _place(spec, broker_url, timeout_s, as_json)
@@ -268,11 +273,29 @@ def _print_placement(placement: Placement, as_json: bool) -> None:
         click.echo(f"  {allocation.node}  {allocation.allocation_id}  {shown}")
 
 
+#: a dry run's row per node; field names as in ``--json``'s ``nodes``
+DRY_RUN_COLUMNS = (
+    Column("name", "node", numeric=False),
+    Column("slots", "instances it could take"),
+    Column("utilisation", "utilisation %", show=lambda v: f"{v:.0%}"),
+    Column("tier", "tier %"),
+    Column("score", "score", show=lambda v: f"{v:.2f}"),
+    Column("busy", "busy (others' reservations)", show=lambda v: "yes" if v else "no"),
+    Column("reasons", "why not", show=lambda v: "; ".join(v) or "-", numeric=False),
+)
+
 #: how long a dry run gathers the nodes' answers
 DRY_RUN_WAIT_S = 1.0
 
 
-def _dry_run(spec: PlacementRequest, broker_url: str | None, wait_s: float, as_json: bool) -> None:
+def _dry_run(
+    spec: PlacementRequest,
+    broker_url: str | None,
+    wait_s: float,
+    as_json: bool,
+    output_format: str = "table",
+    columns: tuple[str, ...] = (),
+) -> None:
     from reservoir.runtime.backoff import quietly_connecting
     from reservoir.runtime.dry_run import DryRun
 
@@ -288,26 +311,20 @@ def _dry_run(spec: PlacementRequest, broker_url: str | None, wait_s: float, as_j
     if as_json:
         click.echo(json.dumps(report.as_json(), sort_keys=True))
     else:
-        shape = ", ".join(f"{rc}={n}" for rc, n in sorted(spec.resources.items()) if n)
-        if not report.answers:
-            click.echo(f"dry run of {spec.count} instance(s) of {shape}: no node answered")
-        else:
-            click.echo(
-                f"dry run of {spec.count} instance(s) of {shape}: "
-                f"{len(report.takers)} of {len(report.answers)} node(s) could take it, "
-                f"room for {report.room} instance(s) (wanted {report.wanted}); "
-                "nothing was reserved"
-            )
-        for answer in report.answers:
-            if answer.slots:
-                click.echo(
-                    f"  would take   {answer.node}: {answer.slots} instance(s), utilisation "
-                    f"{answer.utilisation:.0%}, tier {answer.tier}%, score {answer.score:.2f}"
-                )
+        if output_format == "table":
+            shape = ", ".join(f"{rc}={n}" for rc, n in sorted(spec.resources.items()) if n)
+            if not report.answers:
+                click.echo(f"dry run of {spec.count} instance(s) of {shape}: no node answered")
             else:
-                why = "; ".join(answer.reasons) or "no room"
-                busy = " (held by others' live reservations)" if answer.busy else ""
-                click.echo(f"  would not    {answer.node}: {why}{busy}")
+                click.echo(
+                    f"dry run of {spec.count} instance(s) of {shape}: "
+                    f"{len(report.takers)} of {len(report.answers)} node(s) could take it, "
+                    f"room for {report.room} instance(s) (wanted {report.wanted}); "
+                    "nothing was reserved"
+                )
+        if report.answers or output_format != "table":
+            rows = [answer.as_json() for answer in report.answers]
+            emit(rows, DRY_RUN_COLUMNS, output_format, columns)
     if not report.would_place:
         sys.exit(EXIT_NOT_PLACED)
 

@@ -7,6 +7,7 @@ import logging
 import signal
 import socket
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import click
 
@@ -20,7 +21,11 @@ from reservoir.cli.options import (
     usage_error,
 )
 from reservoir.service.lifespan import DEFAULT_DRAIN_TIMEOUT_S
+from reservoir.service.shapes import DEFAULT_MAX_BODY_BYTES
 from reservoir.version import install_hint
+
+if TYPE_CHECKING:
+    import uvicorn
 
 
 def _stopped(signum: int, frame: FrameType | None) -> None:
@@ -61,7 +66,8 @@ def _stopped(signum: int, frame: FrameType | None) -> None:
     default=DEFAULT_DRAIN_TIMEOUT_S,
     show_default=True,
     type=click.FloatRange(0, 600),
-    help="On SIGTERM, seconds requests in flight get to finish before they fail "
+    help="On SIGTERM, seconds requests in flight get to finish before they fail with "
+    "503 (new requests get 503 meanwhile); the process exits within this plus a second "
     "[env: RESERVOIR_SERVE_DRAIN_TIMEOUT].",
 )
 @click.option(
@@ -69,7 +75,17 @@ def _stopped(signum: int, frame: FrameType | None) -> None:
     envvar="RESERVOIR_SERVE_ACCESS_LOG",
     default=False,
     show_default=True,
-    help="Log every request [env: RESERVOIR_SERVE_ACCESS_LOG].",
+    help="Log every request (method, path, status, request_id, elapsed_ms) "
+    "[env: RESERVOIR_SERVE_ACCESS_LOG].",
+)
+@click.option(
+    "--max-body-bytes",
+    envvar="RESERVOIR_SERVE_MAX_BODY_BYTES",
+    default=DEFAULT_MAX_BODY_BYTES,
+    show_default=True,
+    type=click.IntRange(1, 2**30),
+    help="Refuse a request body larger than this with 413, before reading it "
+    "[env: RESERVOIR_SERVE_MAX_BODY_BYTES].",
 )
 def serve(
     broker_url: str | None,
@@ -78,6 +94,7 @@ def serve(
     explain: bool,
     drain_timeout_s: float,
     access_log: bool,
+    max_body_bytes: int,
 ) -> None:
     """Serve placements over HTTP: an ASGI app (FastAPI on uvicorn) embedding one requestor.
 
@@ -92,7 +109,8 @@ def serve(
 
     Errors are application/problem+json (RFC 9457). Settings come from RESERVOIR_*
     environment variables as for every command. SIGTERM stops accepting connections,
-    lets requests in flight finish (--drain-timeout), closes the requestor and exits 0.
+    lets requests in flight finish (--drain-timeout; meanwhile new ones get 503), answers
+    what is still in flight with 503 and Retry-After, closes the requestor and exits 0.
     """
     try:
         import uvicorn
@@ -126,25 +144,58 @@ def serve(
         signal.signal(stop, _stopped)
     try:
         app = create_app(
-            broker, settings=settings, explain=explain, drain_timeout_s=drain_timeout_s
+            broker,
+            settings=settings,
+            explain=explain,
+            drain_timeout_s=drain_timeout_s,
+            max_body_bytes=max_body_bytes,
         )
         if json_logs():
             # uvicorn's own handlers print text: let its lines reach ours instead
             for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
                 logging.getLogger(name).setLevel(logging.INFO)
+        app.state.access_log = access_log
+        if access_log:
+            # its lines are INFO: shown whatever the verbosity, as uvicorn's were
+            logging.getLogger("reservoir.serve.access").setLevel(logging.INFO)
         config = uvicorn.Config(
             app,
-            access_log=access_log,
+            # the app logs each request itself, with its fields (reservoir.service.app)
+            access_log=False,
             log_level="info",
             log_config=None if json_logs() else uvicorn.config.LOGGING_CONFIG,
-            # uvicorn waits this long for open connections after SIGTERM; the lifespan
-            # then drains the requestor's own work with the same allowance
-            timeout_graceful_shutdown=int(drain_timeout_s) or None,
+            # what the drain failed has answered by then: this is for writing the answers
+            timeout_graceful_shutdown=WRITE_ANSWERS_S,
         )
-        uvicorn.Server(config).run(sockets=[listening])
+        draining_server(config, drain_timeout_s).run(sockets=[listening])
     finally:
         listening.close()
         broker.close()
+
+
+#: after the drain, how long uvicorn waits for the open connections to write their answers
+#: before it cancels them (the process exits within the drain plus about this)
+WRITE_ANSWERS_S = 1
+
+
+def draining_server(config: uvicorn.Config, drain_timeout_s: float) -> uvicorn.Server:
+    """A uvicorn server that, told to stop, first drains the service (new requests get
+    503 meanwhile, and what the drain cannot finish gets a 503 problem), and only then
+    does uvicorn's own shutdown, whose graceful timeout would otherwise cancel a request
+    in flight into a bare 500 and run the lifespan's drain after it."""
+    import uvicorn
+
+    from reservoir.service.lifespan import ReservoirService
+
+    class DrainingServer(uvicorn.Server):
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            app = self.config.app
+            service = getattr(getattr(app, "state", None), "reservoir", None)
+            if isinstance(service, ReservoirService) and not self.force_exit:
+                await service.stop(drain_timeout_s)
+            await super().shutdown(sockets)
+
+    return DrainingServer(config)
 
 
 def _listen(host: str, port: int) -> socket.socket:

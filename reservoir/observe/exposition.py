@@ -26,7 +26,11 @@ __all__ = ["add_process_metrics", "process_registry", "serve_metrics"]
 
 def add_process_metrics(registry: CollectorRegistry) -> CollectorRegistry:
     """Add the process's CPU, memory, file descriptors, garbage collection and Python
-    version to ``registry`` (once per registry: a second call adds nothing)."""
+    version, and ``reservoir_build_info``, to ``registry`` (once per registry: a second
+    call adds nothing)."""
+    from reservoir.observe.metrics import build_info
+
+    build_info(registry)
     if not getattr(registry, "_reservoir_process_metrics", False):
         ProcessCollector(registry=registry)
         PlatformCollector(registry=registry)

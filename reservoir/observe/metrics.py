@@ -37,13 +37,14 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
     from prometheus_client.core import Metric
 
+    from reservoir.protocol.ledger import ResourceUsage
     from reservoir.protocol.placement import Placement, PlacementError
 
 try:
@@ -57,7 +58,10 @@ __all__ = [
     "OFFER_BUCKETS",
     "PLACEMENT_BUCKETS_S",
     "Metrics",
+    "build_info",
+    "default_participant",
     "failure_reason",
+    "resource_families",
 ]
 
 #: whether prometheus_client is installed (the ``prometheus`` or ``api`` extra)
@@ -120,6 +124,74 @@ def failure_reason(error: PlacementError) -> str:
     return "not_placed"
 
 
+#: resource classes counted in a base unit of their own: class -> (metric, bytes per unit)
+_IN_BYTES: Final = {
+    "MEMORY_MB": ("reservoir_node_memory_bytes", 1024 * 1024),
+    "DISK_GB": ("reservoir_node_disk_bytes", 1024 * 1024 * 1024),
+}
+#: the ``state`` label of the resource families: capacity (what can be allocated: total
+#: less host-reserved, times the allocation ratio), allocated, and held by live
+#: reservations ("reserved" keeps Placement's meaning, host-reserved capacity)
+RESOURCE_STATES: Final = ("capacity", "allocated", "held")
+
+
+def resource_families(node: str, usages: Mapping[str, ResourceUsage]) -> Iterator[Metric]:
+    """A node's usage per resource class, one unit per family (Prometheus naming): memory
+    and disk in bytes (``reservoir_node_memory_bytes``, ``reservoir_node_disk_bytes``),
+    every other class in its own units (``reservoir_node_resource_units{class}``: VCPUs,
+    GPUs, ...), each by ``state``."""
+    assert prometheus_client is not None
+    gauge = prometheus_client.core.GaugeMetricFamily
+    units = gauge(
+        "reservoir_node_resource_units",
+        "Per resource class counted in units (VCPU, GPUs, ...): capacity, allocated, "
+        "held by live reservations",
+        labels=["node", "class", "state"],
+    )
+    in_bytes = {
+        rc: gauge(metric, f"{rc} in bytes: capacity, allocated, held by live reservations",
+                  labels=["node", "state"])
+        for rc, (metric, _scale) in _IN_BYTES.items()
+    }  # fmt: skip
+    for rc, usage in usages.items():
+        values = (usage.capacity, usage.allocated, usage.reserved)
+        for state, value in zip(RESOURCE_STATES, values, strict=True):
+            if rc in _IN_BYTES:
+                in_bytes[rc].add_metric([node, state], value * _IN_BYTES[rc][1])
+            else:
+                units.add_metric([node, rc, state], value)
+    yield units
+    yield from in_bytes.values()
+
+
+def default_participant(role: str) -> str:
+    """The ``participant`` label of a requestor not named by settings
+    (``RESERVOIR_REQUESTOR_NAME``): the host name and the process's role, so that a
+    restart keeps counting into the same series (a second one in the same registry gets
+    ``-2``: see :meth:`_Families.claim`)."""
+    import socket
+
+    return f"{socket.gethostname()}/{role}"
+
+
+def build_info(registry: CollectorRegistry) -> None:
+    """``reservoir_build_info{version, python}`` 1 in ``registry`` (once)."""
+    if prometheus_client is None or getattr(registry, "_reservoir_build_info", False):
+        return
+    import platform
+
+    from reservoir.version import __version__
+
+    info = prometheus_client.Gauge(
+        "reservoir_build_info",
+        "reservoir's version and the Python it runs on (always 1)",
+        ["version", "python"],
+        registry=registry,
+    )
+    info.labels(__version__, platform.python_version()).set(1)
+    registry._reservoir_build_info = True  # type: ignore[attr-defined]
+
+
 class _Families:
     """The metric families of one registry, made on first use and shared by every
     participant counting into it; and the one collector that merges the participants'
@@ -132,7 +204,20 @@ class _Families:
         #: participant key -> a weak reference to its source (a participant that is
         #: never closed must not be kept alive by a registry that outlives it)
         self._sources: dict[int, Callable[[], Callable[[], Iterable[Metric]] | None]] = {}
+        self._participants: set[str] = set()
         registry.register(_Merged(self))
+
+    def claim(self, participant: str) -> str:
+        """``participant``, or ``participant-2``, ``-3``, ... when another participant of
+        this registry has it: each participant's series stay its own (two sources with
+        one label set would make an exposition Prometheus refuses)."""
+        with self._lock:
+            claimed, n = participant, 1
+            while claimed in self._participants:
+                n += 1
+                claimed = f"{participant}-{n}"
+            self._participants.add(claimed)
+            return claimed
 
     def get(self, key: str, make: Callable[[CollectorRegistry], Any]) -> Any:
         family = self._made.get(key)
@@ -212,6 +297,7 @@ class Metrics:
             return
         self.registry = registry if registry is not None else prometheus_client.CollectorRegistry()
         self._families = _families_of(self.registry)
+        self.participant = self._families.claim(participant)
         self._families.add_source(id(self._counts), self._message_families)
 
     @property

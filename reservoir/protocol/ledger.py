@@ -128,9 +128,18 @@ class Reservation:
 
 @dataclass(frozen=True)
 class ResourceUsage:
+    """One resource class of a node: ``capacity`` (what may be allocated), what the
+    allocations hold (``allocated``) and what live reservations hold (``reserved``, the
+    protocol's word; operators see it as ``held``); and the inventory it comes from:
+    ``total``, host-``reserved`` capacity (Placement's meaning: ``host_reserved`` here)
+    and ``allocation_ratio``."""
+
     capacity: int
     allocated: int
     reserved: int
+    total: int = 0
+    host_reserved: int = 0
+    allocation_ratio: float = 1.0
 
     @property
     def free(self) -> int:
@@ -187,10 +196,19 @@ class Ledger:
 
     def usage(self, resource_class: str) -> ResourceUsage:
         inventory = self.inventories.get(resource_class)
+        if inventory is None:
+            return ResourceUsage(
+                capacity=0,
+                allocated=self._allocated[resource_class],
+                reserved=self._reserved[resource_class],
+            )
         return ResourceUsage(
-            capacity=inventory.capacity if inventory else 0,
+            capacity=inventory.capacity,
             allocated=self._allocated[resource_class],
             reserved=self._reserved[resource_class],
+            total=inventory.total,
+            host_reserved=inventory.reserved,
+            allocation_ratio=inventory.allocation_ratio,
         )
 
     def allocated(self, resource_class: str) -> int:

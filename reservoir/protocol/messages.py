@@ -784,11 +784,16 @@ class LedgerQuery(_Message, tag="ledger_query", frozen=True, kw_only=True):
 
 
 class ResourceTally(_Frozen, frozen=True, kw_only=True):
-    """One resource class of a node: usable capacity, allocated and reserved amounts."""
+    """One resource class of a node: usable capacity, allocated and reserved (by live
+    reservations) amounts; and its inventory: ``total``, ``host_reserved`` and
+    ``allocation_ratio`` (absent from an older node's report: ``total`` None)."""
 
     capacity: int
     allocated: Amount
     reserved: Amount
+    total: Amount | None = None
+    host_reserved: Amount = 0
+    allocation_ratio: Annotated[float, Meta(gt=0)] = 1.0
 
 
 class HeldAllocation(_Frozen, frozen=True, kw_only=True):

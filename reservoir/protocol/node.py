@@ -296,7 +296,14 @@ class NodeMachine:
     def ledger_report(self, query: LedgerQuery, now: float) -> list[LedgerReport]:
         """The whole ledger, as the parts of a report answering ``query``."""
         tallies = {
-            rc: ResourceTally(capacity=u.capacity, allocated=u.allocated, reserved=u.reserved)
+            rc: ResourceTally(
+                capacity=u.capacity,
+                allocated=u.allocated,
+                reserved=u.reserved,
+                total=u.total,
+                host_reserved=u.host_reserved,
+                allocation_ratio=u.allocation_ratio,
+            )
             for rc, u in self.ledger.usages().items()
         }
         entries: list[HeldAllocation | HeldReservation] = [

@@ -46,6 +46,7 @@ __all__ = [
     "audit_cluster",
     "check",
     "free_command",
+    "node_fields",
     "placement_record",
     "read_placements",
     "read_placements_file",
@@ -55,6 +56,34 @@ __all__ = [
 #: A reservation may outlive its deadline by this much before it counts as leaked: the
 #: node drops it on a timer, which fires a little late on a busy machine.
 LEAK_GRACE_S = 1.0
+
+
+def node_fields(snapshot: NodeSnapshot) -> dict[str, Any]:
+    """A live node in the one field vocabulary of ``reservoir nodes`` and ``GET
+    /v1/nodes``: ``name``, ``tier`` (percent), ``utilisation`` (0..1), ``allocations``
+    and ``reservations`` (counts held), and ``usage`` per resource class: its inventory
+    (``total``, ``reserved``: host-reserved, as Placement has it, ``allocation_ratio``),
+    ``capacity`` ((total - reserved) x ratio), ``used`` by allocations, ``held`` by live
+    reservations, and ``free``."""
+    return {
+        "name": snapshot.name,
+        "tier": snapshot.tier,
+        "utilisation": round(snapshot.utilisation, 4),
+        "allocations": len(snapshot.allocations),
+        "reservations": len(snapshot.reservations),
+        "usage": {
+            rc: {
+                "total": u.total,
+                "reserved": u.host_reserved,
+                "allocation_ratio": u.allocation_ratio,
+                "capacity": u.capacity,
+                "used": u.allocated,
+                "held": u.reserved,
+                "free": u.free,
+            }
+            for rc, u in snapshot.usages.items()
+        },
+    }
 
 
 def snapshot_of(parts: Sequence[LedgerReport]) -> NodeSnapshot:
@@ -104,6 +133,10 @@ def snapshot_of(parts: Sequence[LedgerReport]) -> NodeSnapshot:
             capacity=tally.capacity if tally is not None else 0,
             allocated=allocated.get(rc, 0),
             reserved=reserved.get(rc, 0),
+            # an older node reports no inventory: its capacity stands for the total
+            total=(tally.total if tally.total is not None else tally.capacity) if tally else 0,
+            host_reserved=tally.host_reserved if tally is not None else 0,
+            allocation_ratio=tally.allocation_ratio if tally is not None else 1.0,
         )
         usages[rc] = usage
         if usage.allocated + usage.reserved > usage.capacity:

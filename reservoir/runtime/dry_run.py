@@ -57,7 +57,7 @@ class NodeAnswer:
 
     def as_json(self) -> dict[str, object]:
         return {
-            "node": self.node,
+            "name": self.node,
             "slots": self.slots,
             "utilisation": round(self.utilisation, 4),
             "score": round(self.score, 4),

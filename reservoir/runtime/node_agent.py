@@ -24,7 +24,7 @@ from brokers import BrokerUrl
 from reservoir.broker import Broker
 from reservoir.clock import Scheduler
 from reservoir.observe import tracing
-from reservoir.observe.metrics import Metrics
+from reservoir.observe.metrics import Metrics, resource_families
 from reservoir.protocol.addresses import node_address
 from reservoir.protocol.audit import NodeSnapshot
 from reservoir.protocol.effects import DeleteAllocation, Effect, Publish, StoreAllocation
@@ -255,10 +255,12 @@ class NodeAgent(Driver):
         with self._lock:
             counters = dict(self.machine.counters)
         name = self.name
+        # Prometheus naming: base units (bytes), ratios as _ratio, one unit per family
         gauges: list[tuple[str, str, float]] = [
-            ("reservoir_node_utilisation", "Dominant share, reservations included (0..1)",
-             snapshot.utilisation),
-            ("reservoir_node_tier_percent", "Narrowest tier the node hears", snapshot.tier),
+            ("reservoir_node_utilisation_ratio",
+             "Dominant share, live reservations included (0..1)", snapshot.utilisation),
+            ("reservoir_node_tier_ratio", "Narrowest tier the node hears (0..1)",
+             snapshot.tier / 100),
             ("reservoir_node_allocations", "Allocations held", len(snapshot.allocations)),
             ("reservoir_node_reservations", "Live reservations held",
              len(snapshot.reservations)),
@@ -267,15 +269,7 @@ class NodeAgent(Driver):
             gauge = GaugeMetricFamily(metric, documentation, labels=["node"])
             gauge.add_metric([name], value)
             yield gauge
-        resources = GaugeMetricFamily(
-            "reservoir_node_resource", "Per resource class: capacity, allocated, reserved",
-            labels=["node", "class", "state"],
-        )  # fmt: skip
-        for rc, usage in snapshot.usages.items():
-            resources.add_metric([name, rc, "capacity"], usage.capacity)
-            resources.add_metric([name, rc, "allocated"], usage.allocated)
-            resources.add_metric([name, rc, "reserved"], usage.reserved)
-        yield resources
+        yield from resource_families(name, snapshot.usages)
         made = CounterMetricFamily(
             "reservoir_node_reservations_made", "Reservations made (offers)", labels=["node"]
         )

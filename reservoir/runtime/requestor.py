@@ -33,7 +33,7 @@ from reservoir.broker import Broker
 from reservoir.clock import Scheduler
 from reservoir.observe import tracing
 from reservoir.observe.logs import REQUEST_ID
-from reservoir.observe.metrics import Metrics
+from reservoir.observe.metrics import Metrics, default_participant
 from reservoir.protocol.addresses import node_address, requestor_address
 from reservoir.protocol.effects import Effect, Failed, FreeCompleted, Placed
 from reservoir.protocol.messages import Message
@@ -107,8 +107,13 @@ class Requestor(Driver):
         metrics: Metrics | None = None,
         metrics_registry: CollectorRegistry | None = None,
         findable: bool = False,
+        participant: str | None = None,
     ) -> None:
-        """``metrics_registry``: the Prometheus registry to count in (a registry of its
+        """``participant``: the label of its metrics (default: ``name`` when given, else
+        the ``requestor_name`` setting, else the host name and ``requestor``: stable
+        across restarts, unlike the generated name, unique per process because it names
+        the reply queue).
+        ``metrics_registry``: the Prometheus registry to count in (a registry of its
         own by default; ``reservoir serve`` gives the service's, so that its ``/metrics``
         shows the requestor's placements too). ``findable``: every placement can be found
         by its id (:meth:`find`), generated ids too; caller-chosen ids always can. It adds
@@ -117,7 +122,10 @@ class Requestor(Driver):
         settings = settings if settings is not None else Settings()
         self.name = name or f"requestor-{secrets.token_hex(4)}"
         if metrics is None:
-            metrics = Metrics(self.name, registry=metrics_registry)
+            participant = (
+                participant or name or settings.requestor_name or default_participant("requestor")
+            )
+            metrics = Metrics(participant, registry=metrics_registry)
         if isinstance(policy, str) or policy is None:
             policy = policy_named(policy or settings.policy)
         # The machine exists before the endpoint does: a delivery can arrive the moment
@@ -416,7 +424,7 @@ class Requestor(Driver):
             ("reservoir_requestor_roster_nodes", "Nodes the requestor knows of", roster),
         ):  # fmt: skip
             gauge = GaugeMetricFamily(name, documentation, labels=labels)
-            gauge.add_metric([self.name], value)
+            gauge.add_metric([self.metrics.participant], value)
             yield gauge
         counter = CounterMetricFamily(
             "reservoir_requestor_steps",
@@ -427,7 +435,7 @@ class Requestor(Driver):
         )
         for step in ("probes", "probe_rounds", "exhaustive_steps", "busy_retries",
                      "unheard_retries", "room_rechecks"):  # fmt: skip
-            counter.add_metric([self.name, step], steps.get(step, 0))
+            counter.add_metric([self.metrics.participant, step], steps.get(step, 0))
         yield counter
         reconciled = CounterMetricFamily(
             "reservoir_requestor_reconciliations",
@@ -437,7 +445,7 @@ class Requestor(Driver):
             labels=["participant", "kind"],
         )
         for kind in ("lookups_again", "superseded_frees", "superseded_placements"):
-            reconciled.add_metric([self.name, kind], steps.get(kind, 0))
+            reconciled.add_metric([self.metrics.participant, kind], steps.get(kind, 0))
         yield reconciled
 
     def _end_spans(self, request_id: str, outcome: str, error: BaseException | None = None,

@@ -76,6 +76,9 @@ class Settings(BaseSettings):
     replay_window_s: float = Field(default=30.0, gt=0)
     #: the most recent message ids kept to refuse replays (bounds the codec's memory)
     replay_cache_entries: int = Field(default=DEFAULT_REPLAY_CACHE_ENTRIES, ge=1000)
+    #: the ``participant`` label of a requestor's metrics (default: the host name and the
+    #: process's role, e.g. ``web-1/serve``): stable across restarts
+    requestor_name: str | None = None
     #: how long a node holds a reservation
     ttl_s: float = Field(default=5.0, gt=0, le=3600)
     tiers: tuple[int, ...] = DEFAULT_TIERS

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from brokers import BrokerUrl
 from reservoir.broker import Broker, BrokerError
+from reservoir.observe.metrics import default_participant
 from reservoir.protocol.audit import NodeSnapshot
 from reservoir.protocol.placement import (
     Placement,
@@ -48,6 +49,8 @@ log = logging.getLogger("reservoir.serve")
 T = TypeVar("T")
 
 DEFAULT_DRAIN_TIMEOUT_S = 10.0
+#: after the drain, how long the placements the closing requestor failed get to end
+AFTER_CLOSE_S = 0.5
 #: placements (with their keys' body hashes) a service process keeps in its cache, the
 #: least recently used forgotten first: as many as its requestor remembers
 CACHE_ENTRIES = 100_000
@@ -90,6 +93,7 @@ class ReservoirService:
     #: this replica's recent outcomes, for the dashboard (``GET /v1/activity``)
     activity: Activity = field(default_factory=Activity)
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+    _stopping: "asyncio.Task[None] | None" = None
 
     @property
     def ready(self) -> bool:
@@ -169,7 +173,8 @@ class ReservoirService:
             finally:
                 collector.close()
 
-        return await asyncio.to_thread(gather)
+        # a task of the service's own: the drain on shutdown waits for it too
+        return await self._to_the_end(asyncio.to_thread(gather))
 
     async def drain(self, timeout_s: float) -> int:
         """Wait up to ``timeout_s`` for the placements and releases in flight; returns how
@@ -178,6 +183,31 @@ class ReservoirService:
         if pending:
             _done, pending = await asyncio.wait(pending, timeout=timeout_s)
         return len(pending)
+
+    async def stop(self, drain_timeout_s: float) -> None:
+        """Stop placing: from now on every request is a 503; the placements and releases
+        in flight get ``drain_timeout_s`` to finish, then the requestor closes, failing
+        what is left (a 503 each: their routes answer before the server goes) and
+        releasing what it reserved for them. A server calls this as soon as it is told
+        to stop, before it gives up on open connections; the lifespan's exit calls it
+        too, and a second call joins the first."""
+        if self._stopping is None:
+            self._stopping = asyncio.ensure_future(self._stop(drain_timeout_s))
+        await asyncio.shield(self._stopping)
+
+    async def _stop(self, drain_timeout_s: float) -> None:
+        self.closing = True
+        left = await self.drain(drain_timeout_s)
+        if left:
+            log.warning(
+                "drain of %.1f s over with %d placement(s) still in flight: failing them",
+                drain_timeout_s,
+                left,
+                extra={"in_flight": left},
+            )
+        await asyncio.to_thread(self.requestor.close)
+        # the failed ones answer (503) now: a moment for their routes to do so
+        await self.drain(AFTER_CLOSE_S)
 
     async def _place(self, spec: PlacementRequest, timeout_s: float | None) -> Placement:
         metrics = self.metrics
@@ -341,7 +371,12 @@ async def reservoir_lifespan(
     try:
         # findable: every placement, generated ids too, can be found from any replica
         requestor = await asyncio.to_thread(
-            Requestor, broker, settings=settings, metrics_registry=registry, findable=True
+            Requestor,
+            broker,
+            settings=settings,
+            metrics_registry=registry,
+            findable=True,
+            participant=settings.requestor_name or default_participant("serve"),
         )
     except BaseException:
         if owned is not None:
@@ -355,11 +390,7 @@ async def reservoir_lifespan(
     try:
         yield service
     finally:
-        service.closing = True
-        left = await service.drain(drain_timeout_s)
-        if left:
-            log.warning("shutting down with %d placement(s) still in flight: failing them", left)
-        await asyncio.to_thread(requestor.close)
+        await service.stop(drain_timeout_s)
         if app is not None:
             app.state.reservoir = None
         if owned is not None:

@@ -57,7 +57,14 @@ def service_of(request: Request) -> ReservoirService:
 @router.post(
     "/v1/reservations",
     status_code=201,
-    responses={200: {"model": PlacementOut, "description": "a replay"}, **PLACEMENT_PROBLEMS},
+    responses={
+        201: {
+            "description": "placed; Location is the reservation's URL",
+            "headers": {"Location": {"schema": {"type": "string", "format": "uri"}}},
+        },
+        200: {"model": PlacementOut, "description": "a replay"},
+        **PLACEMENT_PROBLEMS,
+    },
 )
 async def create_reservation(
     body: ReservationIn,
@@ -72,13 +79,19 @@ async def create_reservation(
     before with a different body (and its placement is still held)."""
     service = service_of(request)
     key = _idempotency_key(body, idempotency_key)
+    request.state.request_id = key  # for the access line
     spec = _placement_request(body, key, service.explain, key_in_header=idempotency_key is not None)
     if key is not None:
         replayed = await _replay(service, key, body)
         if replayed is not None:
             response.status_code = 200
             return PlacementOut.of(replayed)
-    return PlacementOut.of(await _place(service, spec, key, body.timeout_s))
+    placement = await _place(service, spec, key, body.timeout_s)
+    request.state.request_id = placement.request_id
+    response.headers["Location"] = str(
+        request.url_for("get_reservation", request_id=placement.request_id)
+    )
+    return PlacementOut.of(placement)
 
 
 def _idempotency_key(body: ReservationIn, header: str | None) -> str | None:

@@ -10,6 +10,7 @@ import json
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic_core import PydanticCustomError
 
 from reservoir.protocol.audit import NodeSnapshot
 from reservoir.protocol.messages import (
@@ -29,8 +30,10 @@ from reservoir.protocol.placement import (
     PlacementTimeout,
     request_of,
 )
+from reservoir.runtime.auditor import node_fields
 
 __all__ = [
+    "DEFAULT_MAX_BODY_BYTES",
     "PROBLEM_JSON",
     "AllocationOut",
     "Identifier",
@@ -45,11 +48,17 @@ __all__ = [
 ]
 
 PROBLEM_JSON = "application/problem+json"
+#: the largest request body ``reservoir serve`` reads by default (beyond: a 413, refused
+#: before it is read whole); a request with a few thousand traits fits
+DEFAULT_MAX_BODY_BYTES = 1024 * 1024
 #: RFC 9457 ``type`` URIs of the problems this service answers with
 PROBLEM_TYPES = {
     400: "about:blank",
     404: "urn:reservoir:problem:not-found",
+    405: "about:blank",
     409: "urn:reservoir:problem:not-placed",
+    413: "about:blank",
+    415: "about:blank",
     422: "urn:reservoir:problem:invalid-request",
     502: "urn:reservoir:problem:free-incomplete",
     503: "urn:reservoir:problem:unavailable",
@@ -72,7 +81,8 @@ Trait = Annotated[
 class NumaIn(BaseModel):
     """The NUMA shape of each instance."""
 
-    model_config = ConfigDict(extra="forbid")
+    # strict: ``true`` or ``"2"`` is no integer (nor ``1`` a boolean)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     #: split each instance across this many NUMA cells
     nodes: int = Field(default=1, ge=1, le=16)
@@ -87,9 +97,10 @@ class ReservationIn(BaseModel):
 
     The fields are those of the library's request (:class:`~reservoir.PlacementRequest`),
     with the shorthands ``vcpus``, ``memory_mb`` and ``disk_gb``; resource classes and
-    traits are written as the nodes know them (``VCPU``, ``CUSTOM_GPU``)."""
+    traits are written as the nodes know them (``VCPU``, ``CUSTOM_GPU``). Types are
+    strict: ``"vcpus": true`` or ``"vcpus": "2"`` is a 422, not 1 or 2."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     vcpus: int | None = Field(default=None, ge=0, le=2**20)
     memory_mb: int | None = Field(default=None, ge=0, le=2**40)
@@ -124,7 +135,7 @@ class ReservationIn(BaseModel):
     @model_validator(mode="after")
     def _policy_needs_group(self) -> "ReservationIn":
         if self.policy is not None and self.group is None:
-            raise ValueError("policy needs a group")
+            raise PydanticCustomError("policy_without_group", "policy needs a group")
         return self
 
     def fingerprint(self) -> str:
@@ -208,34 +219,37 @@ class PlacementOut(BaseModel):
 
 
 class UsageOut(BaseModel):
-    capacity: int
-    allocated: int
+    """One resource class of a node (the field vocabulary of ``reservoir nodes`` too)."""
+
+    #: the inventory: total, host-reserved (Placement's "reserved") and allocation ratio
+    total: int
     reserved: int
+    allocation_ratio: float
+    #: what may be allocated: (total - reserved) x allocation_ratio
+    capacity: int
+    #: held by allocations
+    used: int
+    #: held by live reservations (offers not yet awarded or let go)
+    held: int
+    free: int
 
 
 class NodeOut(BaseModel):
     """One live node, as its ledger report says."""
 
     name: str
+    #: the narrowest tier the node hears, percent
     tier: int
+    #: dominant share, live reservations included (0..1)
     utilisation: float
     usage: dict[str, UsageOut]
+    #: allocations and live reservations held (counts)
     allocations: int
     reservations: int
 
     @classmethod
     def of(cls, snapshot: NodeSnapshot) -> "NodeOut":
-        return cls(
-            name=snapshot.name,
-            tier=snapshot.tier,
-            utilisation=round(snapshot.utilisation, 4),
-            usage={
-                rc: UsageOut(capacity=u.capacity, allocated=u.allocated, reserved=u.reserved)
-                for rc, u in snapshot.usages.items()
-            },
-            allocations=len(snapshot.allocations),
-            reservations=len(snapshot.reservations),
-        )
+        return cls.model_validate(node_fields(snapshot))
 
 
 class ProblemOut(BaseModel):
@@ -257,11 +271,24 @@ class ProblemOut(BaseModel):
 class Problem(Exception):
     """An error answered as ``application/problem+json``."""
 
-    def __init__(self, status: int, title: str, detail: str, **extensions: Any) -> None:
+    def __init__(
+        self,
+        status: int,
+        title: str,
+        detail: str,
+        *,
+        headers: dict[str, str] | None = None,
+        **extensions: Any,
+    ) -> None:
         super().__init__(detail)
         self.status = status
         self.title = title
         self.detail = detail
+        #: response headers (``Allow`` of a 405, ``Retry-After`` of a 503)
+        self.headers = dict(headers or {})
+        if status == 503:
+            # unavailable here and now: another replica (or this one, restarted) may take it
+            self.headers.setdefault("Retry-After", RETRY_AFTER_S)
         self.extensions = extensions
 
     def body(self) -> dict[str, Any]:
@@ -290,12 +317,67 @@ class Problem(Exception):
 
     @classmethod
     def of_validation_error(cls, errors: list[Any], where: tuple[str, ...] = ()) -> "Problem":
+        """A 422 naming each field at fault in reservoir's words (pydantic's are
+        translated), or a 400 when the body is not JSON at all."""
+        for error in errors:
+            if error.get("type") == "json_invalid":
+                position = error.get("loc", ())[-1:]
+                at = f" at character {position[0]}" if position else ""
+                reason = str(error.get("ctx", {}).get("error", "")).lower()
+                return cls(
+                    400,
+                    "malformed JSON",
+                    f"the body is not valid JSON{at}" + (f" ({reason})" if reason else ""),
+                )
         fields = [
             {
                 "field": ".".join(str(part) for part in (*where, *error.get("loc", ()))),
-                "message": str(error.get("msg", "invalid")),
+                "message": _in_our_words(error),
             }
             for error in errors
         ]
         detail = "; ".join(f"{f['field'] or 'body'}: {f['message']}" for f in fields)
         return cls(422, "invalid request", detail, errors=fields)
+
+
+#: seconds a 503 asks the client to wait before retrying
+RETRY_AFTER_S = "1"
+
+#: pydantic's error types, as reservoir says them ({...} from the error's context)
+_MESSAGES: dict[str, str] = {
+    "missing": "is required",
+    "extra_forbidden": "is not a field of this request",
+    "int_type": "must be an integer (not a string, a boolean or a fraction)",
+    "int_parsing": "must be an integer",
+    "int_from_float": "must be a whole number",
+    "float_type": "must be a number",
+    "float_parsing": "must be a number",
+    "bool_type": "must be true or false",
+    "bool_parsing": "must be true or false",
+    "string_type": "must be a string",
+    "list_type": "must be a list",
+    "dict_type": "must be an object",
+    "model_type": "must be an object",
+    "model_attributes_type": "must be an object",
+    "greater_than": "must be more than {gt}",
+    "greater_than_equal": "must be at least {ge}",
+    "less_than": "must be less than {lt}",
+    "less_than_equal": "must be at most {le}",
+    "string_too_short": "must not be empty",
+    "string_too_long": "must be at most {max_length} characters",
+    "string_pattern_mismatch": "must match {pattern}",
+    "literal_error": "must be one of {expected}",
+    "enum": "must be one of {expected}",
+}
+
+
+def _in_our_words(error: dict[str, Any]) -> str:
+    template = _MESSAGES.get(str(error.get("type")))
+    if template is not None:
+        try:
+            return template.format(**error.get("ctx", {}))
+        except (KeyError, IndexError):
+            pass
+    message = str(error.get("msg", "invalid"))
+    # a validator's own words, without pydantic's prefix
+    return message.removeprefix("Value error, ").removeprefix("Assertion failed, ")

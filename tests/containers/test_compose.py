@@ -47,10 +47,13 @@ def reservoir_on_the_host(compose: Compose, *args: str) -> Any:
 
 
 def allocated_vcpus(nodes: list[dict[str, Any]]) -> dict[str, int]:
-    """VCPUs allocated per node, from either listing (GET /v1/nodes names a node ``name``,
-    ``reservoir nodes --json`` names it ``node``)."""
+    """VCPUs allocated per node, from either listing (GET /v1/nodes: a node each, its
+    usage per class; ``reservoir nodes -f json``: a row per node and class, in the same
+    field names)."""
     return {
-        node.get("name", node.get("node")): node["usage"]["VCPU"]["allocated"] for node in nodes
+        node["name"]: node["usage"]["VCPU"]["used"] if "usage" in node else node["used"]
+        for node in nodes
+        if node.get("class", "VCPU") == "VCPU"
     }
 
 
@@ -76,7 +79,7 @@ def test_a_request_placed_through_the_composed_service_is_held_by_a_node(
             assert read.json()["allocations"] == placed.json()["allocations"]
 
         over_http = client.get("/v1/nodes", params={"expect_nodes": 3}).json()
-    over_amqp = reservoir_on_the_host(compose, "nodes", "--expect-nodes", "3")["nodes"]
+    over_amqp = reservoir_on_the_host(compose, "nodes", "--expect-nodes", "3")
 
     for listing in (over_http, over_amqp):
         vcpus = allocated_vcpus(listing)
@@ -91,13 +94,11 @@ def test_a_restarted_node_agent_keeps_its_allocations_and_the_api_frees_them(
     # placed from the host over AMQP, as a scheduler of its own would
     ours = reservoir_on_the_host(compose, "request", "--vcpus", "5", "--memory-mb", "1024")
     (held,) = ours["allocations"]
-    before = allocated_vcpus(
-        reservoir_on_the_host(compose, "nodes", "--expect-nodes", "3")["nodes"]
-    )
+    before = allocated_vcpus(reservoir_on_the_host(compose, "nodes", "--expect-nodes", "3"))
 
     compose("restart", "--timeout", "10", held["node"])
     compose.wait_healthy(len(NODES) + 3)  # RabbitMQ and the API's two replicas
-    after = allocated_vcpus(reservoir_on_the_host(compose, "nodes", "--expect-nodes", "3")["nodes"])
+    after = allocated_vcpus(reservoir_on_the_host(compose, "nodes", "--expect-nodes", "3"))
     assert after == before, "the restarted agent lost allocations its state volume held"
 
     with api(compose) as client:

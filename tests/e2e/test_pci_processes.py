@@ -136,8 +136,8 @@ def test_a_gpu_request_lands_on_the_node_and_cell_holding_the_gpu(
 
         again = reservoir(*ask, "--pci", "gpu-a100:1", env=env)
         assert again.returncode == 1  # the one A100 is held
-        listed = reservoir("nodes", "--json", "--expect-nodes", "2", env=env)
-        configurations = {n["node"]: n["configuration"] for n in json.loads(listed.stdout)["nodes"]}
+        listed = reservoir("nodes", "--configuration", "--json", "--expect-nodes", "2", env=env)
+        configurations = {n["name"]: n["configuration"] for n in json.loads(listed.stdout)}
         assert configurations["gpu-node"]["pci_devices"] == [
             {"address": "0000:af:00.0", "alias": "gpu-a100", "cell": 1}
         ]

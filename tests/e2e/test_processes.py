@@ -289,19 +289,25 @@ def test_reservoir_nodes_lists_every_live_node_with_its_usage_and_tier(cluster: 
     cluster.start_node("b", vcpus=4, memory_mb=8192)
     status, placed = cluster.request("--vcpus", "2", "--memory-mb", "1024")
     assert status == 0, placed
-    done = reservoir("nodes", "--json", "--expect-nodes", "2", env=cluster.env)
+    done = reservoir("nodes", "-f", "json", "--expect-nodes", "2", env=cluster.env)
     assert done.returncode == 0, done.stderr
-    listed = {n["node"]: n for n in json.loads(done.stdout)["nodes"]}
-    assert set(listed) == {"a", "b"}
-    assert listed["a"]["usage"]["VCPU"]["capacity"] == 8
-    assert listed["b"]["usage"]["MEMORY_MB"]["capacity"] == 8192
+    # a row per node and resource class, in the field names of GET /v1/nodes
+    listed = {(row["name"], row["class"]): row for row in json.loads(done.stdout)}
+    assert {name for name, _ in listed} == {"a", "b"}
+    assert listed["a", "VCPU"]["capacity"] == listed["a", "VCPU"]["total"] == 8
+    assert listed["b", "MEMORY_MB"]["capacity"] == 8192
+    assert listed["b", "MEMORY_MB"]["unit"] == "MiB"
     (holder,) = [a["node"] for a in placed["allocations"]]
-    assert listed[holder]["usage"]["VCPU"]["allocated"] == 2
-    assert listed[holder]["allocations"] == 1
+    assert listed[holder, "VCPU"]["used"] == 2
+    assert listed[holder, "VCPU"]["free"] == listed[holder, "VCPU"]["capacity"] - 2
+    assert listed[holder, "VCPU"]["allocations"] == 1
     assert {n["tier"] for n in listed.values()} <= {10, 25, 50}
     table = reservoir("nodes", "--expect-nodes", "2", env=cluster.env)
     assert table.returncode == 0 and "VCPU" in table.stdout
-    assert ("2/8" if holder == "a" else "2/4") in table.stdout
+    assert table.stdout.split("\n")[0].split()[:4] == ["node", "class", "unit", "total"]
+    picked = reservoir("nodes", "--expect-nodes", "2", "-f", "value", "-c", "name", "-c", "class",
+                       "-c", "used", "-c", "total", env=cluster.env)  # fmt: skip
+    assert f"{holder} VCPU 2 {8 if holder == 'a' else 4}" in picked.stdout.splitlines()
     for name in list(cluster.nodes):
         cluster.stop(name)
     audit_nodes(cluster, [placed], {placed["request_id"]: 1})

@@ -184,7 +184,7 @@ def test_the_service_places_reads_lists_releases_and_explains_over_http(
     assert asked.returncode == 0, asked.stderr
     dry = json.loads(asked.stdout)
     assert dry["would_place"] is True
-    assert sorted(n["node"] for n in dry["nodes"]) == sorted(NODES)
+    assert sorted(n["name"] for n in dry["nodes"]) == sorted(NODES)
     assert all(n["slots"] == 3 for n in dry["nodes"]), dry
     held = audit_cluster(deployment.url, expect_nodes=3, wait_s=10)
     assert held.ok and (held.allocations, held.reservations) == (0, 0), held.as_json()
@@ -237,7 +237,7 @@ def test_the_service_places_reads_lists_releases_and_explains_over_http(
             nodes = listed.json()
             assert sorted(n["name"] for n in nodes) == sorted(NODES)
             assert sum(n["allocations"] for n in nodes) == 12
-            assert sum(n["usage"]["VCPU"]["allocated"] for n in nodes) == 12
+            assert sum(n["usage"]["VCPU"]["used"] for n in nodes) == 12
             assert all(n["usage"]["VCPU"]["capacity"] == NODE_VCPUS for n in nodes)
 
             # release a third, concurrently
@@ -279,7 +279,7 @@ def test_the_service_places_reads_lists_releases_and_explains_over_http(
                      how="awarded")  # fmt: skip
     assert awarded >= allocations
     assert sample(node_metrics, "reservoir_node_dry_runs_total", node=first) == 2
-    vcpus = sample(node_metrics, "reservoir_node_resource", node=first, state="allocated",
+    vcpus = sample(node_metrics, "reservoir_node_resource_units", node=first, state="allocated",
                    **{"class": "VCPU"})  # fmt: skip
     assert vcpus == allocations
 

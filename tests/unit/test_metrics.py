@@ -58,10 +58,12 @@ def test_a_node_exposes_its_messages_state_and_what_became_of_its_reservations(
     assert (
         value(text, "reservoir_messages_dropped_total", participant="n1", reason="malformed") == 1
     )
-    assert value(text, "reservoir_node_utilisation", node="n1") == 0.5
-    assert value(text, "reservoir_node_tier_percent", node="n1") == 50
-    assert value(text, "reservoir_node_resource", node="n1", **{"class": "VCPU"},
+    assert value(text, "reservoir_node_utilisation_ratio", node="n1") == 0.5
+    assert value(text, "reservoir_node_tier_ratio", node="n1") == 0.5
+    assert value(text, "reservoir_node_resource_units", node="n1", **{"class": "VCPU"},
                  state="allocated") == 2  # fmt: skip
+    assert value(text, "reservoir_node_memory_bytes", node="n1", state="allocated") == 1024**3
+    assert value(text, "reservoir_node_memory_bytes", node="n1", state="capacity") == 4 * 1024**3
     assert value(text, "reservoir_node_reservations", node="n1") == 0
     assert value(text, "reservoir_node_reservations_made_total", node="n1") == 1
     assert value(text, "reservoir_node_reservations_ended_total", node="n1", how="awarded") == 1
@@ -152,17 +154,17 @@ def test_participants_sharing_a_registry_are_one_family_each_with_its_own_series
     placement = sim.place(requestor, vcpus=4, memory_mb=1)
     sim.settle()  # the spare offer's release lands
     text = exposition(registry)
-    assert text.count("# TYPE reservoir_node_utilisation gauge") == 1
+    assert text.count("# TYPE reservoir_node_utilisation_ratio gauge") == 1
     assert text.count("# TYPE reservoir_messages_sent_total counter") == 1
     [holder] = placement.nodes
     other = "b" if holder == "a" else "a"
-    assert value(text, "reservoir_node_utilisation", node=holder) == 1.0
-    assert value(text, "reservoir_node_utilisation", node=other) == 0.0
+    assert value(text, "reservoir_node_utilisation_ratio", node=holder) == 1.0
+    assert value(text, "reservoir_node_utilisation_ratio", node=other) == 0.0
     assert value(text, "reservoir_messages_sent_total", participant="r1", kind="award") == 1
     # a node that closes leaves the scrape-time part of the exposition
     sim.nodes[other].close()
     with pytest.raises(AssertionError):
-        value(exposition(registry), "reservoir_node_utilisation", node=other)
+        value(exposition(registry), "reservoir_node_utilisation_ratio", node=other)
     sim.finish([placement])
 
 
@@ -238,9 +240,10 @@ def test_a_node_serves_its_metrics_and_the_processs_on_its_metrics_port(
         url = f"http://127.0.0.1:{unused_tcp_port}/metrics"
         with urllib.request.urlopen(url, timeout=10) as response:
             text = response.read().decode()
-        assert value(text, "reservoir_node_utilisation", node="m1") == 0
-        assert value(text, "reservoir_node_resource", node="m1", **{"class": "VCPU"},
+        assert value(text, "reservoir_node_utilisation_ratio", node="m1") == 0
+        assert value(text, "reservoir_node_resource_units", node="m1", **{"class": "VCPU"},
                      state="capacity") == 4  # fmt: skip
+        assert value(text, "reservoir_node_memory_bytes", node="m1", state="capacity") == 1024**3
         assert value(text, "process_cpu_seconds_total") > 0
         assert "python_info" in text
     finally:

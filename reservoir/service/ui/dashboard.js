@@ -48,7 +48,7 @@ function heat(fraction) {
 }
 
 function used(usage) {
-  return usage.capacity > 0 ? (usage.allocated + usage.reserved) / usage.capacity : 0;
+  return usage.capacity > 0 ? (usage.used + usage.held) / usage.capacity : 0;
 }
 
 async function getJson(path) {
@@ -167,7 +167,7 @@ function drawTiers() {
         });
         const title = svg("title");
         title.textContent = usage
-          ? `${n.name} ${rc}: ${usage.allocated} allocated + ${usage.reserved} reserved of ${usage.capacity}`
+          ? `${n.name} ${rc}: ${usage.used} used + ${usage.held} held of ${usage.capacity}`
           : `${n.name}: no ${rc}`;
         cell.append(title);
         map.append(cell);
@@ -183,7 +183,7 @@ function legend() {
   const box = el("div", { class: "legend" }, "0%");
   const bar = svg("svg", { width: 120, height: 10 });
   for (let i = 0; i < 24; i++) bar.append(svg("rect", { x: i * 5, y: 0, width: 5, height: 10, fill: heat(i / 23) }));
-  box.append(bar, "100% used (allocated + reserved)");
+  box.append(bar, "100% taken (used + held)");
   return box;
 }
 
@@ -192,10 +192,10 @@ function usageBar(rc, usage) {
   const bar = svg("svg", { width, height: 8 });
   const part = (value) => (usage.capacity > 0 ? (value / usage.capacity) * width : 0);
   bar.append(svg("rect", { x: 0, y: 0, width, height: 8, fill: "#edf0f4", rx: 2 }));
-  bar.append(svg("rect", { x: 0, y: 0, width: part(usage.allocated), height: 8, fill: heat(used(usage)), rx: 2 }));
-  bar.append(svg("rect", { x: part(usage.allocated), y: 0, width: part(usage.reserved), height: 8, fill: "#f0b429" }));
-  return el("span", { class: "bar", title: `${usage.allocated} allocated + ${usage.reserved} reserved of ${usage.capacity}` },
-    rc, bar, `${usage.allocated + usage.reserved}/${usage.capacity}`);
+  bar.append(svg("rect", { x: 0, y: 0, width: part(usage.used), height: 8, fill: heat(used(usage)), rx: 2 }));
+  bar.append(svg("rect", { x: part(usage.used), y: 0, width: part(usage.held), height: 8, fill: "#f0b429" }));
+  return el("span", { class: "bar", title: `${usage.used} used + ${usage.held} held of ${usage.capacity}` },
+    rc, bar, `${usage.used + usage.held}/${usage.capacity}`);
 }
 
 function drawTable() {

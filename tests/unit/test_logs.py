@@ -79,6 +79,8 @@ def test_a_node_started_with_log_format_json_writes_only_json_lines() -> None:
         stderr=subprocess.PIPE, text=True, env=env,
     )  # fmt: skip
     assert node.stderr is not None
+    configuration = json.loads(node.stderr.readline())  # what it runs with, logged first
+    assert configuration["message"].startswith("node j1: configuration")
     ready = json.loads(node.stderr.readline())
     assert ready["level"] == "info"
     assert "node j1: ready" in ready["message"]

@@ -235,6 +235,7 @@ def test_a_node_serves_its_metrics_and_the_processs_on_its_metrics_port(
     )  # fmt: skip
     try:
         assert node.stderr is not None
+        assert "configuration" in node.stderr.readline()  # what it runs with, logged first
         ready = node.stderr.readline()
         assert "ready" in ready, ready
         url = f"http://127.0.0.1:{unused_tcp_port}/metrics"

@@ -68,7 +68,9 @@ def test_a_node_without_an_inventory_is_a_usage_error() -> None:
 
 
 def test_a_malformed_inventory_is_a_usage_error() -> None:
-    status, _, err = run("node", "--name", "n1", "--inventory", "CUSTOM_GPU")
+    status, _, err = run(
+        "node", "--name", "n1", "--broker", "memory://", "--inventory", "CUSTOM_GPU"
+    )
     assert status == 2
     assert "CLASS=TOTAL" in err
 
@@ -90,15 +92,49 @@ def test_a_request_nobody_hears_fails_at_its_deadline_with_an_explanation_and_st
 
 
 def test_group_and_policy_go_together() -> None:
-    status, _, err = run("request", "--vcpus", "1", "--group", "g1")
+    status, _, err = run("request", "--broker", "memory://", "--vcpus", "1", "--group", "g1")
     assert status == 2
     assert "--group and --policy go together" in err
 
 
-def test_an_unsupported_broker_url_is_a_clear_error() -> None:
+def test_an_unsupported_broker_url_is_a_usage_error() -> None:
     status, _, err = run("request", "--broker", "carrier-pigeon://x", "--vcpus", "1")
-    assert status == 3
+    assert status == 2
     assert "no broker adapter" in err
+
+
+def test_a_mistyped_scheme_is_a_usage_error_suggesting_the_right_one() -> None:
+    status, _, err = run("request", "--broker", "ampq://guest:guest@127.0.0.1:5672/",
+                         "--vcpus", "1")  # fmt: skip
+    assert status == 2
+    assert len(err.strip().splitlines()) == 1, err
+    assert "did you mean amqp://?" in err and "guest:guest" not in err
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ("node", "--name", "n1", "--vcpus", "1"),
+        ("request", "--vcpus", "1"),
+        ("nodes",),
+        ("audit",),
+        ("free", "--request-id", "r1"),
+        ("serve",),
+        ("keeper",),
+    ],
+)
+def test_a_command_that_talks_to_a_cluster_refuses_to_start_without_a_broker(
+    command: tuple[str, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("RESERVOIR_BROKER_URL", raising=False)
+    status, out, err = run(*command)
+    assert status == 2
+    assert err.strip().splitlines() == [
+        f"reservoir {command[0]}: no broker given: pass --broker URL or set "
+        "RESERVOIR_BROKER_URL (amqp://user:pass@host:5672/ for RabbitMQ; memory:// for a "
+        "broker inside this process only)"
+    ]
+    assert out == ""
 
 
 def test_inspect_without_a_state_file_says_so(tmp_path: object) -> None:
@@ -118,7 +154,8 @@ def test_a_bad_setting_is_one_line_naming_it_and_status_2(
     variable: str, value: str, named: str
 ) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "reservoir", "request", "--vcpus", "1", "--memory-mb", "1"],
+        [sys.executable, "-m", "reservoir", "request", "--vcpus", "1", "--memory-mb", "1",
+         "--broker", "memory://"],
         env={**os.environ, variable: value}, capture_output=True, text=True, timeout=60,
         check=False,
     )  # fmt: skip

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import click
@@ -22,6 +20,7 @@ from reservoir.cli.options import (
     shown_url,
 )
 from reservoir.exit_status import EXIT_BROKER, EXIT_USAGE
+from reservoir.interrupt import stop_on_signals, stopped
 from reservoir.protocol.addresses import node_address
 from reservoir.protocol.ledger import Inventory
 from reservoir.protocol.numa import NumaTopology
@@ -143,11 +142,12 @@ def node(
     status_interval: float,
     connect_attempts: int,
 ) -> None:
-    """Run a node agent until SIGTERM or SIGINT.
+    """Run a node agent until SIGTERM, SIGINT or SIGHUP (all three alike).
 
     A broker that is not up yet (or restarting) is waited for, with a line per failed
     attempt. On a signal it stops taking requests, withdraws its live reservations and
-    closes cleanly; allocations stay in --state-dir for the next start.
+    closes cleanly, says "stopped" and exits with status 130; allocations stay in
+    --state-dir for the next start. SIGHUP stops it too (it does not reload anything).
     """
     from reservoir.observe.logs import say
     from reservoir.runtime.backoff import quietly_connecting, until_connected
@@ -161,12 +161,7 @@ def node(
     registry = _serve_metrics(metrics_port) if metrics_port is not None else None
     set_up_tracing("node")
     stop = threading.Event()
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stop_on_signals(stop, hangup=True)
 
     def start_agent() -> NodeAgent:
         # the adapters' own line per attempt would repeat ours (one per attempt, below)
@@ -193,7 +188,7 @@ def node(
         raise click.UsageError(str(error)) from None
     if agent is None:
         say(f"node {name}: stopped before the broker answered")
-        return
+        stopped()
     snapshot = agent.snapshot()
     metrics_at = f"; metrics on port {metrics_port}" if metrics_port is not None else ""
     say(
@@ -213,6 +208,7 @@ def node(
         if status_path is not None:
             agent.write_status(status_path)
         say(f"node {name}: stopped")
+    stopped()  # only a signal ends the loop above
 
 
 def _node_broker_problem(name: str, error: BaseException) -> str:

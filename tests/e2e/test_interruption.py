@@ -1,0 +1,83 @@
+"""One interruption path, with real processes: Ctrl-C (SIGINT) or SIGTERM in any command
+prints one line and exits 130; no "Aborted!", no traceback from the imports or from a
+command's threads; SIGHUP stops a node as SIGTERM does."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+INTERRUPTED = 130
+
+
+def started(*args: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    env.pop("RESERVOIR_BROKER_URL", None)
+    return subprocess.Popen(
+        [sys.executable, "-m", "reservoir", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+
+
+def stopped_by(process: subprocess.Popen[str], signum: int) -> tuple[int, str, str]:
+    process.send_signal(signum)
+    out, err = process.communicate(timeout=60)
+    return process.returncode, out, err
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_request_waiting_for_nodes_stops_with_one_line_and_status_130(signum: int) -> None:
+    # nobody answers on an empty in-process broker: the request waits its whole timeout
+    process = started("request", "--broker", "memory://", "--vcpus", "1", "--timeout", "30")
+    time.sleep(2.5)
+    status, out, err = stopped_by(process, signum)
+    assert status == INTERRUPTED
+    assert err.splitlines() == ["reservoir request: interrupted"], err
+    assert out == ""
+
+
+@pytest.mark.parametrize("after_s", [0.1, 0.3, 0.6])
+def test_ctrl_c_while_the_command_is_still_loading_is_one_line_not_a_traceback(
+    after_s: float,
+) -> None:
+    process = started("request", "--broker", "memory://", "--vcpus", "1", "--timeout", "30")
+    time.sleep(after_s)
+    status, _, err = stopped_by(process, signal.SIGINT)
+    assert status == INTERRUPTED
+    assert len(err.splitlines()) == 1, err
+    assert err.rstrip().endswith("interrupted") and "Traceback" not in err
+
+
+def test_ctrl_c_in_the_demo_stops_its_threads_without_a_traceback() -> None:
+    process = started("demo", "--nodes", "20", "--requests", "1000000", "--json")
+    time.sleep(3.0)
+    status, out, err = stopped_by(process, signal.SIGINT)
+    assert status == INTERRUPTED
+    assert err.splitlines() == ["reservoir demo: interrupted"], err
+    assert out == ""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGTERM, signal.SIGINT])
+def test_a_node_stops_on_sighup_as_on_sigterm_says_stopped_and_exits_130(signum: int) -> None:
+    process = started("node", "--broker", "memory://", "--name", "h1", "--vcpus", "2")
+    assert process.stderr is not None
+    assert "node h1: ready" in process.stderr.readline()
+    status, _, err = stopped_by(process, signum)
+    assert status == INTERRUPTED
+    assert err.splitlines() == ["node h1: stopped"], err
+
+
+def test_a_keeper_stops_on_sighup_says_stopped_and_exits_130() -> None:
+    process = started("keeper", "--broker", "memory://", "--name", "k1")
+    assert process.stderr is not None
+    assert "keeper k1: ready" in process.stderr.readline()
+    status, _, err = stopped_by(process, signal.SIGHUP)
+    assert status == INTERRUPTED
+    assert err.splitlines() == ["keeper k1: stopped, 0 node(s) known"], err

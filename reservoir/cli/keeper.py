@@ -11,6 +11,7 @@ import click
 from reservoir.broker import BrokerError
 from reservoir.cli.options import (
     broker_option,
+    broker_problem,
     cannot_reach_broker,
     connect_attempts_option,
     load_settings,
@@ -72,8 +73,8 @@ def _say_waiting(name: str) -> Callable[[int, BaseException, float], None]:
 
     def say(attempt: int, error: BaseException, wait_s: float) -> None:
         say_line(
-            f"keeper {name}: cannot reach the broker: {error} (attempt {attempt}); "
-            f"retrying in {wait_s:.1f} s"
+            f"keeper {name}: {broker_problem(error)}; "
+            f"retrying in {wait_s:.1f} s (attempt {attempt})"
         )
 
     return say

@@ -13,6 +13,7 @@ import click
 from reservoir.broker import BrokerError
 from reservoir.cli.options import (
     broker_option,
+    broker_problem,
     connect_attempts_option,
     load_settings,
     parse_pairs,
@@ -220,7 +221,7 @@ def _node_broker_problem(name: str, error: BaseException) -> str:
             f"{node_address(name)} is taken); give this one another --name, or stop the "
             "other (one that just died is let go within the heartbeat, 30 s)"
         )
-    return f"cannot reach the broker: {error}"
+    return broker_problem(error)
 
 
 def _say_waiting(name: str) -> Callable[[int, BaseException, float], None]:
@@ -228,8 +229,8 @@ def _say_waiting(name: str) -> Callable[[int, BaseException, float], None]:
 
     def say(attempt: int, error: BaseException, wait_s: float) -> None:
         say_line(
-            f"node {name}: {_node_broker_problem(name, error)} (attempt {attempt}); "
-            f"retrying in {wait_s:.1f} s"
+            f"node {name}: {_node_broker_problem(name, error)}; "
+            f"retrying in {wait_s:.1f} s (attempt {attempt})"
         )
 
     return say

@@ -174,8 +174,16 @@ def usage_error(problem: str) -> NoReturn:
 
 def cannot_reach_broker(error: BaseException) -> NoReturn:
     """The one line every command prints when its broker does not answer; exit status 3."""
-    click.echo(f"{command_path()}: cannot reach the broker: {error}", err=True)
+    click.echo(f"{command_path()}: {broker_problem(error)}", err=True)
     sys.exit(EXIT_BROKER)
+
+
+def broker_problem(error: BaseException) -> str:
+    """``cannot connect to amqp://guest:***@host:5672/: connection refused``: a broker
+    error as celery's and dramatiq's operators know it (the adapters already say which
+    URL and what went wrong; anything else gets the words that say it is the broker)."""
+    said = str(error)
+    return said if said.startswith("cannot connect to ") else f"cannot reach the broker: {said}"
 
 
 def set_up_tracing(command: str) -> None:

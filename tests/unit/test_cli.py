@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -174,8 +175,48 @@ def test_a_broker_on_a_closed_port_is_one_line_and_status_3() -> None:
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert done.returncode == 3
-    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
-    assert "cannot reach the broker" in done.stderr and "guest:guest" not in done.stderr
+    assert done.stderr.splitlines() == [
+        f"reservoir request: cannot connect to amqp://guest:***@127.0.0.1:{port}/: "
+        "connection refused"
+    ]
+
+
+def test_a_node_waiting_for_its_broker_says_why_in_celerys_words_and_when_it_tries_again() -> None:
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    done = subprocess.run(
+        [sys.executable, "-m", "reservoir", "node", "--name", "n1", "--vcpus", "1",
+         "--connect-attempts", "2", "--broker", f"amqp://guest:guest@127.0.0.1:{port}/"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 3
+    shown = f"amqp://guest:***@127.0.0.1:{port}/"
+    waited, gave_up = done.stderr.splitlines()
+    assert re.fullmatch(
+        rf"node n1: cannot connect to {re.escape(shown)}: connection refused; "
+        r"retrying in \d+\.\d s \(attempt 1\)",
+        waited,
+    ), waited
+    assert gave_up == f"reservoir node: cannot connect to {shown}: connection refused"
+
+
+def test_the_whole_connection_error_is_logged_with_dash_v() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    done = subprocess.run(
+        [sys.executable, "-m", "reservoir", "-v", "request", "--vcpus", "1",
+         "--broker", f"amqp://guest:guest@127.0.0.1:{port}/"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 3
+    assert "ConnectionRefusedError(111" in done.stderr  # pika's whole exception, at INFO
+    # never connected: a retry says so, not "connection lost ... reconnecting"
+    assert "reconnecting" not in done.stderr and "connection lost" not in done.stderr
+    assert f"cannot connect to amqp://guest:***@127.0.0.1:{port}/: connection refused; " in (
+        done.stderr
+    )
 
 
 def test_reservoir_version_names_the_installed_version() -> None:

@@ -197,6 +197,12 @@ def node(
         f"{len(snapshot.allocations)} allocation(s) held, utilisation "
         f"{snapshot.utilisation:.0%}, tier {snapshot.tier}%{metrics_at}"
     )
+    if snapshot.violations:
+        say(
+            f"node {name}: warning: it holds more than its inventory "
+            f"({'; '.join(snapshot.violations)}); it takes no new request until frees "
+            "bring it within"
+        )
     status_path = state_dir / f"{name}.status.json" if state_dir else None
     try:
         while True:

@@ -158,6 +158,7 @@ _LABELS: Mapping[str, str] = {
     "anti_affinity": "anti-affinity group {subject} already on the node",
     "affinity": "affinity group {subject} does not fit on one node",
     "numa": "NUMA topology cannot fit it",
+    "overcommitted": "node holds more than its inventory",
 }
 
 

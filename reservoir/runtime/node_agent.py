@@ -260,6 +260,9 @@ class NodeAgent(Driver):
             ("reservoir_node_allocations", "Allocations held", len(snapshot.allocations)),
             ("reservoir_node_reservations", "Live reservations held",
              len(snapshot.reservations)),
+            ("reservoir_node_overcommitted_classes", "Resource classes the node holds more "
+             "of than its inventory (it takes no new request while above 0)",
+             len(snapshot.violations)),
         ]  # fmt: skip
         for metric, documentation, value in gauges:
             gauge = GaugeMetricFamily(metric, documentation, labels=["node"])

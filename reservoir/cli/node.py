@@ -188,20 +188,27 @@ def node(
     except ValueError as error:
         raise click.UsageError(str(error)) from None
     if agent is None:
-        say(f"node {name}: stopped before the broker answered")
+        say(f"node {name}: stopped before the broker answered", node=name, outcome="stopped")
         stopped()
     snapshot = agent.snapshot()
     metrics_at = f"; metrics on port {metrics_port}" if metrics_port is not None else ""
     say(
         f"node {name}: ready on {shown_url(settings.broker_url)}; "
         f"{len(snapshot.allocations)} allocation(s) held, utilisation "
-        f"{snapshot.utilisation:.0%}, tier {snapshot.tier}%{metrics_at}"
+        f"{snapshot.utilisation:.0%}, tier {snapshot.tier}%{metrics_at}",
+        node=name,
+        outcome="ready",
+        allocations=len(snapshot.allocations),
+        utilisation=round(snapshot.utilisation, 4),
+        tier=snapshot.tier,
     )
     if snapshot.violations:
         say(
             f"node {name}: warning: it holds more than its inventory "
             f"({'; '.join(snapshot.violations)}); it takes no new request until frees "
-            "bring it within"
+            "bring it within",
+            node=name,
+            outcome="overcommitted",
         )
     status_path = state_dir / f"{name}.status.json" if state_dir else None
     try:
@@ -214,7 +221,7 @@ def node(
         agent.close()
         if status_path is not None:
             agent.write_status(status_path)
-        say(f"node {name}: stopped")
+        say(f"node {name}: stopped", node=name, outcome="stopped")
     stopped()  # only a signal ends the loop above
 
 
@@ -236,7 +243,11 @@ def _say_waiting(name: str) -> Callable[[int, BaseException, float], None]:
     def say(attempt: int, error: BaseException, wait_s: float) -> None:
         say_line(
             f"node {name}: {_node_broker_problem(name, error)}; "
-            f"retrying in {wait_s:.1f} s (attempt {attempt})"
+            f"retrying in {wait_s:.1f} s (attempt {attempt})",
+            node=name,
+            outcome="retrying",
+            attempt=attempt,
+            retry_in_s=round(wait_s, 1),
         )
 
     return say

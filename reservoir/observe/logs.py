@@ -7,6 +7,10 @@ id (a context variable, so each thread and each asyncio task sees its own), and
 :class:`ConversationFilter` puts it on every record logged meanwhile: a JSON line then
 carries ``"request_id"``. Code that logs about a request outside such a stretch passes
 ``extra={"request_id": ...}``.
+
+The facts of a line go in ``extra`` too (``node``, ``outcome``, ``elapsed_ms``...): every
+field given so becomes a field of its JSON line, for any logger (the HTTP access lines
+too), so that a query reads ``outcome`` rather than parsing ``message``.
 """
 
 from __future__ import annotations
@@ -115,12 +119,15 @@ def json_logs() -> bool:
     return _format == "json"
 
 
-def say(text: str) -> None:
+def say(text: str, **fields: str | int | float | None) -> None:
     """A line for the operator on stderr (ready, stopped, retrying): as it is, or as a
-    JSON log line when the process logs JSON, so that every line of its stderr parses."""
+    JSON log line when the process logs JSON, so that every line of its stderr parses;
+    ``fields`` (``node="n1"``) are that line's facts, fields of their own in JSON."""
     if _format == "json":
         record = logging.LogRecord("reservoir", logging.INFO, "", 0, text, None, None)
         record.request_id = None
+        for key, value in fields.items():
+            setattr(record, key, value)
         sys.stderr.write(JsonFormatter().format(record) + "\n")
         sys.stderr.flush()
     else:

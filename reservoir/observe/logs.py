@@ -120,15 +120,14 @@ def json_logs() -> bool:
 
 
 def say(text: str, **fields: str | int | float | None) -> None:
-    """A line for the operator on stderr (ready, stopped, retrying): as it is, or as a
-    JSON log line when the process logs JSON, so that every line of its stderr parses;
-    ``fields`` (``node="n1"``) are that line's facts, fields of their own in JSON."""
-    if _format == "json":
-        record = logging.LogRecord("reservoir", logging.INFO, "", 0, text, None, None)
-        record.request_id = None
-        for key, value in fields.items():
-            setattr(record, key, value)
-        sys.stderr.write(JsonFormatter().format(record) + "\n")
-        sys.stderr.flush()
-    else:
-        print(text, file=sys.stderr, flush=True)
+    """A line for the operator on stderr (ready, stopped, retrying), whatever the level:
+    in the process's one log format (text, with the time and level every log line has, or
+    JSON, so that every line of its stderr parses); ``fields`` (``node="n1"``) are that
+    line's facts, fields of their own in JSON."""
+    record = logging.LogRecord("reservoir", logging.INFO, "", 0, text, None, None)
+    record.request_id = None
+    for key, value in fields.items():
+        setattr(record, key, value)
+    formatter = JsonFormatter() if _format == "json" else logging.Formatter(TEXT_FORMAT)
+    sys.stderr.write(formatter.format(record) + "\n")
+    sys.stderr.flush()

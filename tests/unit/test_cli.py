@@ -193,7 +193,9 @@ def test_a_node_waiting_for_its_broker_says_why_in_celerys_words_and_when_it_tri
     assert done.returncode == 3
     shown = f"amqp://guest:***@127.0.0.1:{port}/"
     waited, gave_up = done.stderr.splitlines()
+    # the log format of every line the process logs: time, level, logger, message
     assert re.fullmatch(
+        r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO reservoir: "
         rf"node n1: cannot connect to {re.escape(shown)}: connection refused; "
         r"retrying in \d+\.\d s \(attempt 1\)",
         waited,

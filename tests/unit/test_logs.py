@@ -7,6 +7,7 @@ import io
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -131,3 +132,21 @@ def test_a_nodes_ready_and_stopped_lines_carry_the_node_as_a_field() -> None:
     assert node.wait(timeout=30) == 130
     assert (ready["node"], ready["outcome"], ready["tier"]) == ("j2", "ready", 10)
     assert (stopped["node"], stopped["outcome"]) == ("j2", "stopped")
+
+
+def test_in_text_every_line_a_node_writes_has_the_one_log_format() -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    node = subprocess.Popen(
+        [sys.executable, "-m", "reservoir", "-v", "node", "--broker", "memory://",
+         "--name", "t1", "--vcpus", "2"],
+        stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    assert node.stderr is not None
+    first = node.stderr.readline()
+    node.send_signal(signal.SIGTERM)
+    lines = [first, *node.stderr.read().splitlines()]
+    assert node.wait(timeout=30) == 130
+    one_format = re.compile(
+        r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR) \S+: "
+    )
+    assert len(lines) >= 2 and all(one_format.match(line) for line in lines), lines

@@ -78,7 +78,7 @@ def test_the_node_command_warns_in_one_line_at_start(tmp_path: Path) -> None:
     )  # fmt: skip
     assert process.stderr is not None
     assert "node w1: ready" in process.stderr.readline()
-    warning = process.stderr.readline().rstrip("\n")
+    warning = process.stderr.readline().rstrip("\n").split(" INFO reservoir: ", 1)[1]
     process.send_signal(signal.SIGTERM)
     rest = process.stderr.read()
     assert process.wait(timeout=30) == 130
@@ -86,6 +86,8 @@ def test_the_node_command_warns_in_one_line_at_start(tmp_path: Path) -> None:
         "node w1: warning: it holds more than its inventory (VCPU: allocated 11 + reserved 0 "
         "> capacity 2); it takes no new request until frees bring it within"
     )
-    assert rest.splitlines() == ["node w1: stopped"]
+    assert [line.split(" INFO reservoir: ", 1)[1] for line in rest.splitlines()] == [
+        "node w1: stopped"
+    ]
     status = json.loads((tmp_path / "w1.status.json").read_text())
     assert status["violations"] == ["VCPU: allocated 11 + reserved 0 > capacity 2"]

@@ -32,9 +32,15 @@ from reservoir.exit_status import EXIT_INTERRUPTED
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 _running = False
+#: inside :func:`deferred`: a stop signal waits in ``_pending`` until it ends
+_deferring = False
+_pending: list[int] = []
 
 
 def _on_signal(signum: int, frame: FrameType | None) -> None:
+    if _deferring:
+        _pending.append(signum)
+        return
     if _running:
         raise KeyboardInterrupt
     # Still importing: nothing has started, and a KeyboardInterrupt here would surface as
@@ -58,6 +64,22 @@ def interruptible() -> Iterator[None]:
         yield
     finally:
         _running = False
+
+
+@contextlib.contextmanager
+def deferred() -> Iterator[None]:
+    """Within, a stop signal waits, then takes effect (KeyboardInterrupt) when the block
+    ends: for what must not be cut in half, such as printing a placement already made,
+    which the caller must learn of rather than lose."""
+    global _deferring
+    _deferring = True
+    try:
+        yield
+    finally:
+        _deferring = False
+        if _pending:
+            _pending.clear()
+            raise KeyboardInterrupt
 
 
 def stop_on_signals(stop: threading.Event, *, hangup: bool = False) -> None:

@@ -33,8 +33,8 @@ if TYPE_CHECKING:
 F = TypeVar("F", bound=Callable[..., Any])
 
 BROKER_HELP = (
-    "Broker URL: memory://, amqp://user:pass@host:5672/vhost or kombu+amqp://... "
-    "[env: RESERVOIR_BROKER_URL]"
+    "Broker URL: amqp://user:pass@host:5672/vhost, kombu+amqp://... or memory:// (a broker "
+    "inside this process only) [env: RESERVOIR_BROKER_URL; required]"
 )
 
 
@@ -64,7 +64,7 @@ def broker_option(default: str | None = None) -> Callable[[F], F]:
         default=default,
         show_default=default is not None,
         callback=given,
-        help=BROKER_HELP,
+        help=BROKER_HELP if default is None else BROKER_HELP.replace("; required]", "]"),
     )
 
 

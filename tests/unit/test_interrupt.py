@@ -32,7 +32,6 @@ def signalled(signum: int, finished: list[str], *, deferring: bool) -> None:
 @pytest.mark.usefixtures("installed")
 @pytest.mark.parametrize("signum", STOP_SIGNALS)
 def test_a_stop_signal_inside_deferred_waits_for_the_block_to_end(signum: int) -> None:
-    finished = []
     finished: list[str] = []
     with interruptible(), pytest.raises(KeyboardInterrupt):
         signalled(signum, finished, deferring=True)

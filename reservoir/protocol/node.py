@@ -215,7 +215,21 @@ class NodeMachine:
         node again (its tier changes are still announced, for requestors)."""
         if message.kind == "status":
             self._keepers_listen = False
-        return [Dropped("returned", f"{message.kind} for {message.request_id} reached nobody")]
+        effects: list[Effect] = [
+            Dropped("returned", f"{message.kind} for {message.request_id} reached nobody")
+        ]
+        if message.kind == "offer":
+            # Its requestor's inbox is gone (it finished, found the id placed elsewhere,
+            # and exited before this offer came): nobody can award the reservation, so it
+            # goes now rather than at its deadline.
+            reservation = self.ledger.reservations.get(message.reservation_id)
+            if reservation is not None:
+                self.ledger.pop_reservation(message.reservation_id)
+                self.counters["released"] += 1
+                self._sync_buckets(effects)
+                self._retier(effects)
+                self._schedule_expiry(effects)
+        return effects
 
     def stop(self, now: float) -> list[Effect]:
         """Stop hearing requests, withdraw every live reservation, and tell requestors

@@ -636,3 +636,17 @@ def test_a_node_holding_more_than_its_new_inventory_refuses_new_requests_until_i
     offer = the_offer(node.handle(a_request("m2", resources={"MEMORY_MB": 512}), T0))
     node.handle(award(offer), T0)
     assert audit([NodeSnapshot.of(node.name, node.ledger, T0, node.tier())]).ok
+
+
+def test_an_offer_that_reaches_no_requestor_releases_its_reservation_at_once() -> None:
+    # A retry of a placed id: the requestor found the placement on another node and exited
+    # before this node's offer came; its inbox is gone and the offer comes back.
+    node = a_node()
+    offer = the_offer(node.handle(a_request("rr-2"), T0))
+    assert node.ledger.usage("VCPU").reserved == 2
+    effects = node.on_unroutable(offer, T0 + 0.01)
+    assert node.ledger.reservations == {}
+    assert node.ledger.usage("VCPU").reserved == 0
+    assert node.counters["released"] == 1
+    assert [e.reason for e in effects if isinstance(e, Dropped)] == ["returned"]
+    assert audit([NodeSnapshot.of(node.name, node.ledger, T0, node.tier())]).ok

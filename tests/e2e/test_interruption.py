@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -48,11 +49,29 @@ def test_a_request_waiting_for_nodes_stops_with_one_line_and_status_130(signum: 
     assert out == ""
 
 
-@pytest.mark.parametrize("after_s", [0.1, 0.3, 0.6])
+def handler_installed(process: subprocess.Popen[str], timeout_s: float = 20.0) -> None:
+    """Wait until the process catches SIGTERM (Python leaves it to the default until the
+    entry point installs its handler), read from /proc: the first moment the command
+    promises one line, while it is still importing its modules (which take most of a
+    second)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for line in Path(f"/proc/{process.pid}/status").read_text().splitlines():
+            if line.startswith("SigCgt:") and int(line.split()[1], 16) & (
+                1 << (signal.SIGTERM - 1)
+            ):
+                return
+        time.sleep(0.002)
+    raise AssertionError("the command never installed its handler")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc (Linux)")
+@pytest.mark.parametrize("after_s", [0.0, 0.2, 0.4])
 def test_ctrl_c_while_the_command_is_still_loading_is_one_line_not_a_traceback(
     after_s: float,
 ) -> None:
     process = started("request", "--broker", "memory://", "--vcpus", "1", "--timeout", "30")
+    handler_installed(process)
     time.sleep(after_s)
     status, _, err = stopped_by(process, signal.SIGINT)
     assert status == INTERRUPTED

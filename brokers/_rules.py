@@ -21,6 +21,8 @@ from __future__ import annotations
 import logging
 import queue
 import re
+import socket
+import ssl
 from collections.abc import Callable
 from typing import Final, Protocol, TypeVar
 from urllib.parse import urlsplit, urlunsplit
@@ -42,6 +44,7 @@ __all__ = [
     "check_limits",
     "check_no_wildcards",
     "check_pending",
+    "failure_words",
     "inbox_exchange",
     "mask_password",
     "missing_exchange",
@@ -262,3 +265,38 @@ def run_handler(
         return
     if not call_handler(endpoint, delivery, log) and failed is not None:
         failed()
+
+
+def failure_words(error: BaseException) -> str:
+    """What went wrong with a connection, in the words operators know from celery and
+    dramatiq (``connection refused``, ``unknown host``, ``timed out``), dug out of the
+    client library's wrapping (pika nests the socket's error two exceptions deep); the
+    whole exception is for the log at INFO (``-v``), not for this line."""
+    cause = _socket_error(error, depth=0)
+    if cause is None:
+        return str(error) or type(error).__name__
+    if isinstance(cause, socket.gaierror):
+        return "unknown host"
+    if isinstance(cause, TimeoutError | socket.timeout):
+        return "timed out"
+    if isinstance(cause, ssl.SSLError):
+        return f"TLS: {cause.reason or cause}".lower()
+    return (cause.strerror or type(cause).__name__).lower()
+
+
+def _socket_error(error: BaseException, *, depth: int) -> OSError | None:
+    """The OS-level error inside ``error`` (its arguments, its ``exceptions``, its
+    ``exception``, its cause), if any."""
+    if isinstance(error, OSError):
+        return error
+    if depth > 6:
+        return None
+    inner: list[object] = [*error.args, *(getattr(error, "exceptions", None) or ())]
+    # pika's connector errors keep theirs in ``exception``
+    inner += [getattr(error, "exception", None), error.__cause__, error.__context__]
+    for candidate in inner:
+        if isinstance(candidate, BaseException):
+            found = _socket_error(candidate, depth=depth + 1)
+            if found is not None:
+                return found
+    return None

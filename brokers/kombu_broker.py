@@ -64,7 +64,7 @@ import amqp.exceptions
 import kombu.connection
 import kombu.entity
 
-from brokers._rules import DEFAULT_EXCHANGE, INBOX_SUFFIX
+from brokers._rules import DEFAULT_EXCHANGE, INBOX_SUFFIX, failure_words
 from brokers.amqp import session as core
 from brokers.amqp.session import Action, Role, Session
 from brokers.amqp.threaded import AmqpBroker, AmqpEndpoint, Future
@@ -299,7 +299,8 @@ class KombuBroker(AmqpBroker):
                 self._close(f"{closed} channel closed during a {role} call")
             return False
         except _LINK_ERRORS as error:
-            self._lost(gen, repr(error))
+            log.info("the connection failed: %r", error)  # the whole of it, with -v
+            self._lost(gen, failure_words(error))
             return False
         return True
 

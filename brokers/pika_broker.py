@@ -58,7 +58,7 @@ import pika.exceptions
 from pika.adapters.select_connection import IOLoop
 from pika.adapters.utils import io_services_utils
 
-from brokers._rules import DEFAULT_EXCHANGE, INBOX_SUFFIX
+from brokers._rules import DEFAULT_EXCHANGE, INBOX_SUFFIX, failure_words
 from brokers.amqp import session as core
 from brokers.amqp.session import Action, Role, Session
 from brokers.amqp.threaded import AmqpBroker, AmqpEndpoint, Future
@@ -168,7 +168,10 @@ def strip_reservoir_params(url: str) -> tuple[str, dict[str, str]]:
 def _describe(reason: object) -> str:
     if isinstance(reason, pika.exceptions.ChannelClosed | pika.exceptions.ConnectionClosed):
         return f"{reason.reply_code} {reason.reply_text}"
-    return repr(reason)
+    if isinstance(reason, BaseException):
+        log.info("the connection failed: %r", reason)  # the whole of it, with -v
+        return failure_words(reason)
+    return str(reason)
 
 
 class PikaBroker(AmqpBroker):

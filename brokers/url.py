@@ -99,8 +99,8 @@ class BrokerUrl:
             adapter, inner = "kombu", url.split("+", 1)[1]
         else:
             raise UnsupportedBroker(
-                f"no broker adapter for {_mask(url)!r}: use memory://, amqp://, amqps:// or "
-                "kombu+<kombu URL>"
+                f"no broker adapter for {_mask(url)!r}: {_scheme_guess(scheme)}the schemes are "
+                "memory://, amqp://, amqps:// and kombu+<kombu URL>"
             )
         parts = urlsplit(inner)
         ours: dict[str, str] = {}
@@ -212,6 +212,16 @@ class BrokerUrl:
 
 
 #: query parameters that are reservoir's, stripped before a client library sees the URL
+#: the schemes a URL can start with (``kombu+`` takes any of kombu's after it)
+SCHEMES: Final = ("memory", "amqp", "amqps", "kombu+amqp", "kombu+amqps", "kombu+redis")
+
+
+def _scheme_guess(scheme: str) -> str:
+    """``did you mean amqp://? `` for a mistyped scheme (``ampq``), else nothing."""
+    guess = difflib.get_close_matches(scheme, SCHEMES, n=1, cutoff=0.5) if scheme else []
+    return f"did you mean {guess[0]}://? " if guess else ""
+
+
 _OURS: Final = frozenset({"exchange", "tls_ca", "tls_cert", "tls_key"})
 
 

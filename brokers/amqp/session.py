@@ -367,10 +367,13 @@ class Session(Generic[W]):
         reconnect_max_s: float,
         jitter: Callable[[], float],
         name: str = "reservoir",
+        url: str = "the broker",
     ) -> None:
         self.exchange = exchange
         self.inbox_exchange = inbox_exchange
         self.name = name
+        #: the broker's URL, password masked, for the lines a failed connection gets
+        self.url = url
         self._max_pending = max_pending
         self._timeout_s = timeout_s
         self._close_timeout_s = close_timeout_s
@@ -686,7 +689,7 @@ class Session(Generic[W]):
         if not self._ever_ready:
             self._failures += 1
             if fatal or self._failures >= self._connect_attempts:
-                self.failure = BrokerError(f"cannot connect: {reason}")
+                self.failure = BrokerError(reason)
                 self._move("fatal")
                 self._finish()
                 return
@@ -694,9 +697,17 @@ class Session(Generic[W]):
             self._failures += 1
         else:
             self._failures = 0
-        log.warning("%s: connection lost (%s); reconnecting", self.name, reason)
+        wait_s = self._backoff_s()
+        if self._ever_ready:
+            log.warning("%s: connection lost (%s); reconnecting", self.name, reason)
+        else:
+            # never connected: nothing was lost, and "reconnecting" would say it had been
+            log.warning(
+                "cannot connect to %s: %s; retrying in %.1f s (attempt %d)",
+                self.url, reason, wait_s, self._failures,
+            )  # fmt: skip
         self._move("lost")
-        self._set_deadline(now_s + self._backoff_s())
+        self._set_deadline(now_s + wait_s)
 
     def tick(self, now_s: float) -> None:
         """Time passed: act on the deadline that is due, if any."""

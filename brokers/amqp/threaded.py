@@ -187,6 +187,7 @@ class AmqpBroker(Broker, ABC):
             reconnect_max_s=reconnect_max_s,
             jitter=random.Random().random,
             name=self.connection_name,
+            url=parsed.display,
         )
         self._endpoints: dict[str, AmqpEndpoint] = {}
         self._tokens = itertools.count(1)

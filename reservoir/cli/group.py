@@ -2,12 +2,32 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
+from reservoir.interrupt import interrupted, interruptible
 from reservoir.version import __version__
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+class _Group(click.Group):
+    """The group, with the one interruption path (:mod:`reservoir.interrupt`) around every
+    command: click's own turns Ctrl-C into "Aborted!" and exit status 1, the status of
+    "not placed"."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        with interruptible():
+            try:
+                return super().invoke(ctx)
+            except KeyboardInterrupt:
+                # the command's own finally blocks have run: what it opened is closed
+                name = ctx.invoked_subcommand
+                interrupted(f"reservoir {name}" if name else "reservoir")
+
+
+@click.group(
+    cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100}
+)
 @click.version_option(__version__, prog_name="reservoir")
 @click.option("-v", "--verbose", count=True, help="More logging on stderr (-vv for debug).")
 @click.option(

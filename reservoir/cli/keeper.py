@@ -3,21 +3,21 @@
 from __future__ import annotations
 
 import secrets
-import signal
 import threading
 from collections.abc import Callable
-from types import FrameType
 
 import click
 
 from reservoir.broker import BrokerError
 from reservoir.cli.options import (
     broker_option,
+    broker_problem,
     cannot_reach_broker,
     connect_attempts_option,
     load_settings,
     shown_url,
 )
+from reservoir.interrupt import stop_on_signals, stopped
 
 
 @click.command()
@@ -29,7 +29,7 @@ from reservoir.cli.options import (
 )
 @connect_attempts_option()
 def keeper(broker_url: str | None, name: str | None, connect_attempts: int) -> None:
-    """Run a roster keeper until SIGTERM or SIGINT.
+    """Run a roster keeper until SIGTERM, SIGINT or SIGHUP; then exit status 130.
 
     A keeper follows every node's announcements so that requestors need not: a requestor
     started with RESERVOIR_ROSTER_FROM=keeper asks a keeper for a sample of the nodes
@@ -45,12 +45,7 @@ def keeper(broker_url: str | None, name: str | None, connect_attempts: int) -> N
     settings = load_settings(broker_url=broker_url)
     name = name or f"keeper-{secrets.token_hex(4)}"
     stop = threading.Event()
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stop_on_signals(stop, hangup=True)
 
     def start_keeper() -> RosterKeeper:
         with quietly_connecting():
@@ -62,7 +57,7 @@ def keeper(broker_url: str | None, name: str | None, connect_attempts: int) -> N
         cannot_reach_broker(error)
     if running is None:
         say(f"keeper {name}: stopped before the broker answered")
-        return
+        stopped()
     say(f"keeper {name}: ready on {shown_url(settings.broker_url)}")
     try:
         stop.wait()
@@ -70,6 +65,7 @@ def keeper(broker_url: str | None, name: str | None, connect_attempts: int) -> N
         known = running.nodes_known()
         running.close()
         say(f"keeper {name}: stopped, {known} node(s) known")
+    stopped()  # only a signal sets stop
 
 
 def _say_waiting(name: str) -> Callable[[int, BaseException, float], None]:
@@ -77,8 +73,8 @@ def _say_waiting(name: str) -> Callable[[int, BaseException, float], None]:
 
     def say(attempt: int, error: BaseException, wait_s: float) -> None:
         say_line(
-            f"keeper {name}: cannot reach the broker: {error} (attempt {attempt}); "
-            f"retrying in {wait_s:.1f} s"
+            f"keeper {name}: {broker_problem(error)}; "
+            f"retrying in {wait_s:.1f} s (attempt {attempt})"
         )
 
     return say

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import click
@@ -16,6 +14,7 @@ import click
 from reservoir.broker import BrokerError
 from reservoir.cli.options import (
     broker_option,
+    broker_problem,
     connect_attempts_option,
     load_settings,
     parse_pairs,
@@ -23,6 +22,7 @@ from reservoir.cli.options import (
     shown_url,
 )
 from reservoir.exit_status import EXIT_BROKER, EXIT_USAGE
+from reservoir.interrupt import stop_on_signals, stopped
 from reservoir.protocol.addresses import node_address
 from reservoir.protocol.ledger import Inventory
 from reservoir.protocol.numa import NumaTopology, PciDevice
@@ -186,11 +186,12 @@ def node(
     status_interval: float | None,
     connect_attempts: int,
 ) -> None:
-    """Run a node agent until SIGTERM or SIGINT.
+    """Run a node agent until SIGTERM, SIGINT or SIGHUP (all three alike).
 
     A broker that is not up yet (or restarting) is waited for, with a line per failed
     attempt. On a signal it stops taking requests, withdraws its live reservations and
-    closes cleanly; allocations stay in --state-dir for the next start.
+    closes cleanly, says "stopped" and exits with status 130; allocations stay in
+    --state-dir for the next start. SIGHUP stops it too (it does not reload anything).
     """
     from reservoir.observe.logs import say
     from reservoir.runtime.backoff import quietly_connecting, until_connected
@@ -242,12 +243,7 @@ def node(
     registry = _serve_metrics(metrics_port) if metrics_port is not None else None
     set_up_tracing("node")
     stop = threading.Event()
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stop_on_signals(stop, hangup=True)
 
     running = _running_configuration(
         config_path, inventories, traits, topology, state_dir, metrics_port, host
@@ -278,16 +274,29 @@ def node(
     except ValueError as error:
         raise click.UsageError(str(error)) from None
     if agent is None:
-        say(f"node {name}: stopped before the broker answered")
-        return
-    say(f"node {name}: configuration {running}")
+        say(f"node {name}: stopped before the broker answered", node=name, outcome="stopped")
+        stopped()
+    say(f"node {name}: configuration {running}", node=name)
     snapshot = agent.snapshot()
     metrics_at = f"; metrics on port {metrics_port}" if metrics_port is not None else ""
     say(
         f"node {name}: ready on {shown_url(settings.broker_url)}; "
         f"{len(snapshot.allocations)} allocation(s) held, utilisation "
-        f"{snapshot.utilisation:.0%}, tier {snapshot.tier}%{metrics_at}"
+        f"{snapshot.utilisation:.0%}, tier {snapshot.tier}%{metrics_at}",
+        node=name,
+        outcome="ready",
+        allocations=len(snapshot.allocations),
+        utilisation=round(snapshot.utilisation, 4),
+        tier=snapshot.tier,
     )
+    if snapshot.violations:
+        say(
+            f"node {name}: warning: it holds more than its inventory "
+            f"({'; '.join(snapshot.violations)}); it takes no new request until frees "
+            "bring it within",
+            node=name,
+            outcome="overcommitted",
+        )
     status_path = state_dir / f"{name}.status.json" if state_dir else None
     try:
         while True:
@@ -299,7 +308,8 @@ def node(
         agent.close()
         if status_path is not None:
             agent.write_status(status_path)
-        say(f"node {name}: stopped")
+        say(f"node {name}: stopped", node=name, outcome="stopped")
+    stopped()  # only a signal ends the loop above
 
 
 def _node_broker_problem(name: str, error: BaseException) -> str:
@@ -311,7 +321,7 @@ def _node_broker_problem(name: str, error: BaseException) -> str:
             f"{node_address(name)} is taken); give this one another --name, or stop the "
             "other (one that just died is let go within the heartbeat, 30 s)"
         )
-    return f"cannot reach the broker: {error}"
+    return broker_problem(error)
 
 
 def _say_waiting(name: str) -> Callable[[int, BaseException, float], None]:
@@ -319,8 +329,12 @@ def _say_waiting(name: str) -> Callable[[int, BaseException, float], None]:
 
     def say(attempt: int, error: BaseException, wait_s: float) -> None:
         say_line(
-            f"node {name}: {_node_broker_problem(name, error)} (attempt {attempt}); "
-            f"retrying in {wait_s:.1f} s"
+            f"node {name}: {_node_broker_problem(name, error)}; "
+            f"retrying in {wait_s:.1f} s (attempt {attempt})",
+            node=name,
+            outcome="retrying",
+            attempt=attempt,
+            retry_in_s=round(wait_s, 1),
         )
 
     return say

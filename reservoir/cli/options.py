@@ -33,21 +33,38 @@ if TYPE_CHECKING:
 F = TypeVar("F", bound=Callable[..., Any])
 
 BROKER_HELP = (
-    "Broker URL: memory://, amqp://user:pass@host:5672/vhost or kombu+amqp://... "
-    "[env: RESERVOIR_BROKER_URL]"
+    "Broker URL: amqp://user:pass@host:5672/vhost, kombu+amqp://... or memory:// (a broker "
+    "inside this process only) [env: RESERVOIR_BROKER_URL; required]"
+)
+
+
+#: the one line a command that talks to a cluster prints when no broker was named
+NO_BROKER = (
+    "no broker given: pass --broker URL or set RESERVOIR_BROKER_URL "
+    "(amqp://user:pass@host:5672/ for RabbitMQ; memory:// for a broker inside this process only)"
 )
 
 
 def broker_option(default: str | None = None) -> Callable[[F], F]:
     """``--broker URL`` (parameter ``broker_url``), read from ``RESERVOIR_BROKER_URL`` when
-    absent; ``default`` only where a command runs on its own broker (``demo``)."""
+    absent. Without ``default`` the command talks to a cluster and refuses to start without
+    one (exit status 2, :data:`NO_BROKER`): a forgotten URL must not quietly become an empty
+    in-process broker. ``default`` only where a command runs on its own broker (``demo``),
+    which then says so."""
+
+    def given(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+        if not value and default is None and not ctx.resilient_parsing:
+            usage_error(NO_BROKER)
+        return value or default
+
     return click.option(
         "--broker",
         "broker_url",
         envvar="RESERVOIR_BROKER_URL",
         default=default,
         show_default=default is not None,
-        help=BROKER_HELP,
+        callback=given,
+        help=BROKER_HELP if default is None else BROKER_HELP.replace("; required]", "]"),
     )
 
 
@@ -111,7 +128,8 @@ def load_settings(**overrides: Any) -> Settings:
     try:
         settings = Settings(**{k: v for k, v in overrides.items() if v is not None})
     except UnsupportedBroker as error:
-        cannot_reach_broker(error)  # as when the broker is opened, as it always was
+        # a URL no broker could have (``ampq://``): the user's to fix, not the broker's
+        usage_error(f"--broker / RESERVOIR_BROKER_URL: {error}")
     except ValidationError as error:
         # One line naming each setting (and its environment variable) and what is wrong,
         # not pydantic's report with its links.
@@ -159,8 +177,16 @@ def usage_error(problem: str) -> NoReturn:
 
 def cannot_reach_broker(error: BaseException) -> NoReturn:
     """The one line every command prints when its broker does not answer; exit status 3."""
-    click.echo(f"{command_path()}: cannot reach the broker: {error}", err=True)
+    click.echo(f"{command_path()}: {broker_problem(error)}", err=True)
     sys.exit(EXIT_BROKER)
+
+
+def broker_problem(error: BaseException) -> str:
+    """``cannot connect to amqp://guest:***@host:5672/: connection refused``: a broker
+    error as celery's and dramatiq's operators know it (the adapters already say which
+    URL and what went wrong; anything else gets the words that say it is the broker)."""
+    said = str(error)
+    return said if said.startswith("cannot connect to ") else f"cannot reach the broker: {said}"
 
 
 def set_up_tracing(command: str) -> None:

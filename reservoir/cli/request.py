@@ -21,6 +21,7 @@ from reservoir.cli.options import (
     set_up_tracing,
 )
 from reservoir.exit_status import EXIT_NOT_PLACED
+from reservoir.interrupt import deferred
 from reservoir.protocol.messages import PCI_POLICIES, GroupPolicy, GroupSpec, NumaSpec
 from reservoir.protocol.placement import (
     Placement,
@@ -188,8 +189,7 @@ def request(
         _dry_run(spec, broker_url, min(timeout_s, DRY_RUN_WAIT_S), as_json, output_format, columns)
         return
     set_up_tracing("request")
-    placement = _place(spec, broker_url, timeout_s, as_json)
-    _print_placement(placement, as_json)
+    _place_and_print(spec, broker_url, timeout_s, as_json)
 
 
 def _amounts(pairs: tuple[str, ...]) -> dict[str, int]:
@@ -223,16 +223,26 @@ def _request_of(**fields: Any) -> PlacementRequest:
         raise click.UsageError(f"not a valid request: {error}") from None
 
 
-def _place(
+def _place_and_print(
     spec: PlacementRequest, broker_url: str | None, timeout_s: float, as_json: bool
-) -> Placement:
-    """The placement, or the failure printed and exit status 1."""
-    with open_requestor(broker_url) as requestor:
-        try:
-            return requestor.reserve(spec, timeout_s=timeout_s)
-        except PlacementError as error:
-            _print_failure(error, as_json)
-            sys.exit(EXIT_NOT_PLACED)
+) -> None:
+    """The placement printed, or the failure printed and exit status 1. Ctrl-C or SIGTERM
+    while it is placed ends it (the requestor's close releases what it holds); once it is
+    placed, the signal waits until the placement is printed (then exit status 130), so a
+    placement made is never lost unprinted."""
+    requestor = open_requestor(broker_url)
+    try:
+        placement = requestor.reserve(spec, timeout_s=timeout_s)
+    except PlacementError as error:
+        requestor.close()
+        _print_failure(error, as_json)
+        sys.exit(EXIT_NOT_PLACED)
+    except BaseException:
+        requestor.close()
+        raise
+    with deferred():
+        requestor.close()
+        _print_placement(placement, as_json)
 
 
 def _print_failure(error: PlacementError, as_json: bool) -> None:

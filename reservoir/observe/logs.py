@@ -7,6 +7,10 @@ id (a context variable, so each thread and each asyncio task sees its own), and
 :class:`ConversationFilter` puts it on every record logged meanwhile: a JSON line then
 carries ``"request_id"``. Code that logs about a request outside such a stretch passes
 ``extra={"request_id": ...}``.
+
+The facts of a line go in ``extra`` too (``node``, ``outcome``, ``elapsed_ms``...): every
+field given so becomes a field of its JSON line, for any logger (the HTTP access lines
+too), so that a query reads ``outcome`` rather than parsing ``message``.
 """
 
 from __future__ import annotations
@@ -115,13 +119,15 @@ def json_logs() -> bool:
     return _format == "json"
 
 
-def say(text: str) -> None:
-    """A line for the operator on stderr (ready, stopped, retrying): as it is, or as a
-    JSON log line when the process logs JSON, so that every line of its stderr parses."""
-    if _format == "json":
-        record = logging.LogRecord("reservoir", logging.INFO, "", 0, text, None, None)
-        record.request_id = None
-        sys.stderr.write(JsonFormatter().format(record) + "\n")
-        sys.stderr.flush()
-    else:
-        print(text, file=sys.stderr, flush=True)
+def say(text: str, **fields: str | int | float | None) -> None:
+    """A line for the operator on stderr (ready, stopped, retrying), whatever the level:
+    in the process's one log format (text, with the time and level every log line has, or
+    JSON, so that every line of its stderr parses); ``fields`` (``node="n1"``) are that
+    line's facts, fields of their own in JSON."""
+    record = logging.LogRecord("reservoir", logging.INFO, "", 0, text, None, None)
+    record.request_id = None
+    for key, value in fields.items():
+        setattr(record, key, value)
+    formatter = JsonFormatter() if _format == "json" else logging.Formatter(TEXT_FORMAT)
+    sys.stderr.write(formatter.format(record) + "\n")
+    sys.stderr.flush()

@@ -98,12 +98,15 @@ from reservoir.protocol.numa import NumaTopology
 from reservoir.protocol.room import NOTHING_FREE
 from reservoir.protocol.tiers import DEFAULT_LADDER, TierLadder
 
-__all__ = ["EXPIRY_TIMER", "IN_FLIGHT_ELSEWHERE", "NodeConfig", "NodeMachine"]
+__all__ = ["EXPIRY_TIMER", "IN_FLIGHT_ELSEWHERE", "OVERCOMMITTED", "NodeConfig", "NodeMachine"]
 
 #: Decline reason: another requestor holds a reservation for the same request id here.
 IN_FLIGHT_ELSEWHERE: Final = "in_flight_elsewhere"
 #: Reasons a node always gives, explain or not: the requestor needs them to decide well.
 GROUP_REASONS: Final = frozenset({"anti_affinity", "affinity"})
+#: Decline reason: the node holds more than its inventory (restarted with a smaller one
+#: over its stored allocations) and takes nothing new until what it holds fits again.
+OVERCOMMITTED: Final = "overcommitted"
 
 #: Allocations plus reservations per LedgerReport part: 50 entries stay well inside the
 #: default 64 KiB message limit even with 200-character ids.
@@ -177,6 +180,11 @@ class NodeMachine:
     def tier(self) -> int:
         return self.config.tiers.tier_for(self.ledger.allocated_share())
 
+    def overcommitted(self) -> list[str]:
+        """How the node holds more than its inventory (empty when it does not): then it
+        takes no new request (see :data:`OVERCOMMITTED`)."""
+        return self.ledger.violations()
+
     # -- driving -----------------------------------------------------------------------
 
     def start(self, now: float) -> list[Effect]:
@@ -213,7 +221,21 @@ class NodeMachine:
         node again (its tier changes are still announced, for requestors)."""
         if message.kind == "status":
             self._keepers_listen = False
-        return [Dropped("returned", f"{message.kind} for {message.request_id} reached nobody")]
+        effects: list[Effect] = [
+            Dropped("returned", f"{message.kind} for {message.request_id} reached nobody")
+        ]
+        if message.kind == "offer":
+            # Its requestor's inbox is gone (it finished, found the id placed elsewhere,
+            # and exited before this offer came): nobody can award the reservation, so it
+            # goes now rather than at its deadline.
+            reservation = self.ledger.reservations.get(message.reservation_id)
+            if reservation is not None:
+                self.ledger.pop_reservation(message.reservation_id)
+                self.counters["released"] += 1
+                self._sync_buckets(effects)
+                self._retier(effects)
+                self._schedule_expiry(effects)
+        return effects
 
     def stop(self, now: float) -> list[Effect]:
         """Stop hearing requests, withdraw every live reservation, and tell requestors
@@ -483,6 +505,22 @@ class NodeMachine:
             else:
                 effects.extend(
                     self._contended(held, request.sender, request.reply_to, request.attempt)
+                )
+            return
+        if self.overcommitted():
+            # Holding more than it has (stored allocations over a smaller inventory), the
+            # node must not add to it, whatever class a request asks for: it refuses
+            # every new request until frees bring it back within its inventory.
+            self.counters["refused_overcommitted"] += 1
+            if request.probed_node or request.declines_wanted or request.explain:
+                reason = Reason(code=OVERCOMMITTED, detail="; ".join(self.overcommitted())[:500])
+                effects.append(
+                    Send(
+                        request.reply_to,
+                        msgspec.structs.replace(
+                            self._decline(request), reasons=(reason,) if request.explain else ()
+                        ),
+                    )
                 )
             return
         evaluation = evaluate(request, self.view, self.config.filters, self.config.weighers)

@@ -159,6 +159,7 @@ _LABELS: Mapping[str, str] = {
     "affinity": "affinity group {subject} does not fit on one node",
     "numa": "NUMA topology cannot fit it",
     "pci": "no free {subject} where its NUMA policy allows",
+    "overcommitted": "node holds more than its inventory",
 }
 
 

@@ -264,6 +264,9 @@ class NodeAgent(Driver):
             ("reservoir_node_allocations", "Allocations held", len(snapshot.allocations)),
             ("reservoir_node_reservations", "Live reservations held",
              len(snapshot.reservations)),
+            ("reservoir_node_overcommitted_classes", "Resource classes the node holds more "
+             "of than its inventory (it takes no new request while above 0)",
+             len(snapshot.violations)),
         ]  # fmt: skip
         for metric, documentation, value in gauges:
             gauge = GaugeMetricFamily(metric, documentation, labels=["node"])
@@ -311,11 +314,13 @@ class NodeAgent(Driver):
             isinstance(e, Publish) and e.topic == ROSTER_TOPIC and isinstance(e.message, NodeStatus)
             for e in effects
         ):
+            utilisation, tier = self.machine.utilisation(), self.machine.tier()
             log.info(
                 "node %s now at %.0f%% utilisation: tier %d%%",
                 self.name,
-                100 * self.machine.utilisation(),
-                self.machine.tier(),
+                100 * utilisation,
+                tier,
+                extra={"node": self.name, "utilisation": round(utilisation, 4), "tier": tier},
             )
         return effects
 
@@ -332,7 +337,11 @@ class NodeAgent(Driver):
         if connections == self._connections_seen or not self.broker.connected:
             return []
         self._connections_seen = connections
-        log.info("node %s is back on the broker: announcing itself again", self.name)
+        log.info(
+            "node %s is back on the broker: announcing itself again",
+            self.name,
+            extra={"node": self.name},
+        )
         return self.machine.rejoined(now)
 
     def _persist(self, effect: StoreAllocation | DeleteAllocation) -> None:

@@ -491,7 +491,13 @@ class Requestor(Driver):
                     ", ".join(sorted(set(placement.nodes))) or "no node",
                     placement.elapsed_s * 1000,
                     placement.tiers_tried,
-                    extra={"request_id": outcome.request_id},
+                    # the facts as fields of a JSON line (observe/logs.py)
+                    extra={
+                        "request_id": outcome.request_id,
+                        "outcome": "placed",
+                        "node": ",".join(sorted(set(placement.nodes))),
+                        "elapsed_ms": round(placement.elapsed_s * 1000, 1),
+                    },
                 )
                 self._end_spans(
                     outcome.request_id,
@@ -507,7 +513,15 @@ class Requestor(Driver):
                 explanation = outcome.error.explanation
                 self._replays.discard(outcome.request_id)
                 self.metrics.failed(outcome.error, explanation.elapsed_s)
-                log.debug("not placed: %s", explanation, extra={"request_id": outcome.request_id})
+                log.debug(
+                    "not placed: %s",
+                    explanation,
+                    extra={
+                        "request_id": outcome.request_id,
+                        "outcome": "not_placed",
+                        "elapsed_ms": round(explanation.elapsed_s * 1000, 1),
+                    },
+                )
                 self._end_spans(
                     outcome.request_id,
                     "failed",

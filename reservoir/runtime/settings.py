@@ -23,7 +23,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from brokers import DEFAULT_BROKER_URL, BrokerUrl
+from brokers import BrokerUrl
 from reservoir.protocol.policies import POLICIES
 from reservoir.protocol.tiers import DEFAULT_TIERS, TierLadder
 from reservoir.runtime.keys import Keyring, Role
@@ -33,7 +33,8 @@ __all__ = ["BrokerUrlSetting", "Settings"]
 
 #: a broker URL setting: parsed once, here, into a :class:`~brokers.BrokerUrl` (a bad one
 #: is a ValueError naming the setting; a scheme no adapter serves is
-#: :class:`~reservoir.broker.UnsupportedBroker`, which is a broker error, not a bad value),
+#: :class:`~reservoir.broker.UnsupportedBroker`, which the commands report as a usage error
+#: with a suggestion),
 #: shown with its password masked
 BrokerUrlSetting = Annotated[
     BrokerUrl,
@@ -51,8 +52,10 @@ class Settings(BaseSettings):
         env_prefix="RESERVOIR_", frozen=True, extra="forbid", hide_input_in_errors=True
     )
 
-    #: where the broker is; ``memory://`` is the in-process broker
-    broker_url: BrokerUrlSetting = BrokerUrl.parse(DEFAULT_BROKER_URL)
+    #: where the broker is (``memory://`` is an in-process broker); None when nothing
+    #: names one: the commands that talk to a cluster then refuse to start, and a library
+    #: object given neither a broker nor a URL opens ``brokers.connect``'s default
+    broker_url: BrokerUrlSetting | None = None
     #: one shared secret for both roles (the first form of signing, still supported): when
     #: set, every message is signed and unsigned ones are dropped, but any participant can
     #: sign any kind; the per-role keys below separate the roles

@@ -6,7 +6,9 @@ Fixtures:
   ends, settles the run and audits the invariants (the test fails if one is broken);
 - ``reservoir_amqp_url``: the URL of a real RabbitMQ: ``RESERVOIR_TEST_AMQP_URL`` if set,
   else a testcontainers ``RabbitMqContainer``; without either the test is skipped, except
-  when ``CI`` is set, where a missing broker fails the test.
+  when ``CI`` is set, where a missing broker fails the test. A ``RESERVOIR_TEST_AMQP_URL``
+  where nothing answers fails the fixture with one line (repeated, as pytest does, for each
+  test that asks for it) rather than each test's client library failing at length.
 
 It adds fixtures and nothing else: no command-line option, no marker and no collection
 hook, so it never clashes with a project's own ``--run-slow`` or ``slow`` marker and never

@@ -1,4 +1,5 @@
-"""Finding a real RabbitMQ for tests: ``RESERVOIR_TEST_AMQP_URL`` first, then a throwaway
+"""Finding a real RabbitMQ for tests: ``RESERVOIR_TEST_AMQP_URL`` first (checked once: a URL
+where nothing answers fails the fixture with one line), then a throwaway
 testcontainers ``RabbitMqContainer``, else skip (or fail, when ``CI`` is set).
 
 This module owns that choice and the container's whole life:
@@ -21,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import socket
 import uuid
 import warnings
 from collections.abc import Iterator
@@ -150,10 +152,36 @@ def rabbitmqctl_command(url: str) -> list[str]:
     return ["docker", "exec", "-i", container.get_container_id(), "rabbitmqctl"]
 
 
+def _unanswered(url: str, timeout_s: float = 5.0) -> str | None:
+    """Why nothing answers at ``url`` (one TCP connection to its first broker), or None.
+    Said once, at the fixture, rather than by every test's client library in turn (pika
+    logs a page per failed connection)."""
+    from brokers import BrokerUrl
+
+    try:
+        parsed = BrokerUrl.parse(url)
+    except Exception as error:  # a URL no broker can have: one line saying so
+        return str(error)
+    if parsed.adapter == "memory":
+        return None
+    host = parsed.host or "localhost"
+    port = parsed.port or (5671 if parsed.tls else 5672)
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return None
+    except OSError as error:
+        because = error.strerror or type(error).__name__
+        return f"nothing answers at {parsed.display} ({host}:{port}: {because.lower()})"
+
+
 @contextlib.contextmanager
 def amqp_url_for_tests() -> Iterator[str]:
     url = os.environ.get("RESERVOIR_TEST_AMQP_URL")
     if url:
+        problem = _unanswered(url)
+        if problem is not None:
+            # pytrace=False: the one line, not the fixture's frames
+            pytest.fail(f"RESERVOIR_TEST_AMQP_URL: {problem}", pytrace=False)
         yield url
         return
     try:

@@ -28,7 +28,7 @@ from reservoir.protocol.ledger import Inventory
 from reservoir.protocol.placement import Placement, PlacementError
 from reservoir.runtime.node_agent import NodeAgent
 from reservoir.runtime.plugins import load_filters, load_weighers
-from reservoir.runtime.requestor import Requestor
+from reservoir.runtime.requestor import Requestor, RequestorClosed
 from reservoir.runtime.settings import Settings
 
 __all__ = ["FLAVOURS", "DemoResult", "run_demo"]
@@ -210,14 +210,20 @@ def _place_all(
         work.put(flavour)
     outcomes = _Outcomes([], [], [], 0.0)
     lock = threading.Lock()
+    # Set when the main thread is interrupted (Ctrl-C, SIGTERM): the workers take no more
+    # work, and one whose requestor is closed under it stops quietly rather than with a
+    # traceback; the requestors' close releases what they held.
+    stopping = threading.Event()
 
     def worker(requestor: Requestor) -> None:
-        while (flavour := work.get()) is not None:
+        while not stopping.is_set() and (flavour := work.get()) is not None:
             started = time.perf_counter()
             try:
                 placement = requestor.reserve(
                     vcpus=flavour.vcpus, memory_mb=flavour.memory_mb, disk_gb=flavour.disk_gb
                 )
+            except RequestorClosed:
+                return
             except PlacementError as error:
                 with lock:
                     outcomes.failures.append(str(error))
@@ -236,8 +242,12 @@ def _place_all(
     for thread in threads:
         work.put(None)  # one stop sign per worker, after the work
         thread.start()
-    for thread in threads:
-        thread.join()
+    try:
+        for thread in threads:
+            thread.join()
+    except BaseException:
+        stopping.set()
+        raise
     outcomes.elapsed_s = time.perf_counter() - started
     return outcomes
 

@@ -101,7 +101,7 @@ def test_a_node_started_before_its_broker_waits_and_then_serves(
         while len(attempts) < 2:
             line = process.stderr.readline()
             assert line, "the node exited instead of waiting for its broker"
-            if "cannot reach the broker" in line and "(attempt " in line:
+            if "cannot connect to" in line and "(attempt " in line:
                 attempts.append(line)
         assert process.poll() is None
         proxy.restore()
@@ -131,7 +131,7 @@ def test_a_node_that_may_try_twice_gives_up_with_status_3(
         capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert done.returncode == 3
-    assert done.stderr.count("(attempt 1); retrying") == 1
+    assert done.stderr.count("(attempt 1)") == 1
     assert "Traceback" not in done.stderr
 
 

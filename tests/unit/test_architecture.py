@@ -65,5 +65,6 @@ def test_every_module_is_in_a_layer_package_or_is_a_named_foundation() -> None:
     top = {p.name for p in (ROOT / "reservoir").glob("*.py")}
     assert top == {
         "__init__.py", "__main__.py", "broker.py", "clock.py", "exit_status.py", "version.py",
+        "interrupt.py",  # the commands' Ctrl-C path, loaded before anything else
         "serve.py", "prometheus.py",  # deprecated re-exports, for one release
     }  # fmt: skip

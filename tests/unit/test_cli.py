@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -68,7 +69,9 @@ def test_a_node_without_an_inventory_is_a_usage_error() -> None:
 
 
 def test_a_malformed_inventory_is_a_usage_error() -> None:
-    status, _, err = run("node", "--name", "n1", "--inventory", "CUSTOM_GPU")
+    status, _, err = run(
+        "node", "--name", "n1", "--broker", "memory://", "--inventory", "CUSTOM_GPU"
+    )
     assert status == 2
     assert "CLASS=TOTAL" in err
 
@@ -90,15 +93,49 @@ def test_a_request_nobody_hears_fails_at_its_deadline_with_an_explanation_and_st
 
 
 def test_group_and_policy_go_together() -> None:
-    status, _, err = run("request", "--vcpus", "1", "--group", "g1")
+    status, _, err = run("request", "--broker", "memory://", "--vcpus", "1", "--group", "g1")
     assert status == 2
     assert "--group and --policy go together" in err
 
 
-def test_an_unsupported_broker_url_is_a_clear_error() -> None:
+def test_an_unsupported_broker_url_is_a_usage_error() -> None:
     status, _, err = run("request", "--broker", "carrier-pigeon://x", "--vcpus", "1")
-    assert status == 3
+    assert status == 2
     assert "no broker adapter" in err
+
+
+def test_a_mistyped_scheme_is_a_usage_error_suggesting_the_right_one() -> None:
+    status, _, err = run("request", "--broker", "ampq://guest:guest@127.0.0.1:5672/",
+                         "--vcpus", "1")  # fmt: skip
+    assert status == 2
+    assert len(err.strip().splitlines()) == 1, err
+    assert "did you mean amqp://?" in err and "guest:guest" not in err
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ("node", "--name", "n1", "--vcpus", "1"),
+        ("request", "--vcpus", "1"),
+        ("nodes",),
+        ("audit",),
+        ("free", "--request-id", "r1"),
+        ("serve",),
+        ("keeper",),
+    ],
+)
+def test_a_command_that_talks_to_a_cluster_refuses_to_start_without_a_broker(
+    command: tuple[str, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("RESERVOIR_BROKER_URL", raising=False)
+    status, out, err = run(*command)
+    assert status == 2
+    assert err.strip().splitlines() == [
+        f"reservoir {command[0]}: no broker given: pass --broker URL or set "
+        "RESERVOIR_BROKER_URL (amqp://user:pass@host:5672/ for RabbitMQ; memory:// for a "
+        "broker inside this process only)"
+    ]
+    assert out == ""
 
 
 def test_inspect_without_a_state_file_says_so(tmp_path: object) -> None:
@@ -118,7 +155,8 @@ def test_a_bad_setting_is_one_line_naming_it_and_status_2(
     variable: str, value: str, named: str
 ) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "reservoir", "request", "--vcpus", "1", "--memory-mb", "1"],
+        [sys.executable, "-m", "reservoir", "request", "--vcpus", "1", "--memory-mb", "1",
+         "--broker", "memory://"],
         env={**os.environ, variable: value}, capture_output=True, text=True, timeout=60,
         check=False,
     )  # fmt: skip
@@ -137,8 +175,50 @@ def test_a_broker_on_a_closed_port_is_one_line_and_status_3() -> None:
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert done.returncode == 3
-    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
-    assert "cannot reach the broker" in done.stderr and "guest:guest" not in done.stderr
+    assert done.stderr.splitlines() == [
+        f"reservoir request: cannot connect to amqp://guest:***@127.0.0.1:{port}/: "
+        "connection refused"
+    ]
+
+
+def test_a_node_waiting_for_its_broker_says_why_in_celerys_words_and_when_it_tries_again() -> None:
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    done = subprocess.run(
+        [sys.executable, "-m", "reservoir", "node", "--name", "n1", "--vcpus", "1",
+         "--connect-attempts", "2", "--broker", f"amqp://guest:guest@127.0.0.1:{port}/"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 3
+    shown = f"amqp://guest:***@127.0.0.1:{port}/"
+    waited, gave_up = done.stderr.splitlines()
+    # the log format of every line the process logs: time, level, logger, message
+    assert re.fullmatch(
+        r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO reservoir: "
+        rf"node n1: cannot connect to {re.escape(shown)}: connection refused; "
+        r"retrying in \d+\.\d s \(attempt 1\)",
+        waited,
+    ), waited
+    assert gave_up == f"reservoir node: cannot connect to {shown}: connection refused"
+
+
+def test_the_whole_connection_error_is_logged_with_dash_v() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    done = subprocess.run(
+        [sys.executable, "-m", "reservoir", "-v", "request", "--vcpus", "1",
+         "--broker", f"amqp://guest:guest@127.0.0.1:{port}/"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 3
+    assert "ConnectionRefusedError(111" in done.stderr  # pika's whole exception, at INFO
+    # never connected: a retry says so, not "connection lost ... reconnecting"
+    assert "reconnecting" not in done.stderr and "connection lost" not in done.stderr
+    assert f"cannot connect to amqp://guest:***@127.0.0.1:{port}/: connection refused; " in (
+        done.stderr
+    )
 
 
 def test_reservoir_version_names_the_installed_version() -> None:

@@ -7,6 +7,7 @@ import io
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -86,7 +87,7 @@ def test_a_node_started_with_log_format_json_writes_only_json_lines() -> None:
     assert "node j1: ready" in ready["message"]
     node.send_signal(signal.SIGTERM)
     rest = node.stderr.read()
-    assert node.wait(timeout=30) == 0
+    assert node.wait(timeout=30) == 130  # stopped by a signal
     lines = [json.loads(line) for line in rest.splitlines()]
     assert lines[-1]["message"] == "node j1: stopped"
 
@@ -99,3 +100,55 @@ def test_a_log_format_the_cli_does_not_know_is_one_line_and_status_2() -> None:
     assert done.returncode == 2
     assert "--log-format" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_in_json_the_facts_of_a_placement_are_fields_not_words_in_the_message(
+    json_lines: io.StringIO, reservoir_simulation: Simulation
+) -> None:
+    sim = reservoir_simulation
+    sim.add_node("n1", vcpus=2, memory_mb=1024)
+    requestor = sim.add_requestor("r1")
+    placement = sim.place(requestor, vcpus=1, memory_mb=1, request_id="order-7")
+    sim.settle()
+    lines = parsed(json_lines)
+    [placed] = [line for line in lines if line.get("outcome") == "placed"]
+    assert placed["request_id"] == "order-7"
+    assert placed["node"] == "n1"
+    assert isinstance(placed["elapsed_ms"], float)
+    [tier] = [line for line in lines if "utilisation" in line]
+    assert (tier["node"], tier["tier"], tier["utilisation"]) == ("n1", 50, 0.5)
+    sim.finish([placement])
+
+
+def test_a_nodes_ready_and_stopped_lines_carry_the_node_as_a_field() -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    node = subprocess.Popen(
+        [sys.executable, "-m", "reservoir", "--log-format", "json", "node",
+         "--broker", "memory://", "--name", "j2", "--vcpus", "2"],
+        stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    assert node.stderr is not None
+    ready = json.loads(node.stderr.readline())
+    node.send_signal(signal.SIGTERM)
+    stopped = json.loads(node.stderr.read().splitlines()[-1])
+    assert node.wait(timeout=30) == 130
+    assert (ready["node"], ready["outcome"], ready["tier"]) == ("j2", "ready", 10)
+    assert (stopped["node"], stopped["outcome"]) == ("j2", "stopped")
+
+
+def test_in_text_every_line_a_node_writes_has_the_one_log_format() -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    node = subprocess.Popen(
+        [sys.executable, "-m", "reservoir", "-v", "node", "--broker", "memory://",
+         "--name", "t1", "--vcpus", "2"],
+        stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    assert node.stderr is not None
+    first = node.stderr.readline()
+    node.send_signal(signal.SIGTERM)
+    lines = [first, *node.stderr.read().splitlines()]
+    assert node.wait(timeout=30) == 130
+    one_format = re.compile(
+        r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR) \S+: "
+    )
+    assert len(lines) >= 2 and all(one_format.match(line) for line in lines), lines

@@ -7,6 +7,7 @@ from typing import Any
 import msgspec.structs
 import pytest
 
+from reservoir.protocol.audit import NodeSnapshot, audit
 from reservoir.protocol.effects import (
     Bind,
     CancelTimer,
@@ -19,7 +20,7 @@ from reservoir.protocol.effects import (
     StoreAllocation,
     Unbind,
 )
-from reservoir.protocol.ledger import Inventory
+from reservoir.protocol.ledger import Allocation, Inventory
 from reservoir.protocol.messages import (
     LOOKUP_BUCKETS,
     ROSTER_TOPIC,
@@ -592,3 +593,60 @@ def test_the_bucket_bitmap_holds_exactly_the_buckets_given() -> None:
     bitmap = bucket_bitmap(buckets)
     assert len(bitmap) == LOOKUP_BUCKETS // 8
     assert list(buckets_in(bitmap)) == buckets
+
+
+def a_node_restarted_smaller(vcpus: int, held: list[int]) -> NodeMachine:
+    """A node whose stored allocations (``held`` VCPU each, 1024 MB) were made when it had
+    more VCPUs than ``vcpus``, its inventory now."""
+    allocations = [
+        Allocation(
+            allocation_id=f"a{i}",
+            request_id=f"old-{i}",
+            reservation_id=f"res-{i}",
+            owner=REQUESTOR,
+            resources={"VCPU": amount, "MEMORY_MB": 1024},
+        )
+        for i, amount in enumerate(held)
+    ]
+    config = NodeConfig(
+        name="node-a",
+        address="reservoir.node.node-a",
+        inventories={"VCPU": Inventory(total=vcpus), "MEMORY_MB": Inventory(total=16384)},
+    )
+    node = NodeMachine(config, allocations)
+    node.start(T0)
+    return node
+
+
+def test_a_node_holding_more_than_its_new_inventory_refuses_new_requests_until_it_fits() -> None:
+    node = a_node_restarted_smaller(vcpus=2, held=[8, 3])
+    assert node.overcommitted() == ["VCPU: allocated 11 + reserved 0 > capacity 2"]
+    # memory would fit, and so would no VCPU at all: it still takes nothing new
+    assert sent(node.handle(a_request("m", resources={"MEMORY_MB": 512}), T0)) == []
+    (decline,) = sent(node.handle(a_request("e", resources={"MEMORY_MB": 512}, explain=True), T0))
+    assert isinstance(decline, Decline)
+    assert [r.code for r in decline.reasons] == ["overcommitted"]
+    assert node.ledger.reservations == {}
+    assert node.counters["refused_overcommitted"] == 2
+    # freed below capacity (the 8 VCPU one), it takes requests again
+    node.free_local(["a0"])
+    assert node.overcommitted() == ["VCPU: allocated 3 + reserved 0 > capacity 2"]
+    node.free_local(["a1"])
+    assert node.overcommitted() == []
+    offer = the_offer(node.handle(a_request("m2", resources={"MEMORY_MB": 512}), T0))
+    node.handle(award(offer), T0)
+    assert audit([NodeSnapshot.of(node.name, node.ledger, T0, node.tier())]).ok
+
+
+def test_an_offer_that_reaches_no_requestor_releases_its_reservation_at_once() -> None:
+    # A retry of a placed id: the requestor found the placement on another node and exited
+    # before this node's offer came; its inbox is gone and the offer comes back.
+    node = a_node()
+    offer = the_offer(node.handle(a_request("rr-2"), T0))
+    assert node.ledger.usage("VCPU").reserved == 2
+    effects = node.on_unroutable(offer, T0 + 0.01)
+    assert node.ledger.reservations == {}
+    assert node.ledger.usage("VCPU").reserved == 0
+    assert node.counters["released"] == 1
+    assert [e.reason for e in effects if isinstance(e, Dropped)] == ["returned"]
+    assert audit([NodeSnapshot.of(node.name, node.ledger, T0, node.tier())]).ok

@@ -102,9 +102,10 @@ def by_the_command(broker: InProcessBroker, request_id: str, monkeypatch: Any) -
     monkeypatch.setattr("brokers.connect", lambda url: Shared(broker))
     done = CliRunner().invoke(
         main,
-        ["request", "--vcpus", "2", "--memory-mb", "1024", "--resource", "CUSTOM_GPU=1",
-         "--count", "2", "--min-count", "1", "--require", "HW_CPU_X86_AVX2",
-         "--forbid", "CUSTOM_SLOW", "--any-of", "CUSTOM_RACK_A,CUSTOM_RACK_B",
+        ["request", "--broker", "memory://", "--vcpus", "2", "--memory-mb", "1024",
+         "--resource", "CUSTOM_GPU=1", "--count", "2", "--min-count", "1",
+         "--require", "HW_CPU_X86_AVX2", "--forbid", "CUSTOM_SLOW",
+         "--any-of", "CUSTOM_RACK_A,CUSTOM_RACK_B",
          "--any-of", "CUSTOM_SSD", "--group", "web", "--policy", "soft-anti-affinity",
          "--numa-nodes", "2", "--pinned", "--hugepage-kb", "2048", "--hint", "zone=z1",
          "--pci", "gpu-a100:1", "--pci", "nic-vf:2", "--numa-policy", "required",
@@ -166,7 +167,9 @@ def test_a_shorthand_and_resources_agreeing_is_one_amount() -> None:
 
 
 def test_the_command_refuses_disagreeing_amounts_in_one_line() -> None:
-    done = CliRunner().invoke(main, ["request", "--vcpus", "2", "--resource", "VCPU=1"])
+    done = CliRunner().invoke(
+        main, ["request", "--broker", "memory://", "--vcpus", "2", "--resource", "VCPU=1"]
+    )
     assert done.exit_code == 2
     assert "disagree: give the amount once" in done.output
 
@@ -191,7 +194,9 @@ def test_a_resource_class_in_another_case_is_refused_alike_everywhere(
 ) -> None:
     with pytest.raises(InvalidRequest, match=r"classes are upper case: VCPU"):
         request_of(resources={spelling: 1})
-    done = CliRunner().invoke(main, ["request", "--resource", f"{spelling}=1"])
+    done = CliRunner().invoke(
+        main, ["request", "--broker", "memory://", "--resource", f"{spelling}=1"]
+    )
     assert done.exit_code == 2
     assert "classes are upper case: VCPU" in done.output
 

@@ -4,6 +4,8 @@ plugin's fixtures are there."""
 
 from __future__ import annotations
 
+import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -38,3 +40,45 @@ def test_a_users_own_run_slow_option_and_slow_tests_are_left_alone(tmp_path: Pat
     assert done.returncode == 0, done.stdout + done.stderr
     assert "2 passed" in done.stdout
     assert "skipped" not in done.stdout
+
+
+USERS_BROKER_TESTS = """
+from brokers import connect
+
+def test_one(reservoir_amqp_url):
+    connect(reservoir_amqp_url).close()
+
+def test_two(reservoir_amqp_url):
+    connect(reservoir_amqp_url).close()
+
+def test_three(reservoir_amqp_url):
+    connect(reservoir_amqp_url).close()
+"""
+
+
+def test_a_test_broker_url_where_nothing_answers_fails_at_the_fixture_in_one_line(
+    tmp_path: Path,
+) -> None:
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    (tmp_path / "test_users.py").write_text(USERS_BROKER_TESTS)
+    url = f"amqp://guest:guest@127.0.0.1:{port}/"
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False,
+        env={**os.environ, "RESERVOIR_TEST_AMQP_URL": url,
+             "PYTHONPATH": os.pathsep.join(sys.path)},
+    )  # fmt: skip
+    output = done.stdout + done.stderr
+    assert done.returncode == 1, output
+    assert "3 errors" in done.stdout and "failed" not in done.stdout, output
+    line = (
+        f"RESERVOIR_TEST_AMQP_URL: nothing answers at amqp://guest:***@127.0.0.1:{port}/ "
+        f"(127.0.0.1:{port}: connection refused)"
+    )
+    # pytest repeats a session fixture's failure for each test that asks for it: the same
+    # one line each time, and nothing of the client library's connection attempts
+    assert output.count(line) == 3, output
+    assert "pika" not in output and "Traceback" not in output and "guest:guest" not in output
+    assert len(output.splitlines()) < 20, output

@@ -13,6 +13,7 @@ import click
 
 from reservoir.broker import BrokerError
 from reservoir.cli.options import (
+    NO_BROKER,
     broker_option,
     broker_problem,
     connect_attempts_option,
@@ -20,6 +21,7 @@ from reservoir.cli.options import (
     parse_pairs,
     set_up_tracing,
     shown_url,
+    usage_error,
 )
 from reservoir.exit_status import EXIT_BROKER, EXIT_USAGE
 from reservoir.interrupt import stop_on_signals, stopped
@@ -69,7 +71,7 @@ def _node_inventories(
 
 
 @click.command()
-@broker_option()
+@broker_option(checked_by_the_command=True)
 @click.option(
     "--config",
     "config_path",
@@ -211,6 +213,9 @@ def node(
     name = name or file.name
     if not name:
         raise click.UsageError("a node needs a name: --name, or name in the --config file")
+    broker_url = broker_url or file.broker_url
+    if not broker_url:
+        usage_error(NO_BROKER)  # (the file may name it too: see --config)
     # the file's settings first, the flags after them: a flag overrides the file
     base_totals, base_reserved, host_traits = _discovered_amounts(host, file)
     shorthands = {"vcpus": vcpus, "memory_mb": memory_mb, "disk_gb": disk_gb}
@@ -236,7 +241,6 @@ def node(
     state_dir = state_dir or (Path(file.state_dir) if file.state_dir else None)
     metrics_port = metrics_port or file.metrics_port
     status_interval = status_interval or file.status_interval or 1.0
-    broker_url = broker_url or file.broker_url
     node_key = node_key or (Path(file.node_key) if file.node_key else None)
     settings = load_settings(broker_url=broker_url, state_dir=state_dir, node_key=node_key)
     # before connecting: a port in use is a usage error, said before any waiting

@@ -45,14 +45,19 @@ NO_BROKER = (
 )
 
 
-def broker_option(default: str | None = None) -> Callable[[F], F]:
+def broker_option(
+    default: str | None = None, *, checked_by_the_command: bool = False
+) -> Callable[[F], F]:
     """``--broker URL`` (parameter ``broker_url``), read from ``RESERVOIR_BROKER_URL`` when
     absent. Without ``default`` the command talks to a cluster and refuses to start without
     one (exit status 2, :data:`NO_BROKER`): a forgotten URL must not quietly become an empty
     in-process broker. ``default`` only where a command runs on its own broker (``demo``),
-    which then says so."""
+    which then says so. ``checked_by_the_command``: the command may find the URL elsewhere
+    (``node``'s configuration file) and refuses with :data:`NO_BROKER` itself."""
 
     def given(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+        if checked_by_the_command:
+            return value
         if not value and default is None and not ctx.resilient_parsing:
             usage_error(NO_BROKER)
         return value or default

@@ -128,9 +128,11 @@ def test_a_nodes_ready_and_stopped_lines_carry_the_node_as_a_field() -> None:
         stderr=subprocess.PIPE, text=True, env=env,
     )  # fmt: skip
     assert node.stderr is not None
+    configuration = json.loads(node.stderr.readline())  # what it runs with, first
     ready = json.loads(node.stderr.readline())
     node.send_signal(signal.SIGTERM)
     stopped = json.loads(node.stderr.read().splitlines()[-1])
+    assert configuration["node"] == "j2"
     assert node.wait(timeout=30) == 130
     assert (ready["node"], ready["outcome"], ready["tier"]) == ("j2", "ready", 10)
     assert (stopped["node"], stopped["outcome"]) == ("j2", "stopped")

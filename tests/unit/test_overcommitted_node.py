@@ -77,6 +77,7 @@ def test_the_node_command_warns_in_one_line_at_start(tmp_path: Path) -> None:
         stderr=subprocess.PIPE, text=True, env=env,
     )  # fmt: skip
     assert process.stderr is not None
+    assert "node w1: configuration" in process.stderr.readline()  # what it runs with, first
     assert "node w1: ready" in process.stderr.readline()
     warning = process.stderr.readline().rstrip("\n").split(" INFO reservoir: ", 1)[1]
     process.send_signal(signal.SIGTERM)

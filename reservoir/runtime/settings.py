@@ -101,6 +101,9 @@ class Settings(BaseSettings):
     filters: tuple[str, ...] | None = None
     #: node-side weighers to use, by entry point name (None: every one found)
     weighers: tuple[str, ...] | None = None
+    #: the task drivers a node offers, by entry point name (``exec``, ``docker``); a
+    #: request whose task names another is not offered
+    task_drivers: tuple[str, ...] = ()
 
     @field_validator("tiers")
     @classmethod

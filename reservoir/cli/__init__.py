@@ -21,6 +21,7 @@ from reservoir.cli import (
     node,
     nodes,
     request,
+    run,
     serve,
     simulate,
 )
@@ -33,6 +34,8 @@ for command in (
     node.node,
     keeper.keeper,
     request.request,
+    run.run,
+    run.tasks_command,
     free.free,
     inspect.inspect,
     nodes.nodes_command,

@@ -125,6 +125,15 @@ def _node_inventories(
     show_default=True,
     help="With --state-dir, rewrite NAME.status.json this often (seconds).",
 )
+@click.option(
+    "--driver",
+    "drivers",
+    multiple=True,
+    metavar="NAME",
+    help="A task driver the node offers (exec, docker, or one installed under the "
+    "reservoir.task_drivers entry points). Repeatable. Default: RESERVOIR_TASK_DRIVERS, "
+    "else none (the node takes no request carrying a task).",
+)
 @connect_attempts_option()
 def node(
     broker_url: str | None,
@@ -141,6 +150,7 @@ def node(
     hugepages: tuple[str, ...],
     metrics_port: int | None,
     status_interval: float,
+    drivers: tuple[str, ...],
     connect_attempts: int,
 ) -> None:
     """Run a node agent until SIGTERM or SIGINT.
@@ -153,10 +163,13 @@ def node(
     from reservoir.runtime.backoff import quietly_connecting, until_connected
     from reservoir.runtime.node_agent import NodeAgent
     from reservoir.runtime.store import StateError
+    from reservoir.runtime.tasks import TaskDriverError
 
     inventories = _node_inventories(vcpus, memory_mb, disk_gb, inventory, ratio, reserved)
     topology = _numa_topology(numa_cells, hugepages, inventories)
-    settings = load_settings(broker_url=broker_url, state_dir=state_dir)
+    settings = load_settings(
+        broker_url=broker_url, state_dir=state_dir, task_drivers=drivers or None
+    )
     # before connecting: a port in use is a usage error, said before any waiting
     registry = _serve_metrics(metrics_port) if metrics_port is not None else None
     set_up_tracing("node")
@@ -186,6 +199,8 @@ def node(
     except StateError as error:
         click.echo(f"reservoir node: {error}", err=True)
         sys.exit(EXIT_USAGE)
+    except TaskDriverError as error:
+        raise click.BadParameter(str(error), param_hint="--driver") from None
     except BrokerError as error:
         click.echo(f"reservoir node: {_node_broker_problem(name, error)}", err=True)
         sys.exit(EXIT_BROKER)
@@ -200,6 +215,7 @@ def node(
         f"node {name}: ready on {shown_url(settings.broker_url)}; "
         f"{len(snapshot.allocations)} allocation(s) held, utilisation "
         f"{snapshot.utilisation:.0%}, tier {snapshot.tier}%{metrics_at}"
+        + (f"; task drivers {', '.join(sorted(agent.task_drivers))}" if agent.task_drivers else "")
     )
     status_path = state_dir / f"{name}.status.json" if state_dir else None
     try:

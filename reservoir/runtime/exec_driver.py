@@ -65,8 +65,11 @@ class ExecDriver:
 
     name = "exec"
 
-    def __init__(self, *, state_dir: Path, cgroup_root: Path = _CGROUP_ROOT) -> None:
+    def __init__(
+        self, *, state_dir: Path, node: str = "", cgroup_root: Path = _CGROUP_ROOT
+    ) -> None:
         self.state_dir = state_dir
+        self.node = node
         state_dir.mkdir(parents=True, exist_ok=True)
         self._cgroup_root = cgroup_root
         #: processes this run of the agent started (their parent: it reaps them)

@@ -144,7 +144,7 @@ class NodeAgent(Driver):
                 if settings.state_dir is not None
                 else Path(tempfile.mkdtemp(prefix=f"reservoir-{name}-tasks-"))
             )
-            drivers = load_task_drivers(settings.task_drivers, state_dir=tasks_dir)
+            drivers = load_task_drivers(settings.task_drivers, state_dir=tasks_dir, node=name)
         else:
             drivers = drivers_by_name(task_drivers)
         #: task driver name -> driver

@@ -102,9 +102,9 @@ class TaskDriver(Protocol):
         ...
 
 
-def load_task_drivers(names: Sequence[str], *, state_dir: Path) -> dict[str, TaskDriver]:
+def load_task_drivers(names: Sequence[str], *, state_dir: Path, node: str) -> dict[str, TaskDriver]:
     """The drivers named, from the ``reservoir.task_drivers`` entry points, each made
-    with the directory where it may keep files (exit codes, logs)."""
+    with the directory where it may keep files (exit codes, logs) and the node's name."""
     found: dict[str, EntryPoint] = {
         name: EntryPoint(name=name, value=value, group=TASK_DRIVER_GROUP)
         for name, value in BUILT_IN_TASK_DRIVERS.items()
@@ -116,7 +116,7 @@ def load_task_drivers(names: Sequence[str], *, state_dir: Path) -> dict[str, Tas
             known = ", ".join(sorted(found)) or "none installed"
             raise TaskDriverError(f"no task driver named {name!r}; known: {known}")
         try:
-            driver = found[name].load()(state_dir=state_dir / name)
+            driver = found[name].load()(state_dir=state_dir / name, node=node)
         except TaskDriverError:
             raise
         except Exception as error:  # a plugin may fail in any way: say which

@@ -5,6 +5,7 @@ Every test ends with ``reservoir audit`` (which checks the tasks' invariants too
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -114,7 +115,8 @@ def cluster(reservoir_amqp_url: str, tmp_path: Path) -> Iterator[TaskCluster]:
             process.kill()
             process.wait(timeout=10)
     for pid in processes_with(cluster.token):  # a task a failing test left behind
-        os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(os.getpgid(pid), signal.SIGKILL)  # its session: wrapper and all
     with connect(url) as broker:
         broker.delete_exchanges()  # type: ignore[attr-defined]
 

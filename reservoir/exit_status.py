@@ -15,5 +15,8 @@ EXIT_USAGE: Final = 2
 #: same number as a usage error, as docs/cli.md's "Exit status" line says
 EXIT_RUN_FAILED: Final = 2
 EXIT_BROKER: Final = 3
+#: ``reservoir run``: the task never started (its node said why), or its exit code is
+#: unknown (it ended while its node agent was away); as ``docker run`` says it
+EXIT_TASK_NOT_RUN: Final = 125
 #: stopped by Ctrl-C or SIGTERM: 128 + SIGINT, as a shell reports it
 EXIT_INTERRUPTED: Final = 130

@@ -164,6 +164,15 @@ def _node_inventories(
     default=None,
     help="With --state-dir, rewrite NAME.status.json this often (seconds; default 1).",
 )
+@click.option(
+    "--driver",
+    "drivers",
+    multiple=True,
+    metavar="NAME",
+    help="A task driver the node offers (exec, docker, or one installed under the "
+    "reservoir.task_drivers entry points). Repeatable. Default: RESERVOIR_TASK_DRIVERS, "
+    "else none (the node takes no request carrying a task).",
+)
 @connect_attempts_option()
 def node(
     broker_url: str | None,
@@ -186,6 +195,7 @@ def node(
     hugepages: tuple[str, ...],
     metrics_port: int | None,
     status_interval: float | None,
+    drivers: tuple[str, ...],
     connect_attempts: int,
 ) -> None:
     """Run a node agent until SIGTERM, SIGINT or SIGHUP (all three alike).
@@ -200,6 +210,7 @@ def node(
     from reservoir.runtime.node_agent import NodeAgent
     from reservoir.runtime.node_config import NodeFile
     from reservoir.runtime.store import StateError
+    from reservoir.runtime.tasks import TaskDriverError
 
     file = _node_file(config_path) if config_path is not None else NodeFile()
     if discovering is None:
@@ -242,7 +253,12 @@ def node(
     metrics_port = metrics_port or file.metrics_port
     status_interval = status_interval or file.status_interval or 1.0
     node_key = node_key or (Path(file.node_key) if file.node_key else None)
-    settings = load_settings(broker_url=broker_url, state_dir=state_dir, node_key=node_key)
+    settings = load_settings(
+        broker_url=broker_url,
+        state_dir=state_dir,
+        node_key=node_key,
+        task_drivers=drivers or None,
+    )
     # before connecting: a port in use is a usage error, said before any waiting
     registry = _serve_metrics(metrics_port) if metrics_port is not None else None
     set_up_tracing("node")
@@ -272,6 +288,8 @@ def node(
     except StateError as error:
         click.echo(f"reservoir node: {error}", err=True)
         sys.exit(EXIT_USAGE)
+    except TaskDriverError as error:
+        raise click.BadParameter(str(error), param_hint="--driver") from None
     except BrokerError as error:
         click.echo(f"reservoir node: {_node_broker_problem(name, error)}", err=True)
         sys.exit(EXIT_BROKER)
@@ -286,7 +304,8 @@ def node(
     say(
         f"node {name}: ready on {shown_url(settings.broker_url)}; "
         f"{len(snapshot.allocations)} allocation(s) held, utilisation "
-        f"{snapshot.utilisation:.0%}, tier {snapshot.tier}%{metrics_at}",
+        f"{snapshot.utilisation:.0%}, tier {snapshot.tier}%{metrics_at}"
+        + (f"; task drivers {', '.join(sorted(agent.task_drivers))}" if agent.task_drivers else ""),
         node=name,
         outcome="ready",
         allocations=len(snapshot.allocations),

@@ -7,6 +7,9 @@ It looks at what the *nodes* hold, independently of what requestors believe, and
 - **leaked reservations**: a reservation still held after its deadline;
 - **duplicate placements**: a request id holding more instances across all nodes than it
   asked for, or a placement a requestor returned that the nodes do not hold;
+- **task violations** (counted with the node's own violations): a task running without
+  a live allocation, or an allocation whose task ended still held (unless the request
+  kept it);
 - **orphaned allocations** (informational): allocations no returned placement accounts
   for, e.g. a placement abandoned when a ``Free`` was lost. Only meaningful when every
   placement of the run is passed in.
@@ -39,7 +42,17 @@ class NodeSnapshot:
     configuration: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, name: str, ledger: Ledger, taken_at: float, tier: int) -> NodeSnapshot:
+    def of(
+        cls,
+        name: str,
+        ledger: Ledger,
+        taken_at: float,
+        tier: int,
+        task_violations: Iterable[str] = (),
+    ) -> NodeSnapshot:
+        """``task_violations``: what the node's machine finds wrong with its tasks
+        (:meth:`~reservoir.protocol.node.NodeMachine.task_violations`), judged with the
+        ledger's own."""
         return cls(
             name=name,
             taken_at=taken_at,
@@ -48,7 +61,7 @@ class NodeSnapshot:
             usages=ledger.usages(),
             allocations=tuple(ledger.allocations.values()),
             reservations=tuple(ledger.reservations.values()),
-            violations=tuple(ledger.violations()),
+            violations=(*ledger.violations(), *task_violations),
         )
 
 

@@ -33,6 +33,8 @@ __all__ = [
     "Publish",
     "Send",
     "SetTimer",
+    "StartTask",
+    "StopTask",
     "StoreAllocation",
     "Unbind",
 ]
@@ -95,6 +97,25 @@ class DeleteAllocation:
 
 
 @dataclass(slots=True, unsafe_hash=True)
+class StartTask:
+    """Start the allocation's task (its ``task``) through the driver it names; the node
+    asks only after the allocation is stored and ``Accepted`` is on its way. The driver
+    reports back with :meth:`~reservoir.protocol.node.NodeMachine.task_changed`."""
+
+    allocation: Allocation
+
+
+@dataclass(slots=True, unsafe_hash=True)
+class StopTask:
+    """Stop the task of an allocation that was freed: SIGTERM, then SIGKILL after
+    ``grace_s`` (or the driver's equivalent)."""
+
+    allocation_id: str
+    driver: str
+    grace_s: float
+
+
+@dataclass(slots=True, unsafe_hash=True)
 class Placed:
     """A request is placed: hand ``placement`` to whoever asked."""
 
@@ -146,6 +167,8 @@ Effect = (
     | CancelTimer
     | StoreAllocation
     | DeleteAllocation
+    | StartTask
+    | StopTask
     | Placed
     | Failed
     | FreeCompleted

@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
-from reservoir.protocol.messages import AllocationInfo, NumaPlacement, Reason
+from reservoir.protocol.messages import AllocationInfo, NumaPlacement, Reason, TaskSpec
 from reservoir.protocol.room import room_class
 
 __all__ = [
@@ -95,6 +95,10 @@ class Allocation:
     #: when its requestor was asked to place the request (the award's ``requested_at_s``,
     #: seconds since the epoch): of two placements of one id, the later one stands
     requested_at_s: float = 0.0
+    #: the work the node runs in this instance, if the request carried one
+    task: TaskSpec | None = None
+    #: where the task's state goes: the reply address of the requestor that placed it
+    reply_to: str | None = None
 
     def info(self) -> AllocationInfo:
         return AllocationInfo(
@@ -121,6 +125,8 @@ class Reservation:
     superseded_by: str | None = None
     #: a Lookup for the id must find it (see ``ReservationRequest.findable``)
     findable: bool = False
+    #: the work each instance runs once awarded
+    task: TaskSpec | None = None
 
     def holds(self) -> dict[str, int]:
         return {rc: amount * self.slots for rc, amount in self.per_instance.items()}

@@ -24,6 +24,12 @@ Conversation, one per request id (see docs/design.md):
     node      --Accepted | Refused--> requestor
     requestor --Free--> node --Freed--> requestor       (the instance was deleted)
 
+Tasks, when the request carries one (``task``; see docs/design.md, "Tasks"):
+
+    node      --TaskState(started)--> the placing requestor, after Accepted
+    node      --TaskState(exited | failed | stopped)--> the placing requestor
+    anyone    --TaskQuery--> the widest tier's topic; nodes --TaskState--> the asker
+
 Membership, for requestors' rosters (not a conversation; ``request_id`` is ``roster``):
 
     node      --NodeStatus--> roster topic    (at start, on every change of tier, leaving)
@@ -75,6 +81,7 @@ __all__ = [
     "ROSTER_ID",
     "ROSTER_TOPIC",
     "STANDARD_RESOURCE_CLASSES",
+    "TASK_STATES",
     "TRAIT_MAX_LENGTH",
     "TRAIT_PATTERN",
     "Accepted",
@@ -109,6 +116,10 @@ __all__ = [
     "RosterMember",
     "RosterQuery",
     "RosterSample",
+    "TaskQuery",
+    "TaskSpec",
+    "TaskState",
+    "TaskStateName",
     "bucket_bitmap",
     "buckets_in",
     "check_ids",
@@ -462,6 +473,34 @@ class Reason(_Frozen, frozen=True, kw_only=True):
     detail: Annotated[str, Meta(max_length=500)] = ""
 
 
+#: What a task can be doing, as a node reports it: ``starting`` (awarded, its driver
+#: not done starting it), ``started`` (the driver started it:
+#: said once), ``running`` (alive, in answers to a query and after a re-attach),
+#: ``exited`` (ended by itself, with its exit code), ``failed`` (never started: the
+#: reason says why), ``stopped`` (ended because its allocation was freed).
+TaskStateName = Literal["starting", "started", "running", "exited", "failed", "stopped"]
+TASK_STATES: Final = frozenset(get_args(TaskStateName))
+#: one argument, variable or path of a task, bounded so a request stays one message
+_TaskText = Annotated[str, Meta(max_length=4096)]
+
+
+class TaskSpec(_Frozen, frozen=True, kw_only=True):
+    """The work a request carries: the node starts it in each instance once awarded,
+    through the task driver named ``driver`` (one the node offers; one that does not
+    never offers). ``command`` is the program and its arguments; ``image`` is for
+    container drivers (``docker``)."""
+
+    driver: Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[a-z0-9_.-]+\Z")]
+    command: Annotated[tuple[_TaskText, ...], Meta(max_length=1024)] = ()
+    env: Annotated[dict[str, _TaskText], Meta(max_length=256)] = field(default_factory=dict)
+    workdir: _TaskText | None = None
+    image: Annotated[str, Meta(min_length=1, max_length=500)] | None = None
+    #: the allocation outlives the task (freed by the caller, as a pure reservation)
+    keep_allocation: bool = False
+    #: a stop sends SIGTERM, then SIGKILL after this many seconds
+    stop_grace_s: Annotated[float, Meta(ge=0, le=3600)] = 10.0
+
+
 class InstanceShape(_Frozen, frozen=True, kw_only=True):
     """What each instance needs and where it may go: the part of a request a caller writes.
 
@@ -490,6 +529,8 @@ class InstanceShape(_Frozen, frozen=True, kw_only=True):
     explain: bool = False
     #: free-form JSON for operators' node-side filters and weighers
     hints: dict[str, Any] = field(default_factory=dict)
+    #: work to start in each instance once awarded (None: a pure reservation)
+    task: TaskSpec | None = None
 
     def __post_init__(self) -> None:
         problem = _unknown_resource_classes(self.resources)
@@ -849,6 +890,38 @@ class LedgerReport(_Message, tag="ledger_report", frozen=True, kw_only=True):
             raise ValueError(f"part {self.part} of {self.parts}: parts are numbered from 0")
 
 
+class TaskState(_Message, tag="task_state", frozen=True, kw_only=True):
+    """What became of one instance's task, from the node running it: sent to the
+    requestor that placed it as the state changes, and to anyone asking
+    (:class:`TaskQuery`)."""
+
+    kind: ClassVar[Literal["task_state"]] = "task_state"
+    reply_to: Identifier
+    allocation_id: Identifier
+    state: TaskStateName
+    driver: Annotated[str, Meta(max_length=64)] = ""
+    #: the task's exit code (``exited``, ``stopped`` when known)
+    exit_code: int | None = None
+    #: why it failed to start, or how it was stopped
+    reason: Annotated[str, Meta(max_length=500)] = ""
+    #: which limits the driver applied (``cgroup``, ``rlimit``, ``docker``, ``none``)
+    limits: Annotated[str, Meta(max_length=200)] = ""
+    #: the allocation outlives the task
+    kept: bool = False
+    #: an answer to a TaskQuery, not news
+    answering: bool = False
+
+
+class TaskQuery(_Message, tag="task_query", frozen=True, kw_only=True):
+    """Published on the widest tier's topic: every node answers with a
+    :class:`TaskState` for each task it knows of the request id (``every``: of every
+    request; then ``request_id`` is ``tasks``). Nodes remember ended tasks for a while."""
+
+    kind: ClassVar[Literal["task_query"]] = "task_query"
+    reply_to: Identifier
+    every: bool = False
+
+
 Message = (
     ReservationRequest
     | Lookup
@@ -868,6 +941,8 @@ Message = (
     | RosterSample
     | LedgerQuery
     | LedgerReport
+    | TaskState
+    | TaskQuery
 )
 
 #: Every message class: a machine takes an event of exactly one of these (they are final),
@@ -887,6 +962,7 @@ REQUESTOR_KINDS: Final = frozenset(
         # a roster keeper runs with a requestor's credentials
         "roster_query",
         "roster_sample",
+        "task_query",
     }
 )
 NODE_KINDS: Final = frozenset(
@@ -900,6 +976,7 @@ NODE_KINDS: Final = frozenset(
         "freed",
         "status",
         "ledger_report",
+        "task_state",
     }
 )
 

@@ -54,12 +54,15 @@ from reservoir.protocol.effects import (
     Publish,
     Send,
     SetTimer,
+    StartTask,
+    StopTask,
     StoreAllocation,
     Unbind,
 )
 from reservoir.protocol.filters import (
     DEFAULT_FILTERS,
     DEFAULT_WEIGHERS,
+    Evaluation,
     Filter,
     NodeView,
     Weigher,
@@ -90,18 +93,30 @@ from reservoir.protocol.messages import (
     Release,
     ReservationRequest,
     ResourceTally,
+    TaskQuery,
+    TaskState,
     bucket_bitmap,
     lookup_bucket,
     lookup_topic,
 )
 from reservoir.protocol.numa import NumaTopology
 from reservoir.protocol.room import NOTHING_FREE
+from reservoir.protocol.tasks import ENDED_STATES, TaskBook
 from reservoir.protocol.tiers import DEFAULT_LADDER, TierLadder
 
-__all__ = ["EXPIRY_TIMER", "IN_FLIGHT_ELSEWHERE", "OVERCOMMITTED", "NodeConfig", "NodeMachine"]
+__all__ = [
+    "EXPIRY_TIMER",
+    "IN_FLIGHT_ELSEWHERE",
+    "OVERCOMMITTED",
+    "TASK_DRIVER_MISSING",
+    "NodeConfig",
+    "NodeMachine",
+]
 
 #: Decline reason: another requestor holds a reservation for the same request id here.
 IN_FLIGHT_ELSEWHERE: Final = "in_flight_elsewhere"
+#: Decline reason: the request's task names a task driver this node does not offer.
+TASK_DRIVER_MISSING: Final = "task_driver"
 #: Reasons a node always gives, explain or not: the requestor needs them to decide well.
 GROUP_REASONS: Final = frozenset({"anti_affinity", "affinity"})
 #: Decline reason: the node holds more than its inventory (restarted with a smaller one
@@ -137,6 +152,8 @@ class NodeConfig:
     #: the configuration it runs with, as its operator would read it (JSON-able): told
     #: to whoever asks for its ledger
     configuration: Mapping[str, Any] = field(default_factory=dict)
+    #: the task drivers the node offers: a request whose task names another is not offered
+    task_drivers: frozenset[str] = frozenset()
 
 
 class NodeMachine:
@@ -167,6 +184,8 @@ class NodeMachine:
         #: what became of reservations (``reserved``, ``awarded``, ``released``,
         #: ``expired``, ``withdrawn``) and ``dry_runs`` answered, for the driver to publish
         self.counters: Counter[str] = Counter()
+        #: the tasks of the node's allocations, live and lately ended
+        self.tasks = TaskBook()
 
     # -- observing ---------------------------------------------------------------------
 
@@ -288,6 +307,8 @@ class NodeMachine:
                 effects.append(Send(message.reply_to, self._status(answering=True)))
         elif message.kind == "ledger_query":
             effects.extend(Send(message.reply_to, r) for r in self.ledger_report(message, now))
+        elif message.kind == "task_query":
+            self._on_task_query(message, effects)
         else:
             effects.append(Dropped("unexpected", f"a node does not take {message.kind!r}"))
         self._sync_buckets(effects)
@@ -311,9 +332,81 @@ class NodeMachine:
         for allocation_id in allocation_ids:
             if self.ledger.remove_allocation(allocation_id) is not None:
                 effects.append(DeleteAllocation(allocation_id))
+                self._stop_task(allocation_id, "freed by the operator", effects)
         self._sync_buckets(effects)
         self._retier(effects)
         return effects
+
+    def task_changed(
+        self,
+        allocation_id: str,
+        state: str,
+        now: float,
+        *,
+        exit_code: int | None = None,
+        reason: str = "",
+        limits: str | None = None,
+    ) -> list[Effect]:
+        """The driver of an allocation's task saw it change: ``started`` (or ``running``,
+        re-attached after a restart), ``exited`` with ``exit_code``, ``failed`` to start
+        with ``reason``, or ``stopped``. The placing requestor hears of it; a task that
+        ended frees its allocation, as a ``Free`` would, unless the request kept it."""
+        effects: list[Effect] = []
+        self._expire(now, effects)
+        allocation = self.ledger.allocations.get(allocation_id)
+        task = self.tasks.get(allocation_id)
+        if task is None:
+            if allocation is None or allocation.task is None:
+                effects.append(
+                    Dropped("unknown_task", f"{state} for {allocation_id}, not a task held here")
+                )
+                return effects
+            task = self.tasks.starting(allocation)  # held across a restart of the agent
+        if state == "exited" and task.stopping:
+            state = "stopped"  # it ended because it was asked to
+        if task.stopping and state in ENDED_STATES:
+            reason = f"{task.stop_reason} ({reason})" if reason else task.stop_reason
+        report = self.tasks.change(task, state, exit_code=exit_code, reason=reason, limits=limits)
+        if state in ENDED_STATES and allocation is not None and not task.keep_allocation:
+            self.ledger.remove_allocation(allocation_id)
+            effects.append(DeleteAllocation(allocation_id))
+        if task.reply_to is not None:
+            effects.append(Send(task.reply_to, self._task_message(report)))
+        self._sync_buckets(effects)
+        self._retier(effects)
+        return effects
+
+    def task_violations(self) -> list[str]:
+        """What is wrong with the node's tasks: one running without a live allocation, or
+        an allocation whose task ended still held although the request did not keep it."""
+        problems = []
+        for task in self.tasks.live():
+            if not task.stopping and task.allocation_id not in self.ledger.allocations:
+                problems.append(f"task of {task.allocation_id} runs without its allocation")
+        for task in self.tasks.ended():
+            if not task.keep_allocation and task.allocation_id in self.ledger.allocations:
+                problems.append(
+                    f"the task of {task.allocation_id} ended ({task.state}) "
+                    "and its allocation is still held"
+                )
+        return problems
+
+    def _stop_task(self, allocation_id: str, why: str, effects: list[Effect]) -> None:
+        task = self.tasks.get(allocation_id)
+        if task is not None and not task.ended and not task.stopping:
+            task.stopping = True
+            task.stop_reason = why
+            effects.append(StopTask(allocation_id, task.driver, task.stop_grace_s))
+
+    def _on_task_query(self, query: TaskQuery, effects: list[Effect]) -> None:
+        tasks = self.tasks.all() if query.every else self.tasks.of_request(query.request_id)
+        for task in tasks:
+            effects.append(Send(query.reply_to, self._task_message(task.report(), answering=True)))
+
+    def _task_message(self, report: TaskState, *, answering: bool = False) -> TaskState:
+        return msgspec.structs.replace(
+            report, sender=self.name, reply_to=self.config.address, answering=answering
+        )
 
     def ledger_report(self, query: LedgerQuery, now: float) -> list[LedgerReport]:
         """The whole ledger, as the parts of a report answering ``query``."""
@@ -366,7 +459,7 @@ class NodeMachine:
                 tallies=tallies,
                 allocations=tuple(e for e in chunk if isinstance(e, HeldAllocation)),
                 reservations=tuple(e for e in chunk if isinstance(e, HeldReservation)),
-                violations=tuple(self.ledger.violations()),
+                violations=(*self.ledger.violations(), *self.task_violations()),
                 configuration=dict(self.config.configuration) if index == 0 else {},
             )
             for index, chunk in enumerate(chunks)
@@ -523,7 +616,23 @@ class NodeMachine:
                     )
                 )
             return
-        evaluation = evaluate(request, self.view, self.config.filters, self.config.weighers)
+        if request.task is not None and request.task.driver not in self.config.task_drivers:
+            driver = request.task.driver
+            evaluation = Evaluation(
+                slots=0,
+                reasons=(
+                    Reason(
+                        code=TASK_DRIVER_MISSING,
+                        subject=driver,
+                        detail=f"the node offers no {driver!r} task driver",
+                    ),
+                ),
+                busy=False,
+                score=0.0,
+                numa=None,
+            )
+        else:
+            evaluation = evaluate(request, self.view, self.config.filters, self.config.weighers)
         if evaluation.slots <= 0:
             # Silence is the answer, except when it would mislead: when asked to explain,
             # when waiting may help (busy), and when the server group is why or lives
@@ -567,6 +676,7 @@ class NodeMachine:
             group=request.group.name if request.group else None,
             numa=evaluation.numa or (),
             findable=request.findable,
+            task=request.task,
         )
         members_before = self._group_members(request)
         self.ledger.add_reservation(reservation)
@@ -674,11 +784,18 @@ class NodeMachine:
                 numa=reservation.numa[index] if index < len(reservation.numa) else None,
                 findable=reservation.findable,
                 requested_at_s=award.requested_at_s,
+                task=reservation.task,
+                reply_to=reservation.reply_to if reservation.task is not None else None,
             )
             self.ledger.add_allocation(allocation)
             allocations.append(allocation)
             effects.append(StoreAllocation(allocation))
         effects.append(self._accepted(award.reply_to, reservation.reservation_id, allocations))
+        # The work starts once the allocation is stored and Accepted is on its way.
+        for allocation in allocations:
+            if allocation.task is not None:
+                self.tasks.starting(allocation)
+                effects.append(StartTask(allocation))
 
     def _refused(self, reply_to: str, request_id: str, reservation_id: str, reason: str) -> Send:
         return Send(
@@ -753,6 +870,7 @@ class NodeMachine:
                 continue
             self.ledger.remove_allocation(allocation.allocation_id)
             effects.append(DeleteAllocation(allocation.allocation_id))
+            self._stop_task(allocation.allocation_id, "released", effects)
             freed.append(allocation.allocation_id)
         effects.append(
             Send(

@@ -52,6 +52,8 @@ from reservoir.protocol.effects import (
     Publish,
     Send,
     SetTimer,
+    StartTask,
+    StopTask,
     StoreAllocation,
     Unbind,
 )
@@ -68,7 +70,9 @@ log = logging.getLogger("reservoir.driver")
 #: request ids of messages that belong to no conversation (membership, audits)
 _NOT_A_CONVERSATION = frozenset({ROSTER_ID, AUDIT_ID})
 
-Outcome = Placed | Failed | FreeCompleted | Found
+#: what is handed on after the machine's lock is released: a caller's outcome, or a
+#: task to start or stop (a node agent's, after its Accepted went out)
+Outcome = Placed | Failed | FreeCompleted | Found | StartTask | StopTask
 
 
 class Driver:

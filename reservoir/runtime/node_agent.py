@@ -12,10 +12,13 @@ award (:mod:`reservoir.observe.tracing`), and the request id on every log line o
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import os
 import secrets
+import tempfile
+import threading
 from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
@@ -27,7 +30,14 @@ from reservoir.observe import tracing
 from reservoir.observe.metrics import Metrics, resource_families
 from reservoir.protocol.addresses import node_address
 from reservoir.protocol.audit import NodeSnapshot
-from reservoir.protocol.effects import DeleteAllocation, Effect, Publish, StoreAllocation
+from reservoir.protocol.effects import (
+    DeleteAllocation,
+    Effect,
+    Publish,
+    StartTask,
+    StopTask,
+    StoreAllocation,
+)
 from reservoir.protocol.filters import Filter, Weigher
 from reservoir.protocol.ledger import Allocation, Inventory
 from reservoir.protocol.messages import (
@@ -39,10 +49,17 @@ from reservoir.protocol.messages import (
 from reservoir.protocol.node import NodeConfig, NodeMachine
 from reservoir.protocol.numa import NumaTopology
 from reservoir.protocol.placement import SHORTHAND_CLASSES
-from reservoir.runtime.driver import Driver
+from reservoir.runtime.driver import Driver, Outcome
 from reservoir.runtime.plugins import load_filters, load_weighers
 from reservoir.runtime.settings import Settings
 from reservoir.runtime.store import AllocationStore, MemoryStore, SqliteStore
+from reservoir.runtime.tasks import (
+    TaskDriver,
+    TaskHandle,
+    TaskStartError,
+    drivers_by_name,
+    load_task_drivers,
+)
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -58,6 +75,8 @@ log = logging.getLogger("reservoir.node_agent")
 REJOIN_CHECK_S: Final = 1.0
 #: The timer key of that check; the machine's own timers are strings.
 _REJOIN_CHECK: Final = ("agent", "rejoin-check")
+#: How often the agent looks whether its running tasks still run.
+TASK_POLL_S: Final = 0.05
 
 
 def _inventories(
@@ -111,11 +130,26 @@ class NodeAgent(Driver):
         weighers: Sequence[Weigher] | None = None,
         metrics: Metrics | None = None,
         metrics_registry: CollectorRegistry | None = None,
+        task_drivers: Mapping[str, TaskDriver] | Sequence[TaskDriver] | None = None,
         start: bool = True,
     ) -> None:
         """``metrics_registry``: the Prometheus registry to count in (a registry of its
-        own by default, so many nodes in one process never collide)."""
+        own by default, so many nodes in one process never collide). ``task_drivers``:
+        the drivers the node offers, as objects (an embedded agent's own code, told of
+        every award and release of a request naming it); None: those
+        ``settings.task_drivers`` names."""
         settings = settings if settings is not None else Settings()
+        if task_drivers is None:
+            tasks_dir = (
+                settings.state_dir / "tasks" / name
+                if settings.state_dir is not None
+                else Path(tempfile.mkdtemp(prefix=f"reservoir-{name}-tasks-"))
+            )
+            drivers = load_task_drivers(settings.task_drivers, state_dir=tasks_dir, node=name)
+        else:
+            drivers = drivers_by_name(task_drivers)
+        #: task driver name -> driver
+        self.task_drivers: dict[str, TaskDriver] = drivers
         if metrics is None:
             metrics = Metrics(name, registry=metrics_registry)
         if store is None and settings.state_dir is not None:
@@ -132,8 +166,17 @@ class NodeAgent(Driver):
             weighers=tuple(weighers) if weighers is not None else load_weighers(settings.weighers),
             numa=numa,
             configuration=dict(configuration or {}),
+            task_drivers=frozenset(drivers),
         )
         self.machine = NodeMachine(config, allocations=self.store.load())
+        #: allocation id -> the handle of its running task
+        self._task_handles: dict[str, TaskHandle] = {}
+        #: stops asked for before the task's start was done: allocation id -> grace
+        self._stops_wanted: dict[str, float] = {}
+        self._tasks_lock = threading.Lock()
+        self._task_work: concurrent.futures.ThreadPoolExecutor | None = None
+        self._task_watch: threading.Thread | None = None
+        self._tasks_done = threading.Event()
         try:
             super().__init__(
                 broker=broker,
@@ -160,6 +203,7 @@ class NodeAgent(Driver):
         if not self._started:
             self._started = True
             self._run(self.machine.start)
+            self._recover_tasks()
             if self.broker.reconnects:
                 with self._lock:
                     if not self._closed:
@@ -177,6 +221,12 @@ class NodeAgent(Driver):
             self._closed = True
             self._cancel_all_timers()
         self.metrics.remove_source()
+        # The tasks go on running: a restarted agent re-attaches to them.
+        self._tasks_done.set()
+        if self._task_watch is not None:
+            self._task_watch.join()
+        if self._task_work is not None:
+            self._task_work.shutdown(wait=True, cancel_futures=True)
         self._let_go()
         self.store.close()
 
@@ -193,7 +243,11 @@ class NodeAgent(Driver):
     def snapshot(self) -> NodeSnapshot:
         with self._lock:
             return NodeSnapshot.of(
-                self.name, self.machine.ledger, self.scheduler.clock.now(), self.machine.tier()
+                self.name,
+                self.machine.ledger,
+                self.scheduler.clock.now(),
+                self.machine.tier(),
+                self.machine.task_violations(),
             )
 
     def utilisation(self) -> float:
@@ -343,6 +397,136 @@ class NodeAgent(Driver):
             extra={"node": self.name},
         )
         return self.machine.rejoined(now)
+
+    # -- tasks -------------------------------------------------------------------------
+
+    def tasks(self) -> list[TaskHandle]:
+        """The handles of the tasks running now."""
+        with self._tasks_lock:
+            return list(self._task_handles.values())
+
+    def _deliver(self, outcomes: list[Outcome]) -> None:
+        # After the machine's lock is released and Accepted is sent: drivers may block
+        for outcome in outcomes:
+            if isinstance(outcome, StartTask):
+                self._task_executor().submit(self._start_task, outcome)
+            elif isinstance(outcome, StopTask):
+                self._task_executor().submit(self._stop_task, outcome)
+
+    def _task_executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        with self._tasks_lock:
+            if self._task_work is None:
+                self._task_work = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=4, thread_name_prefix=f"{self.name}:tasks"
+                )
+            if self._task_watch is None:
+                self._task_watch = threading.Thread(
+                    target=self._watch_tasks, name=f"{self.name}:task-watch", daemon=True
+                )
+                self._task_watch.start()
+            return self._task_work
+
+    def _task_event(self, allocation_id: str, state: str, **details: object) -> None:
+        if not self._closed:
+            self._run(
+                lambda now: self.machine.task_changed(allocation_id, state, now, **details)  # type: ignore[arg-type]
+            )
+
+    def _start_task(self, effect: StartTask) -> None:
+        allocation = effect.allocation
+        task = allocation.task
+        assert task is not None
+        driver = self.task_drivers.get(task.driver)
+        try:
+            if driver is None:
+                raise TaskStartError(f"the node offers no {task.driver!r} task driver")
+            handle = driver.start(allocation, task)
+        except Exception as error:  # a driver may fail in any way: the task failed
+            reason = str(error) if isinstance(error, TaskStartError) else repr(error)
+            log.info("task of %s failed to start: %s", allocation.allocation_id, reason)
+            self._task_event(allocation.allocation_id, "failed", reason=reason[:500])
+            return
+        self.store.put_task(handle)
+        # Said before the watcher may see it end: "started" always comes first.
+        self._task_event(allocation.allocation_id, "started", limits=handle.limits)
+        with self._tasks_lock:
+            self._task_handles[allocation.allocation_id] = handle
+            grace = self._stops_wanted.pop(allocation.allocation_id, None)
+        if grace is not None:
+            driver.stop(handle, grace)
+
+    def _stop_task(self, effect: StopTask) -> None:
+        with self._tasks_lock:
+            handle = self._task_handles.get(effect.allocation_id)
+            if handle is None:  # still starting: stopped once it has
+                self._stops_wanted[effect.allocation_id] = effect.grace_s
+                return
+        driver = self.task_drivers.get(handle.driver)
+        if driver is not None:
+            driver.stop(handle, effect.grace_s)
+
+    def _watch_tasks(self) -> None:
+        while not self._tasks_done.wait(TASK_POLL_S):
+            for handle in self.tasks():
+                driver = self.task_drivers.get(handle.driver)
+                if driver is None:
+                    continue
+                try:
+                    status = driver.status(handle)
+                except Exception:  # one task's driver failing must not stop the watch
+                    log.exception("task driver %s failed to tell a status", handle.driver)
+                    continue
+                if not status.running:
+                    self._task_ended(handle, driver, status.exit_code, status.reason)
+
+    def _task_ended(
+        self, handle: TaskHandle, driver: TaskDriver, exit_code: int | None, reason: str
+    ) -> None:
+        with self._tasks_lock:
+            self._task_handles.pop(handle.allocation_id, None)
+        self._task_event(handle.allocation_id, "exited", exit_code=exit_code, reason=reason)
+        self.store.delete_task(handle.allocation_id)
+        driver.forget(handle)
+
+    def _recover_tasks(self) -> None:
+        """After a restart: re-attach to the tasks still running, report the ones that
+        ended meanwhile, stop any whose allocation is no longer held, and fail the tasks
+        of allocations the previous run never got to start."""
+        handles = {h.allocation_id: h for h in self.store.load_tasks()}
+        with self._lock:
+            held = {
+                a.allocation_id: a
+                for a in self.machine.ledger.allocations.values()
+                if a.task is not None
+            }
+        for allocation_id, handle in handles.items():
+            driver = self.task_drivers.get(handle.driver)
+            if driver is None:
+                log.warning(
+                    "node %s: task of %s was started by driver %r, which it no longer offers",
+                    self.name,
+                    allocation_id,
+                    handle.driver,
+                )
+                continue
+            if allocation_id not in held:
+                log.info("stopping the task of %s: its allocation is gone", allocation_id)
+                driver.stop(handle, 0.0)
+                self.store.delete_task(allocation_id)
+                driver.forget(handle)
+                continue
+            status = driver.reattach(handle)
+            if status.running:
+                self._task_event(allocation_id, "running", limits=handle.limits)
+                with self._tasks_lock:
+                    self._task_handles[allocation_id] = handle
+                self._task_executor()  # the watcher
+            else:
+                self._task_ended(handle, driver, status.exit_code, status.reason)
+        for allocation_id in held.keys() - handles.keys():
+            self._task_event(
+                allocation_id, "failed", reason="the node agent stopped before it started the task"
+            )
 
     def _persist(self, effect: StoreAllocation | DeleteAllocation) -> None:
         if isinstance(effect, StoreAllocation):

@@ -28,6 +28,8 @@ import uuid
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from msgspec.structs import replace as msgspec_replace
+
 from brokers import BrokerUrl
 from reservoir.broker import Broker
 from reservoir.clock import Scheduler
@@ -36,7 +38,7 @@ from reservoir.observe.logs import REQUEST_ID
 from reservoir.observe.metrics import Metrics, default_participant
 from reservoir.protocol.addresses import node_address, requestor_address
 from reservoir.protocol.effects import Effect, Failed, FreeCompleted, Placed
-from reservoir.protocol.messages import Message
+from reservoir.protocol.messages import Message, TaskSpec, TaskState
 from reservoir.protocol.placement import (
     Explanation,
     Placement,
@@ -51,6 +53,7 @@ from reservoir.protocol.timers import ConversationTimer, FreeTimer
 from reservoir.runtime.driver import Driver, Outcome
 from reservoir.runtime.finding import Finder
 from reservoir.runtime.settings import Settings
+from reservoir.runtime.task_run import TaskRun
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -152,6 +155,8 @@ class Requestor(Driver):
         self._spans: dict[str, list[Any]] = {}
         #: request ids answered from the machine's memory, not placed again
         self._replays: set[str] = set()
+        #: request id -> the run waiting for its tasks' states
+        self._runs: dict[str, TaskRun] = {}
         #: asks the nodes what they hold of an id; opened by the first find
         self._finder: Finder | None = None
         self._finder_lock = threading.Lock()
@@ -271,6 +276,74 @@ class Requestor(Driver):
     ) -> Placement:
         """Place a request without blocking the running event loop."""
         return await asyncio.wrap_future(self.submit(request, timeout_s=timeout_s, **fields))
+
+    # -- running -----------------------------------------------------------------------
+
+    def run(
+        self,
+        command: Iterable[str] = (),
+        *,
+        driver: str = "exec",
+        env: dict[str, str] | None = None,
+        workdir: str | None = None,
+        image: str | None = None,
+        keep_allocation: bool = False,
+        stop_grace_s: float = 10.0,
+        timeout_s: float | None = None,
+        on_change: Callable[[TaskState], None] | None = None,
+        **fields: Any,
+    ) -> TaskRun:
+        """Place a request whose instances run ``command`` (through the task driver
+        ``driver``, ``image`` for ``docker``), and return at once a :class:`TaskRun` to
+        wait on: its ``placement`` future, the tasks' states as their nodes report them,
+        ``wait()`` for every task to end and ``exit_code``. ``fields`` describe the request
+        as for :meth:`submit`. A task that ends frees its allocation (unless
+        ``keep_allocation``); releasing the placement stops a task still running (SIGTERM,
+        SIGKILL after ``stop_grace_s``). ``on_change`` is called with each state, on the
+        thread that received it: keep it short, and never call the requestor from it."""
+        task = TaskSpec(
+            driver=driver,
+            command=tuple(command),
+            env=dict(env or {}),
+            workdir=workdir,
+            image=image,
+            keep_allocation=keep_allocation,
+            stop_grace_s=stop_grace_s,
+        )
+        spec = request_of(task=task, **fields)
+        request_id = spec.request_id or uuid.uuid4().hex
+        spec = checked_request(msgspec_replace(spec, request_id=request_id))
+        placement: concurrent.futures.Future[Placement] = concurrent.futures.Future()
+        run = TaskRun(request_id, placement, on_change)
+        with self._lock:
+            self._runs[request_id] = run  # before any state can come back
+        placing = self.submit(spec, timeout_s=timeout_s)
+
+        def placed(done: concurrent.futures.Future[Placement]) -> None:
+            error = done.exception()
+            if error is not None:
+                with self._lock:
+                    self._runs.pop(request_id, None)
+                placement.set_exception(error)
+            else:
+                placement.set_result(done.result())
+
+        placing.add_done_callback(placed)
+        return run
+
+    async def run_async(self, command: Iterable[str] = (), **options: Any) -> TaskRun:
+        """:meth:`run`, placed without blocking the running event loop: returns once the
+        request is placed (``await run.wait_async()`` for the tasks to end)."""
+        run = self.run(command, **options)
+        await asyncio.wrap_future(run.placement)
+        return run
+
+    def _heard_task(self, state: TaskState) -> None:
+        run = self._runs.get(state.request_id)
+        if run is not None:
+            run.heard(state)
+            if run.finished:
+                del self._runs[state.request_id]
 
     # -- freeing -----------------------------------------------------------------------
 
@@ -463,6 +536,11 @@ class Requestor(Driver):
         return key.request_id if isinstance(key, ConversationTimer | FreeTimer) else None
 
     def _handle_message(self, message: Message, now: float) -> list[Effect]:
+        if message.kind == "task_state":
+            # news for a caller waiting on its tasks, not for the placing conversation
+            assert isinstance(message, TaskState)
+            self._heard_task(message)
+            return []
         return self.machine.handle(message, now)
 
     def _handle_returned(self, message: Message, now: float) -> list[Effect]:

@@ -114,6 +114,17 @@ class Settings(BaseSettings):
     filters: tuple[str, ...] | None = None
     #: node-side weighers to use, by entry point name (None: every one found)
     weighers: tuple[str, ...] | None = None
+    #: the task drivers a node offers, by entry point name (``exec``, ``docker``); a
+    #: request whose task names another is not offered. In the environment:
+    #: ``RESERVOIR_TASK_DRIVERS=exec,docker``
+    task_drivers: Annotated[tuple[str, ...], NoDecode] = ()
+
+    @field_validator("task_drivers", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: object) -> object:
+        if isinstance(value, str):
+            return tuple(name.strip() for name in value.split(",") if name.strip())
+        return value
 
     @field_validator("tiers")
     @classmethod

@@ -18,14 +18,17 @@ from typing import Final, Protocol
 import msgspec
 
 from reservoir.protocol.ledger import Allocation
-from reservoir.protocol.messages import NumaPlacement
+from reservoir.protocol.messages import NumaPlacement, TaskSpec
+from reservoir.runtime.tasks import TaskHandle
 
 __all__ = ["AllocationStore", "MemoryStore", "SqliteStore", "StateError"]
 
 _APPLICATION: Final = "reservoir-node-ledger"
 #: 2 added ``requested_at_s`` (which of two placements of one id stands); a version 1
-#: file is upgraded in place when opened, its allocations dated 0 (older than any other)
-_SCHEMA_VERSION: Final = 2
+#: file is upgraded in place when opened, its allocations dated 0 (older than any other);
+#: 3 added the allocations' ``task`` and ``reply_to`` and the ``tasks`` table (the handles
+#: of running tasks, so a restarted agent re-attaches to them)
+_SCHEMA_VERSION: Final = 3
 
 
 class StateError(RuntimeError):
@@ -39,6 +42,12 @@ class AllocationStore(Protocol):
 
     def delete(self, allocation_id: str) -> None: ...
 
+    def load_tasks(self) -> list[TaskHandle]: ...
+
+    def put_task(self, handle: TaskHandle) -> None: ...
+
+    def delete_task(self, allocation_id: str) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -47,6 +56,16 @@ class MemoryStore:
 
     def __init__(self) -> None:
         self._allocations: dict[str, Allocation] = {}
+        self._tasks: dict[str, TaskHandle] = {}
+
+    def load_tasks(self) -> list[TaskHandle]:
+        return list(self._tasks.values())
+
+    def put_task(self, handle: TaskHandle) -> None:
+        self._tasks[handle.allocation_id] = handle
+
+    def delete_task(self, allocation_id: str) -> None:
+        self._tasks.pop(allocation_id, None)
 
     def load(self) -> list[Allocation]:
         return list(self._allocations.values())
@@ -104,8 +123,11 @@ class SqliteStore:
                     request_count INTEGER NOT NULL,
                     server_group TEXT,
                     numa TEXT,
-                    requested_at_s REAL NOT NULL DEFAULT 0
+                    requested_at_s REAL NOT NULL DEFAULT 0,
+                    task TEXT,
+                    reply_to TEXT
                 );
+                CREATE TABLE tasks (allocation_id TEXT PRIMARY KEY, handle TEXT NOT NULL);
                 COMMIT;
                 """
             )
@@ -135,7 +157,7 @@ class SqliteStore:
             raise StateError(
                 f"{self.path} belongs to node {meta.get('node')!r}, not {self.node_name!r}"
             )
-        if meta.get("schema_version") == "1":
+        if meta.get("schema_version") in ("1", "2"):
             self._upgrade_from_1()
         elif meta.get("schema_version") != str(_SCHEMA_VERSION):
             raise StateError(
@@ -144,8 +166,9 @@ class SqliteStore:
             )
 
     def _upgrade_from_1(self) -> None:
-        """Schema 1 to 2, once: two processes opening the same file at once may both get
-        here, and the one that takes the write lock second finds the work done."""
+        """Schema 1 or 2 to 3 (named when there were two), once: two processes opening
+        the same file at once may both get here, and the one that takes the write lock
+        second finds the work done."""
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
@@ -156,7 +179,13 @@ class SqliteStore:
                     self._db.execute(
                         "ALTER TABLE allocations ADD COLUMN requested_at_s REAL NOT NULL DEFAULT 0"
                     )
-                    self._db.execute("UPDATE meta SET value = '2' WHERE key = 'schema_version'")
+                if version in ("1", "2"):
+                    self._db.execute("ALTER TABLE allocations ADD COLUMN task TEXT")
+                    self._db.execute("ALTER TABLE allocations ADD COLUMN reply_to TEXT")
+                    self._db.execute(
+                        "CREATE TABLE tasks (allocation_id TEXT PRIMARY KEY, handle TEXT NOT NULL)"
+                    )
+                    self._db.execute("UPDATE meta SET value = '3' WHERE key = 'schema_version'")
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
@@ -166,8 +195,8 @@ class SqliteStore:
         with self._lock:
             rows = self._db.execute(
                 "SELECT allocation_id, request_id, reservation_id, owner, resources, "
-                "request_count, server_group, numa, requested_at_s FROM allocations "
-                "ORDER BY allocation_id"
+                "request_count, server_group, numa, requested_at_s, task, reply_to "
+                "FROM allocations ORDER BY allocation_id"
             ).fetchall()
         allocations = []
         for row in rows:
@@ -187,6 +216,8 @@ class SqliteStore:
                         group=row[6],
                         numa=numa,
                         requested_at_s=float(row[8]),
+                        task=msgspec.json.decode(row[9], type=TaskSpec) if row[9] else None,
+                        reply_to=row[10],
                     )
                 )
             except (ValueError, TypeError) as error:  # msgspec.ValidationError is a ValueError
@@ -198,7 +229,7 @@ class SqliteStore:
     def put(self, allocation: Allocation) -> None:
         with self._lock:
             self._db.execute(
-                "INSERT OR REPLACE INTO allocations VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT OR REPLACE INTO allocations VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     allocation.allocation_id,
                     allocation.request_id,
@@ -209,12 +240,33 @@ class SqliteStore:
                     allocation.group,
                     msgspec.json.encode(allocation.numa).decode() if allocation.numa else None,
                     allocation.requested_at_s,
+                    msgspec.json.encode(allocation.task).decode() if allocation.task else None,
+                    allocation.reply_to,
                 ),
             )
 
     def delete(self, allocation_id: str) -> None:
         with self._lock:
             self._db.execute("DELETE FROM allocations WHERE allocation_id = ?", (allocation_id,))
+
+    def load_tasks(self) -> list[TaskHandle]:
+        with self._lock:
+            rows = self._db.execute("SELECT allocation_id, handle FROM tasks").fetchall()
+        try:
+            return [msgspec.json.decode(row[1], type=TaskHandle) for row in rows]
+        except msgspec.ValidationError as error:
+            raise StateError(f"{self.path}: a task handle is corrupt: {error}") from None
+
+    def put_task(self, handle: TaskHandle) -> None:
+        with self._lock:
+            self._db.execute(
+                "INSERT OR REPLACE INTO tasks VALUES (?, ?)",
+                (handle.allocation_id, msgspec.json.encode(handle).decode()),
+            )
+
+    def delete_task(self, allocation_id: str) -> None:
+        with self._lock:
+            self._db.execute("DELETE FROM tasks WHERE allocation_id = ?", (allocation_id,))
 
     def close(self) -> None:
         with self._lock:

@@ -26,6 +26,7 @@ from brokers import BrokerUrl
 from reservoir.broker import Broker, BrokerError
 from reservoir.observe.metrics import default_participant
 from reservoir.protocol.audit import NodeSnapshot
+from reservoir.protocol.messages import TaskState
 from reservoir.protocol.placement import (
     Placement,
     PlacementError,
@@ -35,6 +36,7 @@ from reservoir.protocol.placement import (
 from reservoir.runtime.auditor import LedgerCollector
 from reservoir.runtime.requestor import Requestor, RequestorClosed
 from reservoir.runtime.settings import Settings
+from reservoir.runtime.task_query import ask_tasks
 from reservoir.service.activity import Activity
 from reservoir.service.shapes import Problem
 
@@ -52,6 +54,9 @@ DEFAULT_DRAIN_TIMEOUT_S = 10.0
 #: after the drain, how long the placements the closing requestor failed get to end
 AFTER_CLOSE_S = 0.5
 #: placements (with their keys' body hashes) a service process keeps in its cache, the
+#: how long a GET gathers the nodes' answers about the request's tasks (while it looks
+#: the placement up: the two run side by side)
+TASK_QUERY_WAIT_S = 0.3
 #: least recently used forgotten first: as many as its requestor remembers
 CACHE_ENTRIES = 100_000
 
@@ -147,6 +152,15 @@ class ReservoirService:
                 # out of date, and the key free again here
                 self._evict(request_id)
         return found
+
+    async def tasks(self, request_id: str, wait_s: float = TASK_QUERY_WAIT_S) -> list[TaskState]:
+        """What the nodes say of the tasks of ``request_id`` (empty: no task, or none
+        known any more), gathered for ``wait_s``."""
+        self.check_ready()
+        requestor = self.requestor
+        return await asyncio.to_thread(
+            ask_tasks, requestor.broker, request_id, wait_s=wait_s, settings=requestor.settings
+        )
 
     async def release(self, request_id: str) -> None:
         """Free what the nodes hold of ``request_id``, whichever process placed it; 404

@@ -10,6 +10,7 @@ are raised as :class:`~reservoir.service.shapes.Problem` (or the library's own e
 (No ``from __future__ import annotations``: FastAPI reads the endpoints' annotations.)
 """
 
+import asyncio
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query, Request, Response
@@ -176,11 +177,16 @@ async def _find(service: ReservoirService, request_id: str, where: str) -> Place
 @router.get("/v1/reservations/{request_id}", responses=RESERVATION_PROBLEMS)
 async def get_reservation(request_id: str, request: Request) -> PlacementOut:
     """The placement the nodes hold under ``request_id``, whichever replica placed it
-    (asked of the nodes: one lookup on the id's bucket)."""
-    placement = await _find(service_of(request), request_id, "path.request_id")
-    if placement is None:
+    (asked of the nodes: one lookup on the id's bucket), with the state of its tasks if
+    it carried one (``tasks``; a task that ended freed its allocation, so a request
+    whose tasks all ended shows them and no allocation)."""
+    service = service_of(request)
+    placement, tasks = await asyncio.gather(
+        _find(service, request_id, "path.request_id"), service.tasks(request_id)
+    )
+    if placement is None and not tasks:
         raise Problem(404, "no such reservation", f"no node holds {request_id!r}")
-    return PlacementOut.of(placement)
+    return PlacementOut.of(placement, tasks, request_id=request_id)
 
 
 @router.delete(

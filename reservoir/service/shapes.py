@@ -7,6 +7,7 @@ import annotations``: FastAPI reads these classes' annotations at run time.)
 
 import hashlib
 import json
+from collections.abc import Sequence
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
@@ -22,6 +23,8 @@ from reservoir.protocol.messages import (
     GroupSpec,
     NumaSpec,
     PciPolicy,
+    TaskSpec,
+    TaskState,
 )
 from reservoir.protocol.placement import (
     Placement,
@@ -92,6 +95,25 @@ class NumaIn(BaseModel):
     hugepage_kb: int | None = Field(default=None, gt=0)
 
 
+class TaskIn(BaseModel):
+    """The work each instance runs once placed (see :class:`~reservoir.TaskSpec`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    #: the task driver: ``exec`` (a process) or ``docker`` (a container), as nodes offer
+    driver: str = Field(default="exec", min_length=1, max_length=64, pattern=r"^[a-z0-9_.-]+$")
+    #: the program and its arguments
+    command: list[str] = Field(default_factory=list, max_length=1024)
+    env: dict[str, str] = Field(default_factory=dict)
+    workdir: str | None = None
+    #: the container image, for ``docker``
+    image: str | None = Field(default=None, min_length=1, max_length=500)
+    #: the allocation outlives the task (freed by a DELETE, as a pure reservation)
+    keep_allocation: bool = False
+    #: a stop (a DELETE while the task runs) sends SIGTERM, then SIGKILL after this long
+    stop_grace_s: float = Field(default=10.0, ge=0, le=3600)
+
+
 class ReservationIn(BaseModel):
     """``POST /v1/reservations``: what each instance needs, how many, and where.
 
@@ -125,6 +147,8 @@ class ReservationIn(BaseModel):
     numa_policy: PciPolicy | None = None
     #: free-form JSON for operators' node-side filters and weighers
     hints: dict[str, Any] = Field(default_factory=dict)
+    #: work each instance runs once placed; its allocation is freed when it ends
+    task: TaskIn | None = None
     #: ask nodes that cannot take it to say why (default: the service's ``--explain``)
     explain: bool | None = None
     #: idempotency key; the ``Idempotency-Key`` header is the usual way to give it
@@ -170,6 +194,7 @@ class ReservationIn(BaseModel):
             pci=self.pci,
             numa_policy=self.numa_policy,
             hints=self.hints,
+            task=TaskSpec(**self.task.model_dump()) if self.task is not None else None,
             explain=explain if self.explain is None else self.explain,
             request_id=request_id,
         )
@@ -185,6 +210,30 @@ class AllocationOut(BaseModel):
     numa_cells: list[int] = Field(default_factory=list)
 
 
+class TaskOut(BaseModel):
+    """One instance's task, as its node last reported it."""
+
+    node: str
+    allocation_id: str
+    #: ``starting``, ``started``/``running``, ``exited``, ``failed`` or ``stopped``
+    state: str
+    exit_code: int | None = None
+    reason: str = ""
+    #: the limits the driver applied (``cgroup``, ``rlimit``, ``docker``, ``none``)
+    limits: str = ""
+
+    @classmethod
+    def of(cls, state: TaskState) -> "TaskOut":
+        return cls(
+            node=state.sender,
+            allocation_id=state.allocation_id,
+            state=state.state,
+            exit_code=state.exit_code,
+            reason=state.reason,
+            limits=state.limits,
+        )
+
+
 class PlacementOut(BaseModel):
     """A placement, in the shape ``reservoir request --json`` prints (so
     :func:`reservoir.runtime.auditor.read_placements` reads it back)."""
@@ -196,10 +245,29 @@ class PlacementOut(BaseModel):
     allocations: list[AllocationOut]
     tiers_tried: list[int]
     elapsed_s: float
+    #: the tasks of its instances, when the request carried one (``GET`` only)
+    tasks: list[TaskOut] = Field(default_factory=list)
 
     @classmethod
-    def of(cls, placement: Placement) -> "PlacementOut":
+    def of(
+        cls,
+        placement: Placement | None,
+        tasks: Sequence[TaskState] = (),
+        *,
+        request_id: str = "",
+    ) -> "PlacementOut":
+        if placement is None:  # every task ended and freed its allocation
+            return cls(
+                request_id=request_id,
+                partial=False,
+                requested=len(tasks),
+                allocations=[],
+                tiers_tried=[],
+                elapsed_s=0.0,
+                tasks=[TaskOut.of(t) for t in tasks],
+            )
         return cls(
+            tasks=[TaskOut.of(t) for t in tasks],
             request_id=placement.request_id,
             partial=placement.partial,
             requested=placement.requested,

@@ -36,6 +36,8 @@ from reservoir.protocol.messages import (
     RosterMember,
     RosterQuery,
     RosterSample,
+    TaskQuery,
+    TaskState,
     encode_message,
 )
 from reservoir.runtime.keys import Key, Keyring, generate, parse_keys
@@ -96,6 +98,8 @@ EVERY_KIND: dict[str, Message] = {
         Refused(request_id="r1", sender="n1", reply_to="req", reservation_id="x", reason="gone"),
         Freed(request_id="r1", sender="n1", reply_to="req"),
         NodeStatus(sender="n1", reply_to="node.n1", tier=10),
+        TaskState(request_id="r1", sender="n1", reply_to="req", allocation_id="a", state="exited"),
+        TaskQuery(request_id="r1", sender="req", reply_to="req"),
     ]
 }
 

@@ -66,7 +66,7 @@ def test_a_version_1_file_is_upgraded_and_its_allocations_dated_older_than_any(
     version = sqlite3.connect(tmp_path / "n1.sqlite3").execute(
         "SELECT value FROM meta WHERE key = 'schema_version'"
     )
-    assert version.fetchone() == ("2",)
+    assert version.fetchone() == ("3",)
 
 
 def test_another_nodes_version_1_file_is_refused_before_it_is_upgraded(tmp_path: Path) -> None:

@@ -87,7 +87,10 @@ SETTLE_S: Final = 6.5
 READY_TIMEOUT_S: Final = 60.0
 
 #: the findings of a run, each of which must be empty
+#: how long the run's task processes get to agree with the held placements at the end
+TASKS_AGREE_S: Final = 15.0
 COUNTED: Final = (
+    "task_problems",
     "overcommitted",
     "duplicate_placements",
     "leaked_reservations",
@@ -319,6 +322,11 @@ class ChaosResult:
     false_failures: list[str]
     unconfirmed_frees: list[str]
     crashed_processes: list[str]
+    #: task processes of the run without a held placement (orphaned work), and held
+    #: placements with a task whose process is gone (work lost)
+    task_problems: list[str]
+    #: held placements carrying a task at the end, their processes checked
+    tasks_checked: int
     nodes_answering: int
     frees: int
     seconds: float
@@ -341,6 +349,7 @@ class ChaosResult:
             "faults_skipped": self.faults_skipped,
             **counts,
             "nodes_answering": self.nodes_answering,
+            "tasks_checked": self.tasks_checked,
             "frees": self.frees,
             "seconds": round(self.seconds, 1),
             "isolation": self.isolation,
@@ -399,6 +408,8 @@ class _Run:
     state_dir: Path
     placements: int
     progress: Callable[[str], None]
+    #: in the command of every task the run's placements carry
+    task_token: str
     injected: Counter[str] = field(default_factory=Counter)
     applied: list[str] = field(default_factory=list)
     background: list[threading.Thread] = field(default_factory=list)
@@ -450,6 +461,7 @@ def _prepare(
     state_dir.mkdir(exist_ok=True)
     share = math.ceil(placements / requestors)
     live = live_per_requestor(nodes, requestors)
+    task_token = f"reservoir-chaos-task-{run_id}"
     return _Run(
         seed=seed,
         root=root,
@@ -460,9 +472,12 @@ def _prepare(
         worker_names=worker_names,
         node_procs={name: _node_process(name, state_dir, root, env) for name in node_names},
         worker_procs={
-            name: _worker_process(name, index, seed, participant_url, share, live, root, env)
+            name: _worker_process(
+                name, index, seed, participant_url, share, live, root, env, task_token
+            )
             for index, name in enumerate(worker_names)
         },
+        task_token=task_token,
         schedule=list(schedule),
         skipped=skipped,
         state_dir=state_dir,
@@ -477,7 +492,7 @@ def _node_process(name: str, state_dir: Path, root: Path, env: dict[str, str]) -
         name,
         [sys.executable, "-m", "reservoir.cli", "node", "--name", name,
          "--vcpus", str(NODE_VCPUS), "--memory-mb", str(NODE_MEMORY_MB),
-         "--state-dir", str(state_dir), "--status-interval", "5"],
+         "--state-dir", str(state_dir), "--status-interval", "5", "--driver", "exec"],
         root / f"{name}.log",
         env,
     )  # fmt: skip
@@ -492,14 +507,17 @@ def _worker_process(
     live: int,
     root: Path,
     env: dict[str, str],
+    task_token: str,
 ) -> _Process:
-    """A requestor process placing ``share`` placements, keeping its record."""
+    """A requestor process placing ``share`` placements, keeping its record; every third
+    carries a task (:func:`reservoir.tools.chaos.worker.task_for`)."""
     return _Process(
         name,
         [sys.executable, "-m", "reservoir.tools.chaos.worker", "--broker", url,
          "--name", name, "--record", str(root / f"{name}.record.jsonl"),
          "--placements", str(share), "--live", str(live),
-         "--timeout", str(REQUEST_TIMEOUT_S), "--seed", str(seed + index)],
+         "--timeout", str(REQUEST_TIMEOUT_S), "--seed", str(seed + index),
+         "--task-token", task_token],
         root / f"{name}.log",
         env,
     )  # fmt: skip
@@ -606,6 +624,7 @@ def _verdict(run: _Run, placing_s: float) -> ChaosResult:
         {name: read_events(run.root / f"{name}.record.jsonl") for name in run.worker_names}
     )
     nodes = len(run.node_names)
+    task_problems, tasks_checked = _task_problems(run, verdict.held)
     found = audit_cluster(
         run.isolation.url, placements=verdict.held, expect_nodes=nodes, wait_s=15.0
     )
@@ -637,6 +656,8 @@ def _verdict(run: _Run, placing_s: float) -> ChaosResult:
         false_failures=list(verdict.failures),
         unconfirmed_frees=list(verdict.unconfirmed_frees),
         crashed_processes=crashed,
+        task_problems=task_problems,
+        tasks_checked=tasks_checked,
         nodes_answering=len(found.nodes),
         frees=verdict.frees,
         seconds=placing_s,
@@ -657,11 +678,51 @@ def _say_what_the_records_say_of_orphans(run: _Run, result: ChaosResult) -> None
                     run.progress(f"chaos: {name} record of {request_id}: {event}")
 
 
+def _task_processes(token: str) -> dict[str, int]:
+    """The run's live task processes: request id -> pid (their command names both)."""
+    found: dict[str, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            words = (entry / "cmdline").read_bytes().rstrip(b"\0").split(b"\0")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        command = b" ".join(words).decode(errors="replace")
+        if f": {token} " in command and words[0] == b"sh" and state != "Z":
+            found[command.rsplit(" ", 1)[1]] = int(entry.name)
+    return found
+
+
+def _task_problems(run: _Run, held: Sequence[Any]) -> tuple[list[str], int]:
+    """Every held placement that carries a task has its task running, and no task runs
+    for a placement not held: after the faults (nodes killed with their tasks running)
+    no work is orphaned or lost. Stops are asynchronous (a grace of 1 s): asked until
+    they agree, for a while."""
+    from reservoir.tools.chaos.worker import task_for
+
+    wanted = {p.request_id for p in held if task_for(p.request_id, run.task_token)}
+    deadline = time.monotonic() + TASKS_AGREE_S
+    while True:
+        running = set(_task_processes(run.task_token))
+        if running == wanted or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    problems = [f"a task runs for {r}, a placement not held" for r in sorted(running - wanted)]
+    problems += [f"the task of held placement {r} is not running" for r in sorted(wanted - running)]
+    return problems, len(wanted)
+
+
 def _tear_down(run: _Run, result: ChaosResult | None) -> None:
-    """Kill what is left, close the proxy, remove the run's vhost; keep the evidence of
-    a failed verdict (or a run that broke)."""
+    """Kill what is left (the tasks too: they outlive their nodes), close the proxy,
+    remove the run's vhost; keep the evidence of a failed verdict (or a run that broke)."""
     for proc in run.everyone.values():
         proc.kill()
+    for pid in _task_processes(run.task_token).values():
+        # the task's whole session: the exec driver's wrapper, the shell, its sleep
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(os.getpgid(pid), signal.SIGKILL)
     run.proxy.close()
     run.isolation.remove(run.isolation.url)
     if run.own_dir and result is not None and result.ok:

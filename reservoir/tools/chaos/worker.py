@@ -24,8 +24,9 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, Final
 
+from reservoir.protocol.messages import TaskSpec
 from reservoir.protocol.placement import Placement, PlacementError
 from reservoir.runtime.auditor import placement_record, read_placements
 from reservoir.runtime.backoff import until_connected
@@ -42,6 +43,24 @@ SHAPES: tuple[Mapping[str, int], ...] = (
     {"vcpus": 2, "memory_mb": 1024},
     {"vcpus": 1, "memory_mb": 2048},
 )
+
+
+#: every this-many-th placement (by its sequence number) carries a task: a long sleep on
+#: the node, kept with its allocation until the worker frees it (which stops it), its
+#: command naming the run's token and the request id, so the harness tells its processes
+TASK_EVERY: Final = 3
+
+
+def task_for(request_id: str, token: str) -> TaskSpec | None:
+    """The task placement ``request_id`` carries, if any (the same after a restart)."""
+    if not token or int(request_id.rsplit("-", 1)[1]) % TASK_EVERY:
+        return None
+    return TaskSpec(
+        driver="exec",
+        command=("sh", "-c", f"sleep 3600; : {token} {request_id}"),
+        keep_allocation=True,
+        stop_grace_s=1.0,
+    )
 
 
 #: how long a stopping worker keeps trying to get its frees confirmed
@@ -64,6 +83,7 @@ class Worker:
         timeout_s: float,
         seed: int,
         stop: threading.Event,
+        task_token: str = "",
     ) -> None:
         self.requestor = requestor
         self.writer = writer
@@ -82,6 +102,8 @@ class Worker:
         }
         self.frees_in_flight: dict[str, Future[None]] = {}
         self.frees_to_resume = sorted(record.freeing & set(self.held))
+        #: names the run in the tasks' commands (empty: no tasks)
+        self.task_token = task_token
 
     def run(self) -> None:
         for request_id, shape in list(self.unanswered.items()):
@@ -109,7 +131,10 @@ class Worker:
         )
         try:
             placement = self.requestor.reserve(
-                timeout_s=self.timeout_s, request_id=request_id, **shape
+                timeout_s=self.timeout_s,
+                request_id=request_id,
+                task=task_for(request_id, self.task_token),
+                **shape,
             )
         except PlacementError as error:
             why = error.explanation
@@ -160,6 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--live", type=int, default=20)
     parser.add_argument("--timeout", type=float, default=30.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--task-token", default="")
     args = parser.parse_args(argv)
 
     stop = threading.Event()
@@ -203,6 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # each incarnation draws other shapes; the record, not the seed, makes it resume
         seed=args.seed * 1_000_003 + len(events),
         stop=stop,
+        task_token=args.task_token,
     )
     try:
         worker.run()

@@ -1,0 +1,127 @@
+"""The node's book of its allocations' tasks: what each is doing, as its task driver last
+said, and the tasks that ended lately (so that a ``TaskQuery`` after the end still hears
+the exit code). Pure bookkeeping for :class:`~reservoir.protocol.node.NodeMachine`.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Final, cast
+
+import msgspec.structs
+
+from reservoir.protocol.ledger import Allocation
+from reservoir.protocol.messages import TaskState, TaskStateName
+
+__all__ = ["ENDED_KEPT", "ENDED_STATES", "NodeTask", "TaskBook"]
+
+#: the states a task does not come back from
+ENDED_STATES: Final = frozenset({"exited", "failed", "stopped"})
+#: how many ended tasks a node remembers for queries (the oldest are forgotten first)
+ENDED_KEPT: Final = 4096
+
+
+@dataclass(slots=True)
+class NodeTask:
+    """One allocation's task on the node."""
+
+    allocation_id: str
+    request_id: str
+    driver: str
+    #: the placing requestor's reply address: where its state changes go
+    reply_to: str | None
+    keep_allocation: bool
+    stop_grace_s: float
+    state: str = "starting"
+    exit_code: int | None = None
+    reason: str = ""
+    limits: str = ""
+    #: its allocation was freed: a stop was asked for
+    stopping: bool = False
+    stop_reason: str = ""
+
+    @property
+    def ended(self) -> bool:
+        return self.state in ENDED_STATES
+
+    def report(self) -> TaskState:
+        """The task's state as a message (the node fills in sender and reply_to)."""
+        return TaskState(
+            request_id=self.request_id,
+            sender="-",
+            reply_to="-",
+            allocation_id=self.allocation_id,
+            # "started" is news once; asked again, a task that started is running
+            state=cast(TaskStateName, "running" if self.state == "started" else self.state),
+            driver=self.driver,
+            exit_code=self.exit_code,
+            reason=self.reason,
+            limits=self.limits,
+            kept=self.keep_allocation,
+        )
+
+
+class TaskBook:
+    """Live tasks by allocation id, and the lately ended ones."""
+
+    def __init__(self) -> None:
+        self._live: dict[str, NodeTask] = {}
+        self._ended: OrderedDict[str, NodeTask] = OrderedDict()
+
+    def starting(self, allocation: Allocation) -> NodeTask:
+        """Book the task of ``allocation`` (which carries one), not yet started."""
+        spec = allocation.task
+        assert spec is not None, "an allocation without a task has nothing to start"
+        task = NodeTask(
+            allocation_id=allocation.allocation_id,
+            request_id=allocation.request_id,
+            driver=spec.driver,
+            reply_to=allocation.reply_to,
+            keep_allocation=spec.keep_allocation,
+            stop_grace_s=spec.stop_grace_s,
+        )
+        self._live[task.allocation_id] = task
+        return task
+
+    def get(self, allocation_id: str) -> NodeTask | None:
+        task = self._live.get(allocation_id)
+        return task if task is not None else self._ended.get(allocation_id)
+
+    def change(
+        self,
+        task: NodeTask,
+        state: str,
+        *,
+        exit_code: int | None,
+        reason: str,
+        limits: str | None,
+    ) -> TaskState:
+        """Record ``task``'s new state; the report of it (``started`` stays as is)."""
+        task.state = state
+        if exit_code is not None:
+            task.exit_code = exit_code
+        task.reason = reason
+        if limits is not None:
+            task.limits = limits
+        report = task.report()
+        if state == "started":
+            report = msgspec.structs.replace(report, state="started")
+        if task.ended and self._live.pop(task.allocation_id, None) is not None:
+            self._ended[task.allocation_id] = task
+            while len(self._ended) > ENDED_KEPT:
+                self._ended.popitem(last=False)
+        return report
+
+    def live(self) -> Iterator[NodeTask]:
+        return iter(list(self._live.values()))
+
+    def ended(self) -> Iterator[NodeTask]:
+        return iter(list(self._ended.values()))
+
+    def all(self) -> list[NodeTask]:
+        return [*self._live.values(), *self._ended.values()]
+
+    def of_request(self, request_id: str) -> list[NodeTask]:
+        return [t for t in self.all() if t.request_id == request_id]

@@ -1,0 +1,128 @@
+"""``TaskRun``: a request with a task, as its caller waits on it (what
+:meth:`~reservoir.runtime.requestor.Requestor.run` returns).
+
+The placing requestor hears each instance's task state from its node as it changes
+(``started``, then ``exited`` with its code, ``failed`` with a reason, or ``stopped``);
+the run collects them and says when every instance's task has ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+from collections.abc import Callable
+
+from reservoir.protocol.messages import TaskState
+from reservoir.protocol.placement import Placement
+from reservoir.protocol.tasks import ENDED_STATES
+
+__all__ = ["TaskRun", "TaskRunTimeout"]
+
+
+class TaskRunTimeout(TimeoutError):
+    """The tasks did not reach the state waited for in time."""
+
+
+class TaskRun:
+    """One request's tasks. ``placement`` resolves to the placement (or raises the
+    :class:`~reservoir.PlacementError`); :meth:`wait` returns once every instance's task
+    ended."""
+
+    def __init__(
+        self,
+        request_id: str,
+        placement: concurrent.futures.Future[Placement],
+        on_change: Callable[[TaskState], None] | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.placement = placement
+        self._on_change = on_change
+        self._changed = threading.Condition()
+        #: every state heard, in order
+        self.history: list[TaskState] = []
+        #: allocation id -> its latest state
+        self.latest: dict[str, TaskState] = {}
+        placement.add_done_callback(lambda _: self._notify())
+
+    def heard(self, state: TaskState) -> None:
+        """A node told of a change (called by the requestor)."""
+        with self._changed:
+            before = self.latest.get(state.allocation_id)
+            if before is not None and before.state in ENDED_STATES:
+                return  # an ended task does not come back (a late duplicate)
+            self.history.append(state)
+            self.latest[state.allocation_id] = state
+            self._changed.notify_all()
+        if self._on_change is not None:
+            self._on_change(state)
+
+    def _notify(self) -> None:
+        with self._changed:
+            self._changed.notify_all()
+
+    def _allocation_ids(self) -> list[str] | None:
+        if not self.placement.done():
+            return None
+        return [a.allocation_id for a in self.placement.result().allocations]
+
+    def _wait(self, done: Callable[[list[str]], bool], timeout_s: float | None) -> Placement:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._changed:
+            while True:
+                ids = self._allocation_ids()  # raises PlacementError when not placed
+                if ids is not None and done(ids):
+                    return self.placement.result()
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TaskRunTimeout(f"request {self.request_id}: tasks not done in time")
+                self._changed.wait(left)
+
+    def wait_started(self, timeout_s: float | None = None) -> dict[str, TaskState]:
+        """Wait until every instance's task started (or already ended)."""
+        self._wait(lambda ids: all(i in self.latest for i in ids), timeout_s)
+        return self.states()
+
+    def wait(self, timeout_s: float | None = None) -> dict[str, TaskState]:
+        """Wait until every instance's task ended; the final state of each."""
+        self._wait(
+            lambda ids: all(i in self.latest and self.latest[i].state in ENDED_STATES for i in ids),
+            timeout_s,
+        )
+        return self.states()
+
+    async def wait_async(self, timeout_s: float | None = None) -> dict[str, TaskState]:
+        """:meth:`wait` without blocking the running event loop."""
+        return await asyncio.to_thread(self.wait, timeout_s)
+
+    @property
+    def finished(self) -> bool:
+        """Placed, and every instance's task ended (or not placed at all)."""
+        if not self.placement.done():
+            return False
+        if self.placement.exception() is not None:
+            return True
+        states = self.states()
+        return all(
+            i in states and states[i].state in ENDED_STATES
+            for i in (a.allocation_id for a in self.placement.result().allocations)
+        )
+
+    def states(self) -> dict[str, TaskState]:
+        with self._changed:
+            return dict(self.latest)
+
+    @property
+    def exit_code(self) -> int | None:
+        """The run's exit code once every task ended: the first non-zero one among the
+        instances (0 when all exited 0); None while running, or when an exit code is
+        unknown (a task that failed to start has none)."""
+        states = self.states()
+        ids = self._allocation_ids() if self.placement.done() else None
+        if not ids or any(i not in states or states[i].state not in ENDED_STATES for i in ids):
+            return None
+        codes = [states[i].exit_code for i in ids]
+        if any(code is None for code in codes):
+            return None
+        return next((code for code in codes if code), 0)

@@ -1,0 +1,217 @@
+"""End to end with tasks: ``reservoir node --driver exec`` processes on a real RabbitMQ,
+``reservoir run``, ``reservoir tasks`` and ``reservoir free`` as processes, a node agent
+killed with SIGKILL while its tasks run, and 200 short tasks from 8 concurrent callers.
+Every test ends with ``reservoir audit`` (which checks the tasks' invariants too)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from brokers import connect
+
+pytestmark = [pytest.mark.rabbitmq, pytest.mark.e2e]
+
+
+def cli(
+    *args: str, env: dict[str, str], timeout_s: float = 60.0
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "reservoir.cli", *args],
+        env=env, capture_output=True, text=True, timeout=timeout_s, check=False,
+    )  # fmt: skip
+
+
+def processes_with(token: str) -> list[int]:
+    """The live processes whose command line holds ``token`` (tasks these tests started)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if token in cmdline and state != "Z" and "pytest" not in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+@dataclass
+class TaskCluster:
+    url: str
+    state_dir: Path
+    env: dict[str, str]
+    token: str
+    nodes: dict[str, subprocess.Popen[str]] = field(default_factory=dict)
+
+    def start_node(self, name: str, vcpus: int = 2) -> str:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "reservoir.cli", "node", "--name", name, "--vcpus",
+             str(vcpus), "--memory-mb", "4096", "--state-dir", str(self.state_dir),
+             "--driver", "exec"],
+            env=self.env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+        )  # fmt: skip
+        lines: queue.Queue[str] = queue.Queue()
+
+        def pump() -> None:
+            assert process.stderr is not None
+            for line in process.stderr:
+                lines.put(line)
+
+        threading.Thread(target=pump, daemon=True).start()
+        self.nodes[name] = process
+        while True:
+            line = lines.get(timeout=20)
+            if "ready" in line:
+                return line
+
+    def run(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return cli("run", "--timeout", "20", *args, env=self.env)
+
+    def tasks(self, request_id: str) -> list[dict[str, Any]]:
+        done = cli("tasks", "--request-id", request_id, "--json", env=self.env)
+        assert done.returncode == 0, done.stderr
+        return [json.loads(line) for line in done.stdout.splitlines()]
+
+    def allocations(self, name: str) -> list[dict[str, Any]]:
+        done = cli("inspect", "--state-dir", str(self.state_dir), "--name", name, "--json",
+                   env=self.env)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        held: list[dict[str, Any]] = json.loads(done.stdout)["allocations"]
+        return held
+
+    def audit(self) -> None:
+        done = cli("audit", "--expect-nodes", str(len(self.nodes)), env=self.env)
+        assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.fixture
+def cluster(reservoir_amqp_url: str, tmp_path: Path) -> Iterator[TaskCluster]:
+    exchange = f"e2e-tasks-{uuid.uuid4().hex[:10]}"
+    separator = "&" if "?" in reservoir_amqp_url else "?"
+    url = f"{reservoir_amqp_url}{separator}exchange={exchange}"
+    cluster = TaskCluster(url, tmp_path, {**os.environ, "RESERVOIR_BROKER_URL": url},
+                          token=f"tok{uuid.uuid4().hex[:8]}")  # fmt: skip
+    yield cluster
+    for process in cluster.nodes.values():
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=10)
+    for pid in processes_with(cluster.token):  # a task a failing test left behind
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(os.getpgid(pid), signal.SIGKILL)  # its session: wrapper and all
+    with connect(url) as broker:
+        broker.delete_exchanges()  # type: ignore[attr-defined]
+
+
+def eventually(check: Any, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "never happened"
+        time.sleep(0.1)
+
+
+def test_run_exits_with_the_tasks_code_and_its_room_is_placed_again_on_that_node(
+    cluster: TaskCluster,
+) -> None:
+    cluster.start_node("a", vcpus=2)
+    done = cluster.run("--vcpus", "2", "--memory-mb", "256", "--", "sh", "-c", "exit 3")
+    assert done.returncode == 3, done.stderr
+    assert "task started on a" in done.stderr and "task exited with 3 on a" in done.stderr
+    assert cluster.allocations("a") == []
+    # all of a's VCPUs: placed only because the ended task freed them
+    placed = cli("request", "--vcpus", "2", "--json", env=cluster.env)
+    assert placed.returncode == 0, placed.stderr
+    assert [a["node"] for a in json.loads(placed.stdout)["allocations"]] == ["a"]
+    cluster.audit()
+
+
+def test_a_released_task_is_stopped(cluster: TaskCluster) -> None:
+    cluster.start_node("a", vcpus=2)
+    done = cluster.run("--detach", "--vcpus", "1", "--grace", "1", "--",
+                       "sh", "-c", f"sleep 60; : {cluster.token}")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    request_id = done.stdout.strip()
+    assert len(processes_with(cluster.token)) == 1
+    freed = cli("free", "--node", "a", "--request-id", request_id, env=cluster.env)
+    assert freed.returncode == 0, freed.stderr
+    eventually(lambda: processes_with(cluster.token) == [])
+    eventually(lambda: [t["state"] for t in cluster.tasks(request_id)] == ["stopped"])
+    assert cluster.allocations("a") == []
+    cluster.audit()
+
+
+def test_a_node_killed_while_its_tasks_run_reports_them_once_restarted_and_leaks_nothing(
+    cluster: TaskCluster,
+) -> None:
+    cluster.start_node("a", vcpus=2)
+    token = cluster.token
+    early = cluster.run("--detach", "--vcpus", "1", "--",
+                        "sh", "-c", f"sleep 3; exit 5; : {token}")  # fmt: skip
+    late = cluster.run("--detach", "--vcpus", "1", "--",
+                       "sh", "-c", f"sleep 6; exit 6; : {token}")  # fmt: skip
+    assert early.returncode == late.returncode == 0, early.stderr + late.stderr
+    cluster.nodes["a"].send_signal(signal.SIGKILL)
+    cluster.nodes["a"].wait(timeout=10)
+    assert len(processes_with(token)) == 2  # the tasks outlive their agent
+    eventually(lambda: len(processes_with(token)) == 1)  # the early one ends meanwhile
+    ready = cluster.start_node("a", vcpus=2)
+    # the early task's end was found as it started again, and its allocation freed
+    assert "1 allocation(s) held" in ready
+    (early_state,) = cluster.tasks(early.stdout.strip())
+    assert (early_state["state"], early_state["exit_code"]) == ("exited", 5)
+    eventually(lambda: [t["exit_code"] for t in cluster.tasks(late.stdout.strip())] == [6])
+    assert cluster.allocations("a") == []
+    assert processes_with(token) == []
+    cluster.audit()
+
+
+def test_200_short_tasks_from_8_concurrent_callers_each_run_once_with_their_own_code(
+    cluster: TaskCluster, tmp_path: Path
+) -> None:
+    from reservoir import Requestor
+
+    for name in ("a", "b", "c"):
+        cluster.start_node(name, vcpus=8)
+    runs = tmp_path / "runs"
+    runs.mkdir()
+
+    def caller(first: int) -> list[tuple[int, int | None]]:
+        codes = []
+        with Requestor(cluster.url) as requestor:
+            for number in range(first, first + 25):
+                task = requestor.run(
+                    ["sh", "-c", f'echo ran >> {runs}/{number}; exit "$0"', str(number)],
+                    vcpus=1,
+                    memory_mb=64,
+                    timeout_s=20,
+                )
+                task.wait(timeout_s=30)
+                codes.append((number, task.exit_code))
+        return codes
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        results = [code for codes in pool.map(caller, range(0, 200, 25)) for code in codes]
+    assert sorted(results) == [(number, number) for number in range(200)]
+    assert sorted(int(p.name) for p in runs.iterdir()) == list(range(200))
+    assert all(p.read_text() == "ran\n" for p in runs.iterdir())  # exactly once each
+    for name in cluster.nodes:
+        assert cluster.allocations(name) == []
+    cluster.audit()

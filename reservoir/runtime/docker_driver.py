@@ -20,6 +20,7 @@ from typing import Any, Final
 from reservoir.protocol.ledger import Allocation
 from reservoir.protocol.messages import TaskSpec
 from reservoir.runtime.tasks import TaskDriverError, TaskHandle, TaskStartError, TaskStatus
+from reservoir.version import install_hint
 
 __all__ = ["LABEL_ALLOCATION", "LABEL_NODE", "LABEL_REQUEST", "DockerDriver"]
 
@@ -47,7 +48,7 @@ class DockerDriver:
             import docker
         except ImportError:
             raise TaskDriverError(
-                "the docker task driver needs the Docker SDK: pip install 'reservoir[docker]'"
+                f"the docker task driver needs the Docker SDK: {install_hint('docker')}"
             ) from None
         self._errors = docker.errors
         self._client = client if client is not None else docker.from_env()

@@ -45,3 +45,14 @@ def test_the_lifespan_example_defines_its_app_with_every_import_it_needs(tmp_pat
     app = scope["app"]
     assert isinstance(app, FastAPI)
     assert "/servers" in {getattr(route, "path", "") for route in app.routes}
+
+
+def test_the_node_configuration_file_in_the_deploying_page_loads_as_written(
+    tmp_path: Path,
+) -> None:
+    from reservoir.runtime.node_config import load_node_file
+
+    (block,) = re.findall(r"```toml\n(.*?)```", (ROOT / "docs/deploying.md").read_text(), re.S)
+    (tmp_path / "node.toml").write_text(block)
+    loaded = load_node_file(tmp_path / "node.toml")
+    assert loaded.discovery.enabled and loaded.pci.alias[0].name == "gpu-a100"

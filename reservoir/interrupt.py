@@ -88,10 +88,19 @@ def stop_on_signals(stop: threading.Event, *, hangup: bool = False) -> None:
     ``stop`` rather than unwind it; it stops, says so, and exits 130 (:func:`stopped`)."""
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
-        stop.set()
+        set_from_a_signal_handler(stop)
 
     for signum in (*STOP_SIGNALS, *((signal.SIGHUP,) if hangup else ())):
         signal.signal(signum, on_signal)
+
+
+def set_from_a_signal_handler(event: threading.Event) -> None:
+    """Set ``event`` from a signal handler. Not directly: the handler runs in the main
+    thread between two bytecodes, possibly inside that thread's own ``event.wait()`` while
+    it holds the event's lock, and ``set()`` would wait for that lock forever (a node
+    stopped with SIGTERM was seen hanging so). A thread of its own sets it once the main
+    thread lets go."""
+    threading.Thread(target=event.set, name="signal", daemon=True).start()
 
 
 def stopped() -> NoReturn:

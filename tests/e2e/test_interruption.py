@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,13 +19,30 @@ pytestmark = pytest.mark.e2e
 INTERRUPTED = 130
 
 
+#: the processes the running test started: killed at its end if still running, so a
+#: failed assertion leaves no node behind (its inbox would keep its name taken)
+_STARTED: list[subprocess.Popen[str]] = []
+
+
+@pytest.fixture(autouse=True)
+def no_process_outlives_its_test() -> Iterator[None]:
+    yield
+    while _STARTED:
+        process = _STARTED.pop()
+        if process.poll() is None:
+            process.kill()
+            process.communicate(timeout=30)
+
+
 def started(*args: str) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     env.pop("RESERVOIR_BROKER_URL", None)
-    return subprocess.Popen(
+    process = subprocess.Popen(
         [sys.executable, "-m", "reservoir", *args],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )  # fmt: skip
+    _STARTED.append(process)
+    return process
 
 
 def messages(err: str) -> list[str]:
@@ -92,6 +110,7 @@ def test_ctrl_c_in_the_demo_stops_its_threads_without_a_traceback() -> None:
 def test_a_node_stops_on_sighup_as_on_sigterm_says_stopped_and_exits_130(signum: int) -> None:
     process = started("node", "--broker", "memory://", "--name", "h1", "--vcpus", "2")
     assert process.stderr is not None
+    assert "node h1: configuration" in process.stderr.readline()  # what it runs with, first
     assert "node h1: ready" in process.stderr.readline()
     status, _, err = stopped_by(process, signum)
     assert status == INTERRUPTED

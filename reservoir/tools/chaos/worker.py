@@ -26,6 +26,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Final
 
+from reservoir.interrupt import set_from_a_signal_handler
 from reservoir.protocol.messages import TaskSpec
 from reservoir.protocol.placement import Placement, PlacementError
 from reservoir.runtime.auditor import placement_record, read_placements
@@ -191,7 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
-        stop.set()
+        set_from_a_signal_handler(stop)
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)

@@ -13,11 +13,13 @@ import base64
 import copy
 import hashlib
 import json
+import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import click
 import kubernetes_validate
@@ -142,8 +144,12 @@ def command_of(container: Container) -> tuple[click.Command, click.Context]:
     name, *args = resolved(container.argv)[1:]
     command = main.commands.get(name)
     assert command is not None, f"{container.where}: reservoir has no command {name!r}"
+    # the container's own environment, as click reads it at start (a value from a Secret
+    # stands in as a placeholder: it is there at run time)
+    environment = {k: "from-a-secret" if v is None else v for k, v in container.env.items()}
     try:
-        context = command.make_context(f"reservoir {name}", args)
+        with mock.patch.dict(os.environ, environment):
+            context = command.make_context(f"reservoir {name}", args)
     except click.ClickException as error:
         pytest.fail(
             f"{container.where}: reservoir {name} {' '.join(args)}: {error.format_message()}"

@@ -245,24 +245,21 @@ class Driver:
 
     def _call(self, handler: Callable[[Message, float], list[Effect]], message: Message) -> None:
         # Every log line while a conversation's message is handled, and its effects
-        # carried out, names the conversation (reservoir.observe.logs).
-        if message.request_id in _NOT_A_CONVERSATION:
-            self._handle(handler, message)
-            return
-        token = REQUEST_ID.set(message.request_id)
+        # carried out, names the conversation (reservoir.observe.logs). One function, not
+        # two: this runs for every message.
+        request_id = message.request_id
+        token = None if request_id in _NOT_A_CONVERSATION else REQUEST_ID.set(request_id)
         try:
-            self._handle(handler, message)
+            outcomes: list[Outcome] = []
+            with self._lock:
+                if self._closed:
+                    return
+                effects = handler(message, self.scheduler.clock.now())
+                self._execute(effects, outcomes)
+            self._settle(outcomes)
         finally:
-            REQUEST_ID.reset(token)
-
-    def _handle(self, handler: Callable[[Message, float], list[Effect]], message: Message) -> None:
-        outcomes: list[Outcome] = []
-        with self._lock:
-            if self._closed:
-                return
-            effects = handler(message, self.scheduler.clock.now())
-            self._execute(effects, outcomes)
-        self._settle(outcomes)
+            if token is not None:
+                REQUEST_ID.reset(token)
 
     def _run(self, step: Callable[[float], list[Effect]]) -> None:
         """Feed the machine an event that is not a message (a caller's request, start, stop)."""

@@ -279,7 +279,12 @@ class InProcessBroker(Broker):
             self._schedule(now, sender, Delivery(body, topic=topic, returned=True))
             return
         for receiver in receivers:
-            self._dispatch(now, receiver, Delivery(body, topic=topic), faults)
+            if faults is None:  # the common case, without two calls per delivery
+                self._scheduler.call_at(
+                    now, partial(self._deliver, receiver, Delivery(body, topic=topic))
+                )
+            else:
+                self._dispatch(now, receiver, Delivery(body, topic=topic), faults)
 
     def _send(self, sender: InProcessEndpoint, address: str, body: bytes) -> None:
         with self._lock:
@@ -294,7 +299,10 @@ class InProcessBroker(Broker):
             log.debug("send to %r reached nobody; returning it to %s", address, sender.address)
             self._schedule(now, sender, Delivery(body, returned=True))
             return
-        self._dispatch(now, receiver, Delivery(body), faults)
+        if faults is None:  # the common case, without two calls per delivery
+            self._scheduler.call_at(now, partial(self._deliver, receiver, Delivery(body)))
+        else:
+            self._dispatch(now, receiver, Delivery(body), faults)
 
     # -- delivery -------------------------------------------------------------------------
 

@@ -228,4 +228,5 @@ def test_any_replica_answers_for_what_the_nodes_hold_also_after_a_restart(
     assert report.ok, report.as_json()
     assert (len(report.nodes), report.allocations, report.reservations) == (2, 0, 0)
     for node in cluster.nodes:
-        assert node.terminate() == 0, "".join(node.seen)
+        # a node stopped by a signal exits 130 (one interruption path); serve drains, 0
+        assert node.terminate() == 130, "".join(node.seen)

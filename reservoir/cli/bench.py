@@ -10,10 +10,9 @@ import click
 
 from brokers import BrokerUrl
 from reservoir.broker import BrokerError, UnsupportedBroker
-from reservoir.cli.options import stopped_by_sigterm
+from reservoir.cli.options import require_message_counts, stopped_by_sigterm
 from reservoir.exit_status import EXIT_BROKER, EXIT_RUN_FAILED
 from reservoir.tools.bench.runner import BenchError, BenchResult, bench_url, run_bench
-from reservoir.version import install_hint
 
 
 def _parse_url(ctx: click.Context, param: click.Parameter, value: str) -> BrokerUrl:
@@ -100,13 +99,7 @@ def bench(
     Runs on exchanges of its own, removed at the end. Exit status 3 when the broker
     cannot be reached, 2 when the run cannot be carried out.
     """
-    from reservoir.observe import metrics
-
-    if not metrics.AVAILABLE:
-        # messages per placement are read from the participants' Prometheus counters
-        raise click.UsageError(
-            f"reservoir bench counts messages with prometheus-client: {install_hint('prometheus')}"
-        )
+    require_message_counts("bench")
     if broker_url.adapter != "memory" and node_processes > nodes:
         raise click.BadParameter(
             f"{node_processes} processes for {nodes} nodes: give at most --nodes",

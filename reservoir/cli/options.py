@@ -273,3 +273,16 @@ def stopped_by_sigterm() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def require_message_counts(command: str) -> None:
+    """A usage error unless prometheus-client is installed: ``bench`` and ``versus`` read
+    messages per placement from the participants' Prometheus counters."""
+    from reservoir.observe import metrics
+    from reservoir.version import install_hint
+
+    if not metrics.AVAILABLE:
+        raise click.UsageError(
+            f"reservoir {command} counts messages with prometheus-client: "
+            f"{install_hint('prometheus')}"
+        )

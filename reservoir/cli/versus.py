@@ -11,7 +11,7 @@ import click
 
 from brokers import BrokerUrl
 from reservoir.broker import BrokerError, UnsupportedBroker
-from reservoir.cli.options import stopped_by_sigterm
+from reservoir.cli.options import require_message_counts, stopped_by_sigterm
 from reservoir.exit_status import EXIT_BROKER, EXIT_INTERRUPTED, EXIT_RUN_FAILED
 from reservoir.tools.bench.runner import BenchError, bench_url
 from reservoir.tools.versus_placement.runner import LEFT_OUT, run_versus
@@ -97,14 +97,9 @@ def versus(
     mariadb-server). Exit status 3 when the broker cannot be reached, 2 when the run
     cannot be carried out, 130 when stopped by Ctrl-C or SIGTERM.
     """
-    from reservoir.observe import metrics
     from reservoir.tools.versus_placement.services import IncumbentUnavailable, missing
-    from reservoir.version import install_hint
 
-    if not metrics.AVAILABLE:
-        raise click.UsageError(
-            f"reservoir versus counts messages with prometheus-client: {install_hint('prometheus')}"
-        )
+    require_message_counts("versus")
     lacking = missing()
     if lacking:
         raise click.UsageError("reservoir versus placement needs " + ", ".join(lacking))

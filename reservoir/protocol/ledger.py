@@ -188,6 +188,9 @@ class Ledger:
     #: the addresses of the PCI devices the node may hand out (None: it names none), for
     #: :meth:`violations`: a device held must be one of them
     devices: frozenset[str] | None = None
+    #: PCI devices held by allocations and reservations together, counted with
+    #: repeats: while it is 0 no device can be held twice or be another node's
+    _devices_held: int = 0
 
     @classmethod
     def with_allocations(
@@ -373,6 +376,24 @@ class Ledger:
                 )
         return problems + self._device_violations()
 
+    def overcommitted(self) -> bool:
+        """Whether :meth:`violations` finds anything, without building its words: asked
+        for every request a node hears, so it looks at the few classes held and, only when
+        PCI devices are held at all, at the devices."""
+        inventories = self.inventories
+        reserved = self._reserved
+        for rc, allocated in self._allocated.items():
+            inventory = inventories.get(rc)
+            if allocated + reserved[rc] > (inventory.capacity if inventory is not None else 0):
+                return True
+        for rc, units in reserved.items():
+            inventory = inventories.get(rc)
+            if units and self._allocated[rc] + units > (
+                inventory.capacity if inventory is not None else 0
+            ):
+                return True
+        return self._devices_held > 0 and bool(self._device_violations())
+
     def _device_violations(self) -> list[str]:
         """PCI devices held twice (by allocations and live reservations together), or held
         and not the node's."""
@@ -403,6 +424,8 @@ class Ledger:
         self.reservations[reservation.reservation_id] = reservation
         _add(self._reserved, reservation.holds(), 1)
         self._utilisation = None
+        if reservation.numa:
+            self._devices_held += sum(len(p.devices) for p in reservation.numa)
         self._reservation_by_request[reservation.request_id] = reservation.reservation_id
         if reservation.findable:
             self._touched.add(reservation.request_id)
@@ -415,6 +438,8 @@ class Ledger:
             return None
         _add(self._reserved, reservation.holds(), -1)
         self._utilisation = None
+        if reservation.numa:
+            self._devices_held -= sum(len(p.devices) for p in reservation.numa)
         del self._reservation_by_request[reservation.request_id]
         if reservation.findable:
             self._touched.add(reservation.request_id)
@@ -427,6 +452,8 @@ class Ledger:
             raise ValueError(f"allocation {allocation.allocation_id} exists")
         self.allocations[allocation.allocation_id] = allocation
         _add(self._allocated, allocation.resources, 1)
+        if allocation.numa is not None:
+            self._devices_held += len(allocation.numa.devices)
         self._utilisation = self._allocated_share = self._room = None
         _index(self._allocations_by_request, allocation.request_id, allocation.allocation_id)
         _index(
@@ -442,6 +469,8 @@ class Ledger:
         if allocation is None:
             return None
         _add(self._allocated, allocation.resources, -1)
+        if allocation.numa is not None:
+            self._devices_held -= len(allocation.numa.devices)
         self._utilisation = self._allocated_share = self._room = None
         _discard(self._allocations_by_request, allocation.request_id, allocation_id)
         _discard(self._allocations_by_reservation, allocation.reservation_id, allocation_id)

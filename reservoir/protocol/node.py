@@ -600,7 +600,7 @@ class NodeMachine:
                     self._contended(held, request.sender, request.reply_to, request.attempt)
                 )
             return
-        if self.overcommitted():
+        if self.ledger.overcommitted():
             # Holding more than it has (stored allocations over a smaller inventory), the
             # node must not add to it, whatever class a request asks for: it refuses
             # every new request until frees bring it back within its inventory.

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import collections
 import logging
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
@@ -59,6 +60,7 @@ from pika.adapters.select_connection import IOLoop
 from pika.adapters.utils import io_services_utils
 
 from brokers._rules import DEFAULT_EXCHANGE, INBOX_SUFFIX, failure_words
+from brokers.amqp import frames
 from brokers.amqp import session as core
 from brokers.amqp.session import Action, Role, Session
 from brokers.amqp.threaded import AmqpBroker, AmqpEndpoint, Future
@@ -159,6 +161,56 @@ def tune_transport(transport: Any) -> bool:
     return True
 
 
+class HotPathConnection(pika.SelectConnection):  # type: ignore[misc]
+    """pika's ``SelectConnection``, reading the frames of a delivery and of a publisher
+    confirm itself (:mod:`brokers.amqp.frames`) and handing them to ``hot`` straight, and
+    every other frame to pika as pika would. ``hot`` is the broker's: it takes a frame
+    (True) or declines it, and a declined frame goes pika's way.
+
+    What pika keeps is what it needs to see: the handshake (nothing is read here until the
+    connection is open), heartbeats, every control reply, returns, and any delivery whose
+    header carries a ``headers`` table. The counters pika's heartbeat checker reads
+    (``bytes_received``, ``frames_received``) are kept as pika keeps them."""
+
+    #: the broker's taker of a hot frame (True: taken); None until the broker sets it
+    hot: Callable[[frames.Deliver | frames.Confirm], bool] | None = None
+
+    def _on_data_available(self, data_in: bytes) -> None:
+        hot = self.hot
+        if hot is None or not self.is_open:
+            super()._on_data_available(data_in)
+            return
+        held: bytes = self._frame_buffer  # type: ignore[has-type]
+        buffer = held + data_in if held else data_in
+        # pika trims its buffer after every frame, which copies the rest each time; here it
+        # is trimmed once, and whatever a callback does to the connection meanwhile (a
+        # close resets the buffer) shows as a buffer that is no longer this one.
+        self._frame_buffer = buffer
+        offset = 0
+        while offset < len(buffer):
+            try:
+                value, end, count = frames.hot_frames(buffer, offset)
+            except frames.Incomplete:
+                break
+            except frames.FrameError as error:
+                raise pika.exceptions.InvalidFrameError(str(error)) from None
+            if value is None or not hot(value):
+                # pika's way, this one frame; a delivery declined goes frame by frame
+                # through pika's reader from its method frame on
+                end = frames.frame_end(buffer, offset)
+                consumed, frame_value = pika.frame.decode_frame(buffer[offset:end])
+                self.bytes_received += consumed
+                offset = end
+                self._process_frame(frame_value)
+            else:
+                self.bytes_received += end - offset
+                self.frames_received += count
+                offset = end
+            if self._frame_buffer is not buffer:
+                return  # the connection was reset by a callback: what is left is gone
+        self._frame_buffer = buffer[offset:] if offset else buffer
+
+
 def strip_reservoir_params(url: str) -> tuple[str, dict[str, str]]:
     """``url`` as pika should see it, and reservoir's own query parameters."""
     parsed = BrokerUrl.parse(url)
@@ -201,6 +253,8 @@ class PikaBroker(AmqpBroker):
         #: consumer tag -> endpoint token, for a cancelled consumer
         self._consumers: dict[str, str] = {}
         self._properties: dict[str, Any] = {}
+        #: token -> the content header properties of its messages, as bytes
+        self._wire_properties: dict[str, bytes] = {}
         self._timer: object | None = None
         self._stopping = False
         super().__init__(parsed, **options)
@@ -225,13 +279,7 @@ class PikaBroker(AmqpBroker):
         if isinstance(action, core.Publish):
             message = action.message
             try:
-                self._channels["publish"].basic_publish(
-                    message.exchange,
-                    message.routing_key,
-                    message.body,
-                    self._props(message.token),
-                    mandatory=True,
-                )
+                self._publish(message.exchange, message.routing_key, message.body, message.token)
             except Exception as error:
                 self._close(f"publish failed: {error!r}")
         elif isinstance(action, core.Connect):
@@ -304,7 +352,7 @@ class PikaBroker(AmqpBroker):
             "product": "reservoir",
         }
         try:
-            self._connection = pika.SelectConnection(
+            self._connection = HotPathConnection(
                 self._params,
                 on_open_callback=partial(self._on_open, gen),
                 on_open_error_callback=partial(self._on_lost, gen, opening=True),
@@ -326,6 +374,58 @@ class PikaBroker(AmqpBroker):
             return False
         return True
 
+    def _publish(self, exchange: str, routing_key: str, body: bytes, token: str) -> None:
+        """``basic.publish``, ``mandatory``, with our ``user_id`` and the sender's token as
+        ``app_id``: written as frames here (:mod:`brokers.amqp.frames`) on a connection of
+        ours, through pika's ``basic_publish`` on any other."""
+        channel = self._channels["publish"]
+        connection = self._connection
+        if not isinstance(connection, HotPathConnection):
+            channel.basic_publish(exchange, routing_key, body, self._props(token), mandatory=True)
+            return
+        if not channel.is_open:
+            raise pika.exceptions.ChannelWrongStateError("the publish channel is not open")
+        properties = self._wire_properties.get(token)
+        if properties is None:
+            properties = self._wire_properties[token] = frames.publish_properties(
+                self._user_id, token
+            )
+        data, count = frames.publish_frames(
+            channel.channel_number,
+            exchange,
+            routing_key,
+            body,
+            properties,
+            mandatory=True,
+            body_max=connection.params.frame_max - frames.FRAME_OVERHEAD,
+        )
+        # what pika's _output_marshaled_frames counts, for its heartbeat checker
+        connection.bytes_sent += len(data)
+        connection.frames_sent += count
+        connection._adapter_emit_data(data)
+
+    def _hot_frame(self, gen: int, value: frames.Deliver | frames.Confirm) -> bool:
+        """A delivery or a confirm :class:`HotPathConnection` read: taken (True) when it is
+        for our open consume or publish channel, as pika's callbacks would have had it."""
+        if gen != self._gen:
+            return False
+        if isinstance(value, frames.Deliver):
+            channel = self._channels.get("consume")
+            token = self._consumers.get(value.consumer_tag)
+            if token is None or channel is None or value.channel != channel.channel_number:
+                return False
+            if not channel.is_open:
+                return False
+            self._message(token, value.exchange, value.routing_key, value.body, value.user_id)
+            return True
+        channel = self._channels.get("publish")
+        if channel is None or value.channel != channel.channel_number or not channel.is_open:
+            return False
+        self._event(
+            Session.confirmed, gen, value.delivery_tag, multiple=value.multiple, ack=value.ack
+        )
+        return True
+
     def _props(self, token: str) -> Any:
         properties = self._properties.get(token)
         if properties is None:
@@ -341,6 +441,8 @@ class PikaBroker(AmqpBroker):
         self._event(Session.tick, self._now())
 
     def _on_open(self, gen: int, connection: Any) -> None:
+        if isinstance(connection, HotPathConnection):
+            connection.hot = partial(self._hot_frame, gen)
         if not tune_transport(getattr(connection, "_transport", None)):
             log.debug(
                 "%s: pika's own socket I/O kept (an SSL or unfamiliar transport)",

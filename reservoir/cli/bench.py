@@ -202,6 +202,27 @@ def _print_table(result: BenchResult) -> None:
             f"{r.cpu_bound_placements_per_s:,.0f}",
             "",
         ),
+        (
+            "  reservoir's own (all but the broker)",
+            f"{r.own_cpu_ms_per_placement:.3f} ms",
+            "own_cpu_ms_per_placement",
+        ),
+        *(
+            [
+                (
+                    "  reservoir's own / the broker's",
+                    f"x{r.own_cpu_over_broker_cpu:.2f}",
+                    "own_cpu_over_broker_cpu",
+                )
+            ]
+            if r.own_cpu_over_broker_cpu is not None
+            else []
+        ),
+        (
+            "  least with this client adapter",
+            f"{r.client_floor_cpu_ms_per_placement:.3f} ms",
+            "",
+        ),
     ]
     for name, value, figure in rows:
         target = r.targets.get(figure)

@@ -28,7 +28,14 @@ from pathlib import Path
 from brokers import BrokerUrl
 from reservoir.broker import Broker, Delivery
 
-__all__ = ["CpuMeter", "CpuSnapshot", "broker_processes", "cpu_bound", "measure_message_rate"]
+__all__ = [
+    "CpuMeter",
+    "CpuSnapshot",
+    "broker_processes",
+    "cpu_bound",
+    "measure_message_rate",
+    "own_cpu",
+]
 
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 _LOOPBACK = {"127.0.0.1", "localhost", "::1", ""}
@@ -133,16 +140,23 @@ class CpuMeter:
 
     @staticmethod
     def per_placement_ms(
-        before: CpuSnapshot, after: CpuSnapshot, placements: int
+        before: CpuSnapshot, after: CpuSnapshot, placements: int, *, digits: int = 3
     ) -> dict[str, float]:
-        """CPU milliseconds per placement of each part measured at both ends."""
+        """CPU milliseconds per placement (or per whatever ``placements`` counts) of each
+        part measured at both ends."""
         if placements <= 0:
             return {}
         return {
-            part: round(1000 * (after.seconds[part] - was) / placements, 3)
+            part: round(1000 * (after.seconds[part] - was) / placements, digits)
             for part, was in before.seconds.items()
             if part in after.seconds
         }
+
+
+def own_cpu(per_placement_ms: dict[str, float]) -> float:
+    """The CPU of reservoir's own processes in ``per_placement_ms``: every part but the
+    broker's."""
+    return round(sum(ms for part, ms in per_placement_ms.items() if part != "broker"), 3)
 
 
 def cpu_bound(per_placement_ms: dict[str, float], cores: int) -> float:

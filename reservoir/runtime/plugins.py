@@ -17,7 +17,14 @@ from importlib.metadata import EntryPoint, entry_points
 
 from reservoir.protocol.filters import BUILT_IN_FILTERS, BUILT_IN_WEIGHERS, Filter, Weigher
 
-__all__ = ["BUILT_IN_FILTERS", "BUILT_IN_WEIGHERS", "PluginError", "load_filters", "load_weighers"]
+__all__ = [
+    "BUILT_IN_FILTERS",
+    "BUILT_IN_WEIGHERS",
+    "PluginError",
+    "installed_entry_points",
+    "load_filters",
+    "load_weighers",
+]
 
 FILTER_GROUP = "reservoir.filters"
 WEIGHER_GROUP = "reservoir.weighers"
@@ -35,14 +42,20 @@ class PluginError(RuntimeError):
 _installed: dict[tuple[str, object], tuple[EntryPoint, ...]] = {}
 
 
-def _discovered(group: str, built_in: Mapping[str, type]) -> dict[str, EntryPoint | type]:
+def installed_entry_points(group: str) -> tuple[EntryPoint, ...]:
+    """The entry points installed in ``group``, sorted by name, read once per process
+    (filters, weighers and task drivers alike)."""
     finder = entry_points
     installed = _installed.get((group, finder))
     if installed is None:
         installed = tuple(sorted(finder(group=group), key=lambda ep: ep.name))
         _installed[(group, finder)] = installed
+    return installed
+
+
+def _discovered(group: str, built_in: Mapping[str, type]) -> dict[str, EntryPoint | type]:
     found: dict[str, EntryPoint | type] = dict(built_in)
-    for entry_point in installed:
+    for entry_point in installed_entry_points(group):
         if entry_point.name not in built_in:
             found[entry_point.name] = entry_point
     return found

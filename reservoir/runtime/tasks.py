@@ -13,7 +13,7 @@ request naming one of them.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from importlib.metadata import EntryPoint, entry_points
+from importlib.metadata import EntryPoint
 from pathlib import Path
 from typing import Final, Protocol, runtime_checkable
 
@@ -21,6 +21,7 @@ import msgspec
 
 from reservoir.protocol.ledger import Allocation
 from reservoir.protocol.messages import TaskSpec
+from reservoir.runtime.plugins import installed_entry_points
 
 __all__ = [
     "BUILT_IN_TASK_DRIVERS",
@@ -109,7 +110,7 @@ def load_task_drivers(names: Sequence[str], *, state_dir: Path, node: str) -> di
         name: EntryPoint(name=name, value=value, group=TASK_DRIVER_GROUP)
         for name, value in BUILT_IN_TASK_DRIVERS.items()
     }
-    found.update((ep.name, ep) for ep in entry_points(group=TASK_DRIVER_GROUP))
+    found.update((ep.name, ep) for ep in installed_entry_points(TASK_DRIVER_GROUP))
     drivers: dict[str, TaskDriver] = {}
     for name in names:
         if name not in found:

@@ -48,6 +48,7 @@ across reconnects, so an operator or a test can find and close exactly this brok
 from __future__ import annotations
 
 import collections
+import errno
 import logging
 from collections.abc import Callable
 from functools import partial
@@ -99,6 +100,8 @@ RECV_BYTES = 65536
 SEND_BYTES = 65536
 
 _PLAINTEXT_TRANSPORT: Any = getattr(io_services_utils, "_AsyncPlaintextTransport", None)
+#: the errors of a send that mean "not now" (the socket's buffer is full)
+_TRY_AGAIN = frozenset({errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR})
 
 
 class TunedPlaintextTransport(_PLAINTEXT_TRANSPORT or object):  # type: ignore[misc]
@@ -122,7 +125,52 @@ class TunedPlaintextTransport(_PLAINTEXT_TRANSPORT or object):  # type: ignore[m
         sent: int = _PLAINTEXT_TRANSPORT._sigint_safe_send(sock, chunk)
         return sent
 
+    #: while above 0, a write is buffered and left for :meth:`release_writes` to send
+    _writes_held = 0
+    #: whether pika was already watching for writability when the hold began
+    _watched_before_hold = False
+
+    def write(self, data: bytes) -> None:
+        if self._writes_held and self._state == self._STATE_ACTIVE:
+            self._buffer_tx_data(data)
+            return
+        super().write(data)
+
+    def hold_writes(self) -> None:
+        """From now until the matching :meth:`release_writes`, buffer what is written:
+        whatever one turn of the IO loop writes then leaves in one ``send()``, at once,
+        rather than after pika has watched the socket for writability (two ``epoll_ctl``
+        and a poll more per turn, and the answer to a message a poll later)."""
+        if not self._writes_held:
+            # pika watches for writability exactly while anything is buffered
+            self._watched_before_hold = bool(self._tx_buffers)
+        self._writes_held += 1
+
+    def release_writes(self) -> None:
+        """Send what was buffered while held; the writability watcher only for what the
+        socket would not take now (pika's rule: a watcher while anything is buffered)."""
+        self._writes_held -= 1
+        if self._writes_held or self._state != self._STATE_ACTIVE or not self._tx_buffers:
+            return
+        if not self._watched_before_hold:
+            try:
+                self._produce()
+            except OSError as error:
+                if error.errno not in _TRY_AGAIN:
+                    self._initiate_abort(error)
+                    return
+            if self._tx_buffers:
+                self._nbio.set_writer(self._sock.fileno(), self._on_socket_writable)
+        # else the watcher set before the hold sends it all, in order
+
     def _consume(self) -> None:
+        self.hold_writes()
+        try:
+            self._read()
+        finally:
+            self.release_writes()
+
+    def _read(self) -> None:
         consumed = 0
         while self._state == self._STATE_ACTIVE and consumed < self._MAX_CONSUME_BYTES:
             data: bytes = self._sigint_safe_recv(self._sock, RECV_BYTES)
@@ -268,9 +316,21 @@ class PikaBroker(AmqpBroker):
 
     def _send_wake(self) -> None:
         try:
-            self._ioloop.add_callback_threadsafe(self._pump)
+            self._ioloop.add_callback_threadsafe(self._pump_held)
         except Exception:  # the loop has closed: nothing left to wake
             log.debug("%s: wake-up after the loop closed", self.connection_name)
+
+    def _pump_held(self) -> None:
+        """The pump a wake-up runs: what it publishes leaves in one write at its end."""
+        transport = getattr(self._connection, "_transport", None)
+        if not isinstance(transport, TunedPlaintextTransport):
+            self._pump()
+            return
+        transport.hold_writes()
+        try:
+            self._pump()
+        finally:
+            transport.release_writes()
 
     # -- actions ---------------------------------------------------------------------------
 

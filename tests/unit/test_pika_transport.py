@@ -75,14 +75,18 @@ class FakeIOServices:
 
 
 class RecordingProtocol:
-    def __init__(self, *, aborts: bool = False) -> None:
+    def __init__(self, *, aborts: bool = False, answers: tuple[bytes, ...] = ()) -> None:
         self.received = bytearray()
         self.eof = False
         self.aborts = aborts
+        #: what it writes back for each read, as a node answers the messages it read
+        self.answers = answers
         self.transport: Any = None
 
     def data_received(self, data: bytes) -> None:
         self.received += data
+        for answer in self.answers:
+            self.transport.write(answer)
         if self.aborts:
             self.transport.abort()  # as pika's connection does on a bad frame
 
@@ -110,9 +114,10 @@ def tuned(
     *,
     sends_refused: int = 0,
     aborts: bool = False,
+    answers: tuple[bytes, ...] = (),
 ) -> tuple[Any, CountingSocket, RecordingProtocol, FakeIOServices]:
     counting = CountingSocket(ours, send_limit, sends_refused)
-    protocol, io = RecordingProtocol(aborts=aborts), FakeIOServices()
+    protocol, io = RecordingProtocol(aborts=aborts, answers=answers), FakeIOServices()
     transport = PlaintextTransport(counting, protocol, io)
     protocol.transport = transport
     assert tune_transport(transport)
@@ -288,3 +293,68 @@ def test_a_transport_of_another_shape_is_left_as_it_is() -> None:
     assert not tune_transport(unknown)
     assert not tune_transport(None)
     assert vars(unknown) == {}
+
+
+def test_what_is_written_while_reading_leaves_in_one_send_when_the_read_ends(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    ours, theirs = pair
+    transport, counting, _, io = tuned(ours, answers=(b"offer", b"status"))
+    theirs.sendall(b"request")
+
+    transport._on_socket_readable()
+
+    assert counting.sends == [len(b"offerstatus")]  # at once, not after a writable event
+    assert read_all(theirs, 11) == b"offerstatus"
+    assert io.writer is None  # never watched for writability
+    assert transport.get_write_buffer_size() == 0
+
+
+def test_what_the_socket_will_not_take_at_the_end_of_a_read_waits_for_writability(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    ours, theirs = pair
+    transport, counting, _, io = tuned(ours, sends_refused=1, answers=(b"offer",))
+    theirs.sendall(b"request")
+
+    transport._on_socket_readable()  # the send is refused: EAGAIN
+
+    assert transport.get_write_buffer_size() == 5
+    assert io.writer is not None
+    transport._on_socket_writable()
+    assert read_all(theirs, 5) == b"offer"
+    assert io.writer is None
+
+
+def test_a_hold_begun_behind_a_waiting_backlog_leaves_it_to_the_writable_event(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    ours, theirs = pair
+    transport, counting, _, io = tuned(ours, answers=(b"answer",))
+    transport.write(b"earlier")  # pika now watches for writability
+    assert io.writer is not None
+    theirs.sendall(b"request")
+
+    transport._on_socket_readable()
+
+    assert counting.sends == []  # nothing jumps the queue, nothing is sent twice
+    transport._on_socket_writable()
+    assert read_all(theirs, 13) == b"earlieranswer"
+    assert io.writer is None
+
+
+def test_holds_nest_and_only_the_outermost_release_sends(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    ours, theirs = pair
+    transport, counting, _, io = tuned(ours)
+    transport.hold_writes()
+    transport.hold_writes()
+    transport.write(b"a")
+    transport.release_writes()
+    assert counting.sends == []
+    transport.write(b"b")
+    transport.release_writes()
+    assert counting.sends == [2]
+    assert read_all(theirs, 2) == b"ab"
+    assert io.writer is None

@@ -319,9 +319,11 @@ def test_what_the_socket_will_not_take_at_the_end_of_a_read_waits_for_writabilit
 
     transport._on_socket_readable()  # the send is refused: EAGAIN
 
+    assert counting.sends == []
     assert transport.get_write_buffer_size() == 5
     assert io.writer is not None
     transport._on_socket_writable()
+    assert counting.sends == [5]
     assert read_all(theirs, 5) == b"offer"
     assert io.writer is None
 

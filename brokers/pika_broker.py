@@ -167,8 +167,21 @@ class TunedPlaintextTransport(_PLAINTEXT_TRANSPORT or object):  # type: ignore[m
         self.hold_writes()
         try:
             self._read()
-        finally:
-            self.release_writes()
+        except OSError as error:
+            if error.errno in _TRY_AGAIN:
+                self.release_writes()  # pika takes this for "nothing more to read now"
+            else:
+                self._drop_hold()
+            raise
+        except BaseException:
+            self._drop_hold()
+            raise
+        self.release_writes()
+
+    def _drop_hold(self) -> None:
+        """The read failed (reset, end of file, a bug): pika aborts the transport, which
+        flushes nothing, and an abort of our own first would trip its state checks."""
+        self._writes_held -= 1
 
     def _read(self) -> None:
         consumed = 0
@@ -235,28 +248,38 @@ class HotPathConnection(pika.SelectConnection):  # type: ignore[misc]
         # close resets the buffer) shows as a buffer that is no longer this one.
         self._frame_buffer = buffer
         offset = 0
-        while offset < len(buffer):
-            try:
-                value, end, count = frames.hot_frames(buffer, offset)
-            except frames.Incomplete:
-                break
-            except frames.FrameError as error:
-                raise pika.exceptions.InvalidFrameError(str(error)) from None
-            if value is None or not hot(value):
-                # pika's way, this one frame; a delivery declined goes frame by frame
-                # through pika's reader from its method frame on
-                end = frames.frame_end(buffer, offset)
-                consumed, frame_value = pika.frame.decode_frame(buffer[offset:end])
-                self.bytes_received += consumed
-                offset = end
-                self._process_frame(frame_value)
-            else:
-                self.bytes_received += end - offset
-                self.frames_received += count
-                offset = end
-            if self._frame_buffer is not buffer:
-                return  # the connection was reset by a callback: what is left is gone
-        self._frame_buffer = buffer[offset:] if offset else buffer
+        try:
+            while offset < len(buffer):
+                try:
+                    value, end, count = frames.hot_frames(buffer, offset)
+                except frames.Incomplete:
+                    break
+                except frames.FrameError as error:
+                    raise pika.exceptions.InvalidFrameError(str(error)) from None
+                taken = False
+                if value is not None:
+                    try:
+                        taken = hot(value)
+                    except BaseException:
+                        offset = end  # consumed, as pika trims a frame before handling it
+                        raise
+                if taken:
+                    self.bytes_received += end - offset
+                    self.frames_received += count
+                    offset = end
+                else:
+                    # pika's way, this one frame; a delivery declined goes frame by frame
+                    # through pika's reader from its method frame on
+                    end = frames.frame_end(buffer, offset)
+                    consumed, frame_value = pika.frame.decode_frame(buffer[offset:end])
+                    self.bytes_received += consumed
+                    offset = end
+                    self._process_frame(frame_value)
+                if self._frame_buffer is not buffer:
+                    return  # the connection was reset by a callback: what is left is gone
+        finally:
+            if self._frame_buffer is buffer and offset:
+                self._frame_buffer = buffer[offset:]
 
 
 def strip_reservoir_params(url: str) -> tuple[str, dict[str, str]]:

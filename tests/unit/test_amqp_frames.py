@@ -251,3 +251,22 @@ def test_a_frame_the_broker_declines_goes_pikas_way() -> None:
     # every frame of the three deliveries and the confirm
     assert len(connection._channels[7].frames) == 4 + 1 + 3 + 4
     assert connection.frames_received == frame_count
+
+
+def test_a_frame_whose_taker_raised_is_not_read_again() -> None:
+    wire, _ = stream()
+    taken: list[object] = []
+    connection = open_connection(taken)
+
+    def raising(value: object) -> bool:
+        taken.append(value)
+        raise RuntimeError("a bug in the taker")
+
+    connection.hot = raising
+    with pytest.raises(RuntimeError):
+        connection._on_data_available(wire)
+    # pika aborts the connection on an error from its protocol; were it to read on, the
+    # delivery that failed would not come a second time
+    first = frames.hot_frames(wire, 0)[1]
+    assert connection._frame_buffer == wire[first:]
+    assert connection.bytes_received == 0  # what failed is not counted as taken

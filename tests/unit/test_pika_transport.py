@@ -360,3 +360,57 @@ def test_holds_nest_and_only_the_outermost_release_sends(
     assert counting.sends == [2]
     assert read_all(theirs, 2) == b"ab"
     assert io.writer is None
+
+
+class FailingSocket(CountingSocket):
+    """A socket whose peer went away: after ``reads`` good reads every recv fails with
+    ``read_error``, and every send with EPIPE."""
+
+    def __init__(self, sock: socket.socket, reads: int, read_error: OSError) -> None:
+        super().__init__(sock)
+        self.reads = reads
+        self.read_error = read_error
+
+    def recv(self, max_bytes: int) -> bytes:
+        if self.reads == 0:
+            raise self.read_error
+        self.reads -= 1
+        return self.sock.recv(max_bytes)
+
+    def send(self, data: bytes) -> int:
+        raise BrokenPipeError(errno.EPIPE, "the peer is gone")
+
+
+def failing(ours: socket.socket, read_error: OSError) -> tuple[Any, FakeIOServices]:
+    protocol, io = RecordingProtocol(answers=(b"offer",)), FakeIOServices()
+    transport = PlaintextTransport(FailingSocket(ours, 1, read_error), protocol, io)
+    protocol.transport = transport
+    assert tune_transport(transport)
+    return transport, io
+
+
+def test_a_read_that_fails_after_answers_were_written_aborts_the_transport_once(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    ours, theirs = pair
+    transport, _ = failing(ours, ConnectionResetError(errno.ECONNRESET, "reset by peer"))
+    theirs.sendall(b"x" * RECV_BYTES)  # a full read, so the transport reads again
+
+    transport._on_socket_readable()  # the second read fails: pika aborts, flushing nothing
+
+    assert transport._state == PlaintextTransport._STATE_FAILED
+    assert transport.get_write_buffer_size() == 5  # the answer was never sent
+
+
+def test_a_read_that_would_block_still_sends_what_was_answered(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    ours, theirs = pair
+    transport, io = failing(ours, BlockingIOError(errno.EAGAIN, "would block"))
+    theirs.sendall(b"x" * RECV_BYTES)
+
+    transport._on_socket_readable()  # EAGAIN: nothing more to read, the connection lives
+
+    # the answer went to send() at once (here the send fails: the transport is aborted)
+    assert transport._state == PlaintextTransport._STATE_FAILED
+    assert io.writer is None

@@ -100,8 +100,10 @@ RECV_BYTES = 65536
 SEND_BYTES = 65536
 
 _PLAINTEXT_TRANSPORT: Any = getattr(io_services_utils, "_AsyncPlaintextTransport", None)
-#: the errors of a send that mean "not now" (the socket's buffer is full)
-_TRY_AGAIN = frozenset({errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR})
+#: the socket errors pika takes for "not now" (and not for a broken connection)
+_TRY_AGAIN: tuple[int, ...] = getattr(
+    io_services_utils, "_TRY_IO_AGAIN_SOCK_ERROR_CODES", (errno.EAGAIN, errno.EWOULDBLOCK)
+)
 
 
 class TunedPlaintextTransport(_PLAINTEXT_TRANSPORT or object):  # type: ignore[misc]
@@ -167,21 +169,15 @@ class TunedPlaintextTransport(_PLAINTEXT_TRANSPORT or object):  # type: ignore[m
         self.hold_writes()
         try:
             self._read()
-        except OSError as error:
-            if error.errno in _TRY_AGAIN:
+        except BaseException as error:
+            if isinstance(error, OSError) and error.errno in _TRY_AGAIN:
                 self.release_writes()  # pika takes this for "nothing more to read now"
             else:
-                self._drop_hold()
-            raise
-        except BaseException:
-            self._drop_hold()
+                # The read failed (reset, end of file, a bug): pika aborts the transport,
+                # which flushes nothing, and an abort of ours first would trip its checks.
+                self._writes_held -= 1
             raise
         self.release_writes()
-
-    def _drop_hold(self) -> None:
-        """The read failed (reset, end of file, a bug): pika aborts the transport, which
-        flushes nothing, and an abort of our own first would trip its state checks."""
-        self._writes_held -= 1
 
     def _read(self) -> None:
         consumed = 0
@@ -323,7 +319,6 @@ class PikaBroker(AmqpBroker):
         self._channels: dict[Role, Channel] = {}
         #: consumer tag -> endpoint token, for a cancelled consumer
         self._consumers: dict[str, str] = {}
-        self._properties: dict[str, Any] = {}
         #: token -> the content header properties of its messages, as bytes
         self._wire_properties: dict[str, bytes] = {}
         self._timer: object | None = None
@@ -459,13 +454,10 @@ class PikaBroker(AmqpBroker):
 
     def _publish(self, exchange: str, routing_key: str, body: bytes, token: str) -> None:
         """``basic.publish``, ``mandatory``, with our ``user_id`` and the sender's token as
-        ``app_id``: written as frames here (:mod:`brokers.amqp.frames`) on a connection of
-        ours, through pika's ``basic_publish`` on any other."""
+        ``app_id`` (so that a ``basic.return`` finds its sender), written as frames here
+        (:mod:`brokers.amqp.frames`) rather than through pika's ``basic_publish``."""
         channel = self._channels["publish"]
-        connection = self._connection
-        if not isinstance(connection, HotPathConnection):
-            channel.basic_publish(exchange, routing_key, body, self._props(token), mandatory=True)
-            return
+        connection: HotPathConnection = self._connection
         if not channel.is_open:
             raise pika.exceptions.ChannelWrongStateError("the publish channel is not open")
         properties = self._wire_properties.get(token)
@@ -509,14 +501,6 @@ class PikaBroker(AmqpBroker):
         )
         return True
 
-    def _props(self, token: str) -> Any:
-        properties = self._properties.get(token)
-        if properties is None:
-            # app_id carries the sender's token, so that a basic.return finds its sender.
-            properties = pika.BasicProperties(user_id=self._user_id, app_id=token)
-            self._properties[token] = properties
-        return properties
-
     # -- pika's callbacks ------------------------------------------------------------------
 
     def _tick(self) -> None:
@@ -524,8 +508,7 @@ class PikaBroker(AmqpBroker):
         self._event(Session.tick, self._now())
 
     def _on_open(self, gen: int, connection: Any) -> None:
-        if isinstance(connection, HotPathConnection):
-            connection.hot = partial(self._hot_frame, gen)
+        connection.hot = partial(self._hot_frame, gen)  # a HotPathConnection: see _connect
         if not tune_transport(getattr(connection, "_transport", None)):
             log.debug(
                 "%s: pika's own socket I/O kept (an SSL or unfamiliar transport)",

@@ -130,8 +130,9 @@ class CpuMeter:
     groups: dict[str, list[int]] = field(default_factory=dict)
 
     def snapshot(self) -> CpuSnapshot:
-        own = os.times()
-        seconds = {"this process": own.user + own.system}
+        # process_time() reads the kernel's nanosecond clock for this process; os.times()
+        # and /proc count in 10 ms ticks, which a short run's few placements may not fill
+        seconds = {"this process": time.process_time()}
         for name, pids in self.groups.items():
             readings = [_cpu_s_of(pid) for pid in pids]
             if pids and all(r is not None for r in readings):

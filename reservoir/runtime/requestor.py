@@ -37,8 +37,8 @@ from reservoir.observe import tracing
 from reservoir.observe.logs import REQUEST_ID
 from reservoir.observe.metrics import Metrics, default_participant
 from reservoir.protocol.addresses import node_address, requestor_address
-from reservoir.protocol.effects import Effect, Failed, FreeCompleted, Placed
-from reservoir.protocol.messages import Message, TaskSpec, TaskState
+from reservoir.protocol.effects import Effect, Failed, FreeCompleted, Placed, Send
+from reservoir.protocol.messages import Message, TaskQuery, TaskSpec, TaskState
 from reservoir.protocol.placement import (
     Explanation,
     Placement,
@@ -157,6 +157,7 @@ class Requestor(Driver):
         self._replays: set[str] = set()
         #: request id -> the run waiting for its tasks' states
         self._runs: dict[str, TaskRun] = {}
+        self._task_check_s = settings.task_check_s
         #: asks the nodes what they hold of an id; opened by the first find
         self._finder: Finder | None = None
         self._finder_lock = threading.Lock()
@@ -314,7 +315,9 @@ class Requestor(Driver):
         request_id = spec.request_id or uuid.uuid4().hex
         spec = checked_request(msgspec_replace(spec, request_id=request_id))
         placement: concurrent.futures.Future[Placement] = concurrent.futures.Future()
-        run = TaskRun(request_id, placement, on_change)
+        run = TaskRun(
+            request_id, placement, on_change, ask=self._ask_tasks, check_s=self._task_check_s
+        )
         with self._lock:
             self._runs[request_id] = run  # before any state can come back
         placing = self.submit(spec, timeout_s=timeout_s)
@@ -337,6 +340,13 @@ class Requestor(Driver):
         run = self.run(command, **options)
         await asyncio.wrap_future(run.placement)
         return run
+
+    def _ask_tasks(self, placement: Placement) -> None:
+        """Ask each node holding ``placement`` what became of its tasks (answered with a
+        TaskState each, heard as news is)."""
+        query = TaskQuery(request_id=placement.request_id, sender=self.name, reply_to=self.address)
+        addresses = sorted({allocation.address for allocation in placement.allocations})
+        self._run(lambda now: [Send(address, query) for address in addresses])
 
     def _heard_task(self, state: TaskState) -> None:
         run = self._runs.get(state.request_id)

@@ -103,6 +103,10 @@ class Settings(BaseSettings):
     roster_from: Literal["announcements", "keeper"] = "announcements"
     #: how long ``Requestor.reserve`` waits by default
     request_timeout_s: float = Field(default=30.0, gt=0)
+    #: how long a caller waiting on its tasks (``TaskRun.wait``, ``reservoir run``) hears
+    #: nothing before it asks the nodes holding them: news sent while the requestor was
+    #: reconnecting is lost, their answers are not
+    task_check_s: float = Field(default=5.0, gt=0)
     #: where a node agent keeps its durable ledger (None: in memory only)
     state_dir: Path | None = None
     #: broker users (RabbitMQ's validated ``user_id``) allowed to send what requestors send

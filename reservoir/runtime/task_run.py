@@ -4,12 +4,19 @@
 The placing requestor hears each instance's task state from its node as it changes
 (``started``, then ``exited`` with its code, ``failed`` with a reason, or ``stopped``);
 the run collects them and says when every instance's task has ended.
+
+News can be lost: the node sends each change once, and a requestor that was reconnecting
+at that moment never hears it. So a waiter that hears nothing for ``check_s`` asks the
+nodes holding the instances (``ask``, a :class:`~reservoir.protocol.messages.TaskQuery`
+to each), and their answers count as news. Nodes remember ended tasks for a while, so an
+end missed is heard again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -19,6 +26,8 @@ from reservoir.protocol.placement import Placement
 from reservoir.protocol.tasks import ENDED_STATES
 
 __all__ = ["TaskRun", "TaskRunTimeout"]
+
+log = logging.getLogger("reservoir.runtime")
 
 
 class TaskRunTimeout(TimeoutError):
@@ -35,10 +44,22 @@ class TaskRun:
         request_id: str,
         placement: concurrent.futures.Future[Placement],
         on_change: Callable[[TaskState], None] | None = None,
+        *,
+        ask: Callable[[Placement], None] | None = None,
+        check_s: float = 5.0,
     ) -> None:
+        """``ask(placement)`` asks the nodes holding ``placement`` to say again what
+        became of its tasks; a waiter calls it after ``check_s`` without news (the
+        requestor gives ``Settings.task_check_s``)."""
+        if not check_s > 0:
+            raise ValueError(f"check_s must be positive, not {check_s!r}")
         self.request_id = request_id
         self.placement = placement
         self._on_change = on_change
+        self._ask = ask
+        self._check_s = check_s
+        #: when a waiter heard from the nodes last, or asked them (time.monotonic())
+        self._last_news = time.monotonic()
         self._changed = threading.Condition()
         #: every state heard, in order
         self.history: list[TaskState] = []
@@ -49,9 +70,12 @@ class TaskRun:
     def heard(self, state: TaskState) -> None:
         """A node told of a change (called by the requestor)."""
         with self._changed:
+            self._last_news = time.monotonic()
             before = self.latest.get(state.allocation_id)
             if before is not None and before.state in ENDED_STATES:
                 return  # an ended task does not come back (a late duplicate)
+            if before is not None and before.state == state.state and state.answering:
+                return  # an answer that tells what was heard already
             self.history.append(state)
             self.latest[state.allocation_id] = state
             self._changed.notify_all()
@@ -69,15 +93,33 @@ class TaskRun:
 
     def _wait(self, done: Callable[[list[str]], bool], timeout_s: float | None) -> Placement:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        with self._changed:
-            while True:
+        while True:
+            with self._changed:
                 ids = self._allocation_ids()  # raises PlacementError when not placed
                 if ids is not None and done(ids):
                     return self.placement.result()
-                left = None if deadline is None else deadline - time.monotonic()
+                now = time.monotonic()
+                left = None if deadline is None else deadline - now
                 if left is not None and left <= 0:
                     raise TaskRunTimeout(f"request {self.request_id}: tasks not done in time")
-                self._changed.wait(left)
+                quiet_for = None
+                if ids is not None and self._ask is not None:
+                    quiet_for = self._last_news + self._check_s - now
+                if quiet_for is None or quiet_for > 0:
+                    waits = [s for s in (left, quiet_for) if s is not None]
+                    self._changed.wait(min(waits) if waits else None)
+                    continue
+                self._last_news = now  # the next ask after another quiet spell
+            # Outside the lock: the answers are delivered under it, maybe before this returns.
+            self._ask_nodes()
+
+    def _ask_nodes(self) -> None:
+        assert self._ask is not None
+        try:
+            self._ask(self.placement.result())
+        except Exception as error:  # the broker down, say: asked again after check_s
+            log.warning("request %s: could not ask the nodes about its tasks: %s",
+                        self.request_id, error)  # fmt: skip
 
     def wait_started(self, timeout_s: float | None = None) -> dict[str, TaskState]:
         """Wait until every instance's task started (or already ended)."""

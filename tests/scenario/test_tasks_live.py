@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from brokers.inprocess import InProcessBroker
+from brokers.inprocess import Faults, InProcessBroker
+from reservoir.broker import Delivery
 from reservoir import NodeAgent, Requestor, audit
 from reservoir.protocol.ledger import Allocation
-from reservoir.protocol.messages import TaskSpec
+from reservoir.protocol.messages import TaskSpec, TaskState, decode_message
 from reservoir.runtime.settings import Settings
 from reservoir.runtime.store import SqliteStore
 from reservoir.runtime.tasks import TaskHandle, TaskStatus
@@ -66,6 +67,51 @@ def test_a_task_exiting_3_is_told_with_its_code_and_its_room_goes_to_the_next_re
         after = requestor.reserve(vcpus=2, timeout_s=5)
         assert after.nodes == ("worker",)
         requestor.release(after)
+    audited(node)
+    node.close()
+
+
+def news_of_tasks(delivery: Delivery) -> bool:
+    """A node telling its placing requestor of a task's change (not answering a query)."""
+    message = decode_message(delivery.body)
+    return isinstance(message, TaskState) and not message.answering
+
+
+def test_a_task_whose_news_is_lost_is_heard_when_the_waiting_caller_asks_its_node(
+    broker: InProcessBroker, tmp_path: Path
+) -> None:
+    node = a_node(broker, tmp_path)
+    # every change the node tells of is lost, as while the requestor was reconnecting
+    broker.faults = Faults(loss=1.0, applies_to=news_of_tasks)
+    with Requestor(broker, settings=Settings(task_check_s=0.2)) as requestor:
+        run = requestor.run(["sh", "-c", "exit 4"], vcpus=1, memory_mb=256)
+        final = run.wait(timeout_s=10)
+        # all that was heard, the end included, were the node's answers to the caller's asks
+        assert run.history[-1].state == "exited"
+        assert all(s.answering for s in run.history)
+        assert run.exit_code == 4
+        (state,) = final.values()
+        assert state.exit_code == 4
+        eventually(lambda: node.allocations() == [])
+    audited(node)
+    node.close()
+
+
+def test_a_waiting_caller_asks_again_while_the_node_is_out_of_reach(
+    broker: InProcessBroker, tmp_path: Path
+) -> None:
+    node = a_node(broker, tmp_path)
+    with Requestor(broker, settings=Settings(task_check_s=0.2)) as requestor:
+        run = requestor.run(["sleep", "0.5"], vcpus=1, memory_mb=256)
+        run.wait_started(timeout_s=10)
+        broker.faults = Faults(loss=1.0)  # nothing gets through: neither news nor answers
+        time.sleep(1.0)  # the task ends meanwhile, and the caller's asks go unanswered
+        assert not run.finished
+        broker.faults = None
+        final = run.wait(timeout_s=10)  # heard at the next ask
+        assert [s.state for s in final.values()] == ["exited"]
+        assert run.exit_code == 0
+        eventually(lambda: node.allocations() == [])
     audited(node)
     node.close()
 

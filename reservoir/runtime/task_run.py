@@ -60,6 +60,8 @@ class TaskRun:
         self._check_s = check_s
         #: when a waiter heard from the nodes last, or asked them (time.monotonic())
         self._last_news = time.monotonic()
+        #: asks since the last news: a second one in a row says the nodes are silent
+        self._unanswered = 0
         self._changed = threading.Condition()
         #: every state heard, in order
         self.history: list[TaskState] = []
@@ -71,6 +73,7 @@ class TaskRun:
         """A node told of a change (called by the requestor)."""
         with self._changed:
             self._last_news = time.monotonic()
+            self._unanswered = 0
             before = self.latest.get(state.allocation_id)
             if before is not None and before.state in ENDED_STATES:
                 return  # an ended task does not come back (a late duplicate)
@@ -110,6 +113,11 @@ class TaskRun:
                     self._changed.wait(min(waits) if waits else None)
                     continue
                 self._last_news = now  # the next ask after another quiet spell
+                self._unanswered += 1
+                silent = self._unanswered == 2
+            if silent:  # once per silence: the caller waits on, and should know why
+                log.warning("request %s: the nodes holding its tasks have not answered for "
+                            "%g s; still asking", self.request_id, self._check_s)  # fmt: skip
             # Outside the lock: the answers are delivered under it, maybe before this returns.
             self._ask_nodes()
 

@@ -17,6 +17,7 @@ from reservoir.protocol.ledger import Allocation
 from reservoir.protocol.messages import TaskSpec, TaskState, decode_message
 from reservoir.runtime.settings import Settings
 from reservoir.runtime.store import SqliteStore
+from reservoir.runtime.task_run import TaskRunTimeout
 from reservoir.runtime.tasks import TaskHandle, TaskStatus
 
 
@@ -98,15 +99,19 @@ def test_a_task_whose_news_is_lost_is_heard_when_the_waiting_caller_asks_its_nod
 
 
 def test_a_waiting_caller_asks_again_while_the_node_is_out_of_reach(
-    broker: InProcessBroker, tmp_path: Path
+    broker: InProcessBroker, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     node = a_node(broker, tmp_path)
     with Requestor(broker, settings=Settings(task_check_s=0.2)) as requestor:
         run = requestor.run(["sleep", "0.5"], vcpus=1, memory_mb=256)
         run.wait_started(timeout_s=10)
         broker.faults = Faults(loss=1.0)  # nothing gets through: neither news nor answers
-        time.sleep(1.0)  # the task ends meanwhile, and the caller's asks go unanswered
+        with pytest.raises(TaskRunTimeout):  # the task ends meanwhile; the asks are lost
+            run.wait(timeout_s=1.0)
         assert not run.finished
+        # the caller is told once that its asks go unanswered
+        silences = [r for r in caplog.records if "still asking" in r.getMessage()]
+        assert len(silences) == 1, caplog.text
         broker.faults = None
         final = run.wait(timeout_s=10)  # heard at the next ask
         assert [s.state for s in final.values()] == ["exited"]

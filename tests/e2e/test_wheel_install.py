@@ -53,13 +53,15 @@ def test_the_wheel_installs_as_reservoir_scheduler_and_gives_the_reservoir_comma
     # venv's own site-packages come first, so the venv's reservoir is the one imported
     venv.create(env, with_pip=False, system_site_packages=True)
     python = env / "bin" / "python"
+    # not this checkout through PYTHONPATH: pip would take it for the wheel installed
+    # already (and install nothing), and the command would run it rather than the wheel
+    clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     subprocess.run(
         [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "-q",
          "--disable-pip-version-check", str(wheel)],
         check=True,
+        env=clean,
     )  # fmt: skip
-    # not this checkout through PYTHONPATH: the installed wheel
-    clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     command = env / "bin" / "reservoir"
     assert command.exists()
     shown = subprocess.run(

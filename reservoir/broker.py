@@ -30,8 +30,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import ClassVar
+
+import msgspec
 
 __all__ = [
     "Broker",
@@ -56,8 +57,7 @@ class UnsupportedBroker(BrokerError):
     """The URL names a transport that cannot honour the broker contract."""
 
 
-@dataclass(frozen=True, slots=True)
-class Delivery:
+class Delivery(msgspec.Struct, frozen=True):
     """One message handed to an endpoint's handler."""
 
     body: bytes

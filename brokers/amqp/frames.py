@@ -27,7 +27,8 @@ docs/performance.md has the profile and the figures before and after.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+
+import msgspec
 
 __all__ = [
     "FRAME_END",
@@ -105,8 +106,7 @@ class FrameError(ValueError):
     cannot go on."""
 
 
-@dataclass(frozen=True, slots=True)
-class Deliver:
+class Deliver(msgspec.Struct, frozen=True):
     """A whole ``basic.deliver``: the method's fields, the sender's ``user_id`` (None when
     the header has none) and the body."""
 
@@ -119,8 +119,7 @@ class Deliver:
     body: bytes
 
 
-@dataclass(frozen=True, slots=True)
-class Confirm:
+class Confirm(msgspec.Struct, frozen=True):
     """A publisher confirm: ``ack`` (else a nack) of ``delivery_tag``, and of every tag
     before it when ``multiple``."""
 

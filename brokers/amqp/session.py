@@ -73,6 +73,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, Literal, TypeVar
 
+import msgspec
+
 from brokers._rules import aimed_at, check_pending, missing_exchange, refused_target, topic_of
 from reservoir.broker import BrokerClosed, BrokerError, Delivery
 
@@ -177,8 +179,7 @@ class AmqpStats:
     cancelled: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class Message:
+class Message(msgspec.Struct, frozen=True):
     """One accepted publish or send, kept until RabbitMQ confirms it."""
 
     #: the sending endpoint's token: a return or refusal finds its sender by it
@@ -191,23 +192,20 @@ class Message:
 # -- actions: what the driver carries out --------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class Connect:
+class Connect(msgspec.Struct, frozen=True):
     """Open a connection; answer ``connected(gen)`` or ``lost(gen)``."""
 
     gen: int
 
 
-@dataclass(frozen=True, slots=True)
-class OpenChannel:
+class OpenChannel(msgspec.Struct, frozen=True):
     """Open (or replace) the ``role`` channel, the publish one in confirm mode; answer
     ``channel_opened``."""
 
     role: Role
 
 
-@dataclass(frozen=True, slots=True)
-class DeclareExchange:
+class DeclareExchange(msgspec.Struct, frozen=True):
     """A durable topic exchange, or with ``passive`` only a check that it exists. Every
     control action is answered by ``replied`` or ``channel_closed``."""
 
@@ -215,42 +213,36 @@ class DeclareExchange:
     passive: bool
 
 
-@dataclass(frozen=True, slots=True)
-class DeclareQueue:
+class DeclareQueue(msgspec.Struct, frozen=True):
     """An exclusive, non-durable queue named ``address``."""
 
     address: str
 
 
-@dataclass(frozen=True, slots=True)
-class BindQueue:
+class BindQueue(msgspec.Struct, frozen=True):
     address: str
     exchange: str
     pattern: str
 
 
-@dataclass(frozen=True, slots=True)
-class UnbindQueue:
+class UnbindQueue(msgspec.Struct, frozen=True):
     address: str
     exchange: str
     pattern: str
 
 
-@dataclass(frozen=True, slots=True)
-class DeleteQueue:
+class DeleteQueue(msgspec.Struct, frozen=True):
     address: str
 
 
-@dataclass(frozen=True, slots=True)
-class Consume:
+class Consume(msgspec.Struct, frozen=True):
     """Start the auto-ack consumer of ``address`` for ``token``, on the consume channel."""
 
     token: str
     address: str
 
 
-@dataclass(frozen=True, slots=True)
-class Publish:
+class Publish(msgspec.Struct, frozen=True):
     """``basic.publish`` (mandatory) on the publish channel; ``tag`` is its delivery tag."""
 
     tag: int
@@ -260,38 +252,33 @@ class Publish:
     channel: int
 
 
-@dataclass(frozen=True, slots=True)
-class Deliver:
+class Deliver(msgspec.Struct, frozen=True):
     """Hand ``delivery`` to the handler of the endpoint ``token``."""
 
     token: str
     delivery: Delivery
 
 
-@dataclass(frozen=True, slots=True)
-class Resolve(Generic[W]):
+class Resolve(msgspec.Struct, Generic[W], frozen=True):
     """The call ``waiter`` stands for is done: with ``error``, it failed."""
 
     waiter: W
     error: BrokerError | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class CloseConnection:
+class CloseConnection(msgspec.Struct, frozen=True):
     """Close the connection (or abandon its opening); answer ``lost``."""
 
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
-class SetTimer:
+class SetTimer(msgspec.Struct, frozen=True):
     """Call ``tick`` once the clock reaches ``at_s`` (an earlier tick is harmless)."""
 
     at_s: float
 
 
-@dataclass(frozen=True, slots=True)
-class Stop:
+class Stop(msgspec.Struct, frozen=True):
     """The session is closed for good: stop the IO loop."""
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from brokers.inprocess import Faults, InProcessBroker
-from reservoir.broker import Delivery
 from reservoir import NodeAgent, Requestor, audit
+from reservoir.broker import Delivery
 from reservoir.protocol.ledger import Allocation
 from reservoir.protocol.messages import TaskSpec, TaskState, decode_message
 from reservoir.runtime.settings import Settings

@@ -157,7 +157,6 @@ class Requestor(Driver):
         self._replays: set[str] = set()
         #: request id -> the run waiting for its tasks' states
         self._runs: dict[str, TaskRun] = {}
-        self._task_check_s = settings.task_check_s
         #: asks the nodes what they hold of an id; opened by the first find
         self._finder: Finder | None = None
         self._finder_lock = threading.Lock()
@@ -316,7 +315,11 @@ class Requestor(Driver):
         spec = checked_request(msgspec_replace(spec, request_id=request_id))
         placement: concurrent.futures.Future[Placement] = concurrent.futures.Future()
         run = TaskRun(
-            request_id, placement, on_change, ask=self._ask_tasks, check_s=self._task_check_s
+            request_id,
+            placement,
+            on_change,
+            ask=self._ask_tasks,
+            check_s=self.settings.task_check_s,
         )
         with self._lock:
             self._runs[request_id] = run  # before any state can come back

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -46,11 +47,11 @@ class TaskRun:
         on_change: Callable[[TaskState], None] | None = None,
         *,
         ask: Callable[[Placement], None] | None = None,
-        check_s: float = 5.0,
+        check_s: float = math.inf,
     ) -> None:
         """``ask(placement)`` asks the nodes holding ``placement`` to say again what
         became of its tasks; a waiter calls it after ``check_s`` without news (the
-        requestor gives ``Settings.task_check_s``)."""
+        requestor gives both, ``check_s`` from ``Settings.task_check_s``)."""
         if not check_s > 0:
             raise ValueError(f"check_s must be positive, not {check_s!r}")
         self.request_id = request_id
@@ -106,7 +107,7 @@ class TaskRun:
                 if left is not None and left <= 0:
                     raise TaskRunTimeout(f"request {self.request_id}: tasks not done in time")
                 quiet_for = None
-                if ids is not None and self._ask is not None:
+                if ids is not None and self._ask is not None and math.isfinite(self._check_s):
                     quiet_for = self._last_news + self._check_s - now
                 if quiet_for is None or quiet_for > 0:
                     waits = [s for s in (left, quiet_for) if s is not None]

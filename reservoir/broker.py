@@ -18,6 +18,8 @@ itself would have to read, so there they raise (``RuntimeError``: a bug in the c
 a transport failure), and ``close`` returns before the broker has deleted the inbox (what is
 sent to it meanwhile is dropped rather than returned). :meth:`Endpoint.blocking_allowed` says
 whether the calling thread may wait. A broker without an IO thread ignores ``inline``.
+Several messages sent at once from another thread (a requestor's probes) are best made in
+an :meth:`Endpoint.batch` block: they then cost the IO thread one wake-up, not one each.
 
 A publish or send that reaches no queue is handed back to the sender's handler as a
 :class:`Delivery` with ``returned=True``: that is how a requestor learns at once that no
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import ClassVar
 
 import msgspec
@@ -101,6 +104,14 @@ class Endpoint(ABC):
     @abstractmethod
     def close(self) -> None:
         """Delete the inbox and its bindings. Idempotent."""
+
+    def batch(self) -> AbstractContextManager[None]:
+        """A block whose sends and publishes, made on this thread, leave together: a
+        broker with an IO thread is woken once, as the block ends, and writes them in one
+        go, rather than woken by the first while the others are still being made. They
+        keep their order and are sent even if the block raises. Blocks nest. The default
+        sends each at once, as outside a block."""
+        return nullcontext()
 
     def blocking_allowed(self) -> bool:
         """Whether the calling thread may make the calls that wait for the broker (``bind``,

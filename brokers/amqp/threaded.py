@@ -76,6 +76,28 @@ P = ParamSpec("P")
 _numbers = itertools.count(1)
 
 
+class _Batch:
+    """One thread's :meth:`AmqpEndpoint.batch` blocks on one broker: while ``depth`` is
+    above 0 the wake-up a send would make is put off (``wake_due``) until the outermost
+    block ends, so that the IO thread takes every message of the block in one pump."""
+
+    __slots__ = ("_wake", "depth", "wake_due")
+
+    def __init__(self, wake: Callable[[], None]) -> None:
+        self._wake = wake
+        self.depth = 0
+        self.wake_due = False
+
+    def __enter__(self) -> None:
+        self.depth += 1
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.depth -= 1
+        if not self.depth and self.wake_due:
+            self.wake_due = False
+            self._wake()
+
+
 class AmqpEndpoint(Endpoint):
     """An exclusive queue on an :class:`AmqpBroker`. Made by ``open_endpoint``."""
 
@@ -114,6 +136,9 @@ class AmqpEndpoint(Endpoint):
 
     def close(self) -> None:
         self._broker._close_endpoint(self)
+
+    def batch(self) -> _Batch:
+        return self._broker._batch()
 
     def blocking_allowed(self) -> bool:
         return not self._broker._on_io_thread()
@@ -201,6 +226,8 @@ class AmqpBroker(Broker, ABC):
         self._sent_from_handler = False
         #: an event was reported while the pump carried out actions (see _event)
         self._reported = False
+        #: each thread's batch of sends (see :class:`_Batch`), made on its first batch
+        self._batches = threading.local()
         #: callables other threads handed to the IO thread (see :meth:`call_on_io_thread`)
         self._soon: list[Callable[[], None]] = []
         self._deliveries: queue.SimpleQueue[tuple[AmqpEndpoint, Delivery] | None] = (
@@ -347,7 +374,18 @@ class AmqpBroker(Broker, ABC):
             # wake-up through the client library.
             self._sent_from_handler = True
         elif wake:
-            self._send_wake()
+            batch: _Batch | None = getattr(self._batches, "batch", None)
+            if batch is not None and batch.depth:
+                batch.wake_due = True  # claimed: no other thread's send wakes it meanwhile
+            else:
+                self._send_wake()
+
+    def _batch(self) -> _Batch:
+        """This thread's batch on this broker."""
+        batch: _Batch | None = getattr(self._batches, "batch", None)
+        if batch is None:
+            batch = self._batches.batch = _Batch(self._send_wake)
+        return batch
 
     def _wait(
         self,
@@ -598,7 +636,13 @@ class AmqpBroker(Broker, ABC):
 
     def _wake(self) -> None:
         """Make the IO thread call :meth:`_pump` soon. From any thread."""
-        if self._request_wake():
+        batch: _Batch | None = getattr(self._batches, "batch", None)
+        if batch is not None and batch.wake_due:
+            # This thread put a wake-up off in a batch and now needs the IO thread (to
+            # bind, or to close): it must not wait on its own put-off wake-up.
+            batch.wake_due = False
+            self._send_wake()
+        elif self._request_wake():
             self._send_wake()
 
     @abstractmethod

@@ -280,6 +280,33 @@ def test_concurrent_senders_each_keep_their_order(inbox: Inbox, ns: str) -> None
         assert sequence == list(range(per_sender))
 
 
+def test_what_a_batch_sends_arrives_in_order_with_a_bind_among_it(inbox: Inbox, ns: str) -> None:
+    receiver = inbox(name=f"{ns}-receiver", bind=[f"{ns}.seq"])
+    sender = inbox()
+    with sender.ep.batch():
+        sender.ep.send(receiver.address, b"1")
+        sender.ep.publish(f"{ns}.seq", b"2")
+        with sender.ep.batch():  # blocks nest
+            sender.ep.send(receiver.address, b"3")
+        sender.ep.bind(f"{ns}.own")  # waits for the broker, within the batch
+        sender.ep.publish(f"{ns}.seq", b"4")
+    assert [d.body for d in receiver.wait_for_count(4)] == [b"1", b"2", b"3", b"4"]
+
+
+def test_what_a_batch_sent_leaves_even_when_the_block_raises(inbox: Inbox, ns: str) -> None:
+    receiver = inbox(name=f"{ns}-receiver")
+    sender = inbox()
+
+    def send_then_fail() -> None:
+        with sender.ep.batch():
+            sender.ep.send(receiver.address, b"sent before the error")
+            raise RuntimeError("the caller's own")
+
+    with pytest.raises(RuntimeError, match="the caller's own"):
+        send_then_fail()
+    receiver.wait_for_body(b"sent before the error")
+
+
 # -- endpoints --------------------------------------------------------------------------------
 
 

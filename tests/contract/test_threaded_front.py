@@ -47,3 +47,40 @@ def test_an_inline_handlers_reply_is_published_before_the_io_thread_reads_on() -
         assert pongs == [b"pong"]
     finally:
         broker.close()
+
+
+def test_a_batch_of_sends_wakes_the_io_thread_once_as_it_ends() -> None:
+    broker = LoopbackBroker()
+    try:
+        heard: list[bytes] = []
+        both = threading.Event()
+
+        def record(delivery: Delivery) -> None:
+            heard.append(delivery.body)
+            if len(heard) == 2:
+                both.set()
+
+        receiver = broker.open_endpoint(record, name="receiver")
+        sender = broker.open_endpoint(lambda delivery: None, name="sender")
+        wakes_before = broker.wakes_sent
+        with sender.batch():
+            sender.send(receiver.address, b"probe 1")
+            sender.send(receiver.address, b"probe 2")
+            assert broker.wakes_sent == wakes_before, "a send in a batch woke the IO thread"
+        assert broker.wakes_sent == wakes_before + 1
+        assert both.wait(10)
+        assert heard == [b"probe 1", b"probe 2"]
+    finally:
+        broker.close()
+
+
+def test_a_bind_inside_a_batch_does_not_wait_on_the_batchs_put_off_wake_up() -> None:
+    broker = LoopbackBroker(timeout_s=2.0)
+    try:
+        sender = broker.open_endpoint(lambda delivery: None, name="sender")
+        with sender.batch():
+            sender.send("nobody-in-particular", b"first")  # claims the wake-up, put off
+            sender.bind("some.topic")  # waits for the IO thread: would time out
+        assert broker.stats.sent == 1
+    finally:
+        broker.close()

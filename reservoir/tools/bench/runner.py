@@ -82,6 +82,8 @@ FLAVOUR_VCPUS: Final = 1
 FLAVOUR_MEMORY_MB: Final = 1024
 #: VCPUs are overcommitted 4:1, as clouds do
 VCPU_ALLOCATION_RATIO: Final = 4.0
+#: how long the message counts must stay still before a run's messages are taken as counted
+QUIET_S: Final = 0.05
 #: placements each requestor makes before it is measured (latency estimates settle)
 WARMUP_PLACEMENTS: Final = 20
 #: nodes hold this many times the run's placements between them
@@ -768,13 +770,38 @@ class _Throughput:
     received: Counter[str] = field(default_factory=Counter)
 
 
-def _run_threads(requestors: Sequence[Requestor], placements: int, meter: CpuMeter) -> _Throughput:
-    """Each requestor places its share in a thread of its own, all starting together."""
+@dataclass
+class _Begun:
+    """Where the throughput run's counts start: taken as its threads are let go."""
+
+    at: float = 0.0
+    cpu: CpuSnapshot | None = None
+    received: Counter[str] = field(default_factory=Counter)
+
+
+def _run_threads(
+    requestors: Sequence[Requestor],
+    placements: int,
+    meter: CpuMeter,
+    received: Callable[[], Counter[str]],
+) -> _Throughput:
+    """Each requestor places its share in a thread of its own, all starting together once
+    each has made its warm-up placements; the CPU and the messages (``received()``, every
+    participant's so far) are counted from then on."""
     shares = [
         placements // len(requestors) + (1 if index < placements % len(requestors) else 0)
         for index in range(len(requestors))
     ]
-    start = threading.Barrier(len(requestors) + 1)
+    begun = _Begun()
+
+    def begin() -> None:
+        # Run by the barrier before it lets any thread go: the warm-ups' last messages
+        # are in, and no measured placement has started.
+        begun.received = _once_quiet(received)
+        begun.cpu = meter.snapshot()
+        begun.at = time.perf_counter()
+
+    start = threading.Barrier(len(requestors) + 1, action=begin)
     lock = threading.Lock()
     latencies_s: list[float] = []
     failures = [0]
@@ -805,13 +832,30 @@ def _run_threads(requestors: Sequence[Requestor], placements: int, meter: CpuMet
     for thread in threads:
         thread.start()
     start.wait()
-    started = time.perf_counter()
-    cpu_before: CpuSnapshot = meter.snapshot()
     for thread in threads:
         thread.join()
-    elapsed_s = time.perf_counter() - started
-    cpu = CpuMeter.per_placement_ms(cpu_before, meter.snapshot(), len(latencies_s))
-    return _Throughput(len(latencies_s), failures[0], elapsed_s, latencies_s, cpu)
+    elapsed_s = time.perf_counter() - begun.at
+    assert begun.cpu is not None, "the barrier's action ran"
+    cpu = CpuMeter.per_placement_ms(begun.cpu, meter.snapshot(), len(latencies_s))
+    messages = _once_quiet(received) - begun.received
+    return _Throughput(len(latencies_s), failures[0], elapsed_s, latencies_s, cpu, messages)
+
+
+def _once_quiet(
+    count: Callable[[], Counter[str]], quiet_s: float = QUIET_S, limit_s: float = 2.0
+) -> Counter[str]:
+    """``count()`` once it has not moved for ``quiet_s`` (``limit_s`` at the most): the
+    messages of the last placements, still arriving as their callers return (a spare's
+    release, a node's status), belong to the run."""
+    deadline = time.monotonic() + limit_s
+    counted = count()
+    while time.monotonic() < deadline:
+        time.sleep(quiet_s)
+        again = count()
+        if again == counted:
+            break
+        counted = again
+    return counted
 
 
 @dataclass
@@ -1244,10 +1288,12 @@ def _throughput(
     for requestor in concurrent_requestors:
         _wait_for_roster(requestor, plan.nodes, READY_TIMEOUT_S)
     meter = CpuMeter({"nodes": node_pids, "broker": broker_processes(plan.url)})
-    before = host.received() + opened.received()
-    throughput = _run_threads(concurrent_requestors, plan.placements, meter)
-    throughput.received = host.received() + opened.received() - before
-    return throughput
+    return _run_threads(
+        concurrent_requestors,
+        plan.placements,
+        meter,
+        received=lambda: host.received() + opened.received(),
+    )
 
 
 def _result(plan: _Plan, measured: _Measured, elapsed_s: float) -> BenchResult:

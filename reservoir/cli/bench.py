@@ -12,7 +12,8 @@ from brokers import BrokerUrl
 from reservoir.broker import BrokerError, UnsupportedBroker
 from reservoir.cli.options import require_message_counts, stopped_by_sigterm
 from reservoir.exit_status import EXIT_BROKER, EXIT_RUN_FAILED
-from reservoir.tools.bench.runner import BenchError, BenchResult, bench_url, run_bench
+from reservoir.tools.bench.errors import BenchError
+from reservoir.tools.bench.runner import BenchResult, bench_url, run_bench
 
 
 def _parse_url(ctx: click.Context, param: click.Parameter, value: str) -> BrokerUrl:

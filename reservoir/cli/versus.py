@@ -13,7 +13,8 @@ from brokers import BrokerUrl
 from reservoir.broker import BrokerError, UnsupportedBroker
 from reservoir.cli.options import require_message_counts, stopped_by_sigterm
 from reservoir.exit_status import EXIT_BROKER, EXIT_INTERRUPTED, EXIT_RUN_FAILED
-from reservoir.tools.bench.runner import BenchError, bench_url
+from reservoir.tools.bench.errors import BenchError
+from reservoir.tools.bench.runner import bench_url
 from reservoir.tools.versus_placement.runner import LEFT_OUT, run_versus
 
 LEFT_OUT_HELP = "What it leaves out of Nova: " + "; ".join(LEFT_OUT) + "."

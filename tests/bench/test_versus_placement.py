@@ -20,7 +20,7 @@ import pytest
 from click.testing import CliRunner
 
 from reservoir.cli.versus import versus
-from reservoir.tools.bench.runner import child_env
+from reservoir.tools.bench.children import child_env
 from reservoir.tools.versus_placement.scheduler import PlacementClient, ranked
 from reservoir.tools.versus_placement.services import missing, start_placement
 

@@ -23,15 +23,10 @@ Exit status: 0 once stopped, 2 on bad arguments, 3 when the broker cannot be rea
 from __future__ import annotations
 
 import argparse
-import json
-import queue
-import signal
 import sys
-import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
-from types import FrameType
 from typing import Any
 
 from reservoir.broker import Broker, BrokerError, Delivery, Endpoint
@@ -41,11 +36,9 @@ from reservoir.protocol.ledger import Inventory
 from reservoir.runtime.node_agent import NodeAgent
 from reservoir.runtime.plugins import load_filters, load_weighers
 from reservoir.runtime.settings import Settings
+from reservoir.tools.bench.hosting import Commands, names_of, say
 
 __all__ = ["counters_of", "echo_back", "ledger_summary", "main", "node_inventories"]
-
-#: how often the main thread looks up from waiting, so that signals are handled promptly
-_POLL_S = 0.2
 
 
 def node_inventories(vcpus: int, memory_mb: int, vcpu_ratio: float) -> dict[str, Inventory]:
@@ -92,11 +85,6 @@ def ledger_summary(agents: Sequence[NodeAgent]) -> dict[str, Any]:
     }
 
 
-def _say(event: str, **fields: object) -> None:
-    sys.stdout.write(json.dumps({"event": event, **fields}, sort_keys=True) + "\n")
-    sys.stdout.flush()
-
-
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m reservoir.tools.bench.node_host", description=__doc__.split("\n\n")[0]
@@ -107,7 +95,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--memory-mb", type=int, required=True)
     parser.add_argument("--vcpu-ratio", type=float, default=1.0)
     args = parser.parse_args(argv)
-    args.names = [name for name in args.names.split(",") if name]
+    args.names = names_of(args.names)
     if not args.names:
         parser.error("--names: give at least one node name")
     return args
@@ -115,19 +103,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
-    commands: queue.SimpleQueue[str] = queue.SimpleQueue()
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        commands.put("stop")  # SimpleQueue.put is reentrant: safe in a signal handler
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-
-    def read_stdin() -> None:
-        for line in sys.stdin:
-            commands.put(line.strip())
-        commands.put("stop")  # the bench is gone: do not outlive it
-
+    commands = Commands()
     settings = Settings(broker_url=args.broker)
     from brokers import connect
 
@@ -160,19 +136,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 echo_back(echo, delivery)
 
         echo = broker.open_endpoint(on_round_trip, name=f"{args.names[0]}-echo", inline=True)
-        _say("ready", nodes=len(agents), echo=echo.address)
-        threading.Thread(target=read_stdin, name="bench-node-stdin", daemon=True).start()
-        while True:
-            try:
-                command = commands.get(timeout=_POLL_S)
-            except queue.Empty:
-                continue
-            if command == "stop":
-                break
+        say("ready", nodes=len(agents), echo=echo.address)
+        commands.listen("bench-node-stdin")
+        for command in commands:
             if command == "ledgers":
-                _say("ledgers", **ledger_summary(agents))
+                say("ledgers", **ledger_summary(agents))
             if command == "counters":
-                _say(
+                say(
                     "counters",
                     sent=counters_of(agents, "sent"),
                     received=counters_of(agents, "received"),
@@ -187,7 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         timers.close()
         broker.close()
         stop_s = time.perf_counter() - started
-    _say(
+    say(
         "stopped",
         sent=counters_of(agents, "sent"),
         received=counters_of(agents, "received"),

@@ -23,15 +23,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import queue
-import signal
 import sys
-import threading
-import time
 from collections import Counter
 from collections.abc import Sequence
-from types import FrameType
 
 from reservoir.broker import Broker, BrokerError
 from reservoir.clock import SystemClock, ThreadScheduler
@@ -39,27 +33,16 @@ from reservoir.exit_status import EXIT_BROKER
 from reservoir.protocol.placement import PlacementError
 from reservoir.runtime.requestor import Requestor
 from reservoir.runtime.settings import Settings
-from reservoir.tools.bench.runner import (
-    FLAVOUR_MEMORY_MB,
-    FLAVOUR_VCPUS,
-    PLACE_TIMEOUT_S,
-    READY_TIMEOUT_S,
+from reservoir.tools.bench.errors import BenchError
+from reservoir.tools.bench.hosting import Commands, names_of, say
+from reservoir.tools.bench.placing import (
     WARMUP_PLACEMENTS,
+    place_in_threads,
+    place_one,
+    wait_for_roster,
 )
 
-__all__ = ["main", "place_one"]
-
-_POLL_S = 0.2
-
-
-def place_one(requestor: Requestor) -> None:
-    """One placement of the bench's flavour (the runner's, so that both runs ask alike)."""
-    requestor.reserve(vcpus=FLAVOUR_VCPUS, memory_mb=FLAVOUR_MEMORY_MB, timeout_s=PLACE_TIMEOUT_S)
-
-
-def _say(event: str, **fields: object) -> None:
-    sys.stdout.write(json.dumps({"event": event, **fields}, sort_keys=True) + "\n")
-    sys.stdout.flush()
+__all__ = ["main"]
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -74,7 +57,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--roster-from", choices=("announcements", "keeper"),
                         default="announcements")  # fmt: skip
     args = parser.parse_args(argv)
-    args.names = [name for name in args.names.split(",") if name]
+    args.names = names_of(args.names)
     if not args.names or args.placements < 0 or args.nodes < 1:
         parser.error("give at least one name, --placements >= 0 and --nodes >= 1")
     return args
@@ -90,71 +73,16 @@ def _counters(requestors: Sequence[Requestor], label: str) -> Counter[str]:
 def _ready(requestors: Sequence[Requestor], nodes: int) -> None:
     """Each requestor knows the nodes (all of them, or a keeper's full sample), then
     warms up."""
-    deadline = time.monotonic() + READY_TIMEOUT_S
     for requestor in requestors:
-        wanted = min(nodes, requestor.machine.config.keeper_sample)
-        if requestor.machine.config.roster_from == "announcements":
-            wanted = nodes
-        while len(requestor.machine.roster) < wanted:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{requestor.name} knew {len(requestor.machine.roster)} nodes")
-            time.sleep(0.01)
+        wait_for_roster(requestor, nodes)
         for _ in range(WARMUP_PLACEMENTS):
             with contextlib.suppress(PlacementError):
                 place_one(requestor)
 
 
-def _place(requestors: Sequence[Requestor], placements: int) -> tuple[list[float], int]:
-    """Every requestor places its share at once, a thread each."""
-    shares = [
-        placements // len(requestors) + (1 if i < placements % len(requestors) else 0)
-        for i in range(len(requestors))
-    ]
-    lock = threading.Lock()
-    latencies_s: list[float] = []
-    failed = [0]
-
-    def worker(requestor: Requestor, share: int) -> None:
-        mine: list[float] = []
-        misses = 0
-        for _ in range(share):
-            started = time.perf_counter()
-            try:
-                place_one(requestor)
-            except PlacementError:
-                misses += 1
-            else:
-                mine.append(time.perf_counter() - started)
-        with lock:
-            latencies_s.extend(mine)
-            failed[0] += misses
-
-    threads = [
-        threading.Thread(target=worker, args=(r, s), daemon=True)
-        for r, s in zip(requestors, shares, strict=True)
-    ]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return latencies_s, failed[0]
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
-    commands: queue.SimpleQueue[str] = queue.SimpleQueue()
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        commands.put("stop")  # SimpleQueue.put is reentrant: safe in a signal handler
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-
-    def read_stdin() -> None:
-        for line in sys.stdin:
-            commands.put(line.strip())
-        commands.put("stop")  # the bench is gone: do not outlive it
-
+    commands = Commands()
     settings = Settings(broker_url=args.broker, roster_from=args.roster_from)
     from brokers import connect
 
@@ -169,26 +97,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name in args.names:
             requestors.append(Requestor(broker, name=name, settings=settings, scheduler=timers))
         _ready(requestors, args.nodes)
-        _say("ready", requestors=len(requestors))
-        threading.Thread(target=read_stdin, name="bench-requestor-stdin", daemon=True).start()
-        while True:
-            try:
-                command = commands.get(timeout=_POLL_S)
-            except queue.Empty:
-                continue
-            if command == "stop":
-                break
+        say("ready", requestors=len(requestors))
+        commands.listen("bench-requestor-stdin")
+        for command in commands:
             if command == "go":
                 sent, received = _counters(requestors, "sent"), _counters(requestors, "received")
-                latencies_s, failed = _place(requestors, args.placements)
-                _say(
+                latencies_s, failed = place_in_threads(requestors, args.placements)
+                say(
                     "done",
                     latencies_s=latencies_s,
                     failed=failed,
                     sent=dict(_counters(requestors, "sent") - sent),
                     received=dict(_counters(requestors, "received") - received),
                 )
-    except (BrokerError, TimeoutError) as error:
+    except (BrokerError, BenchError) as error:
         print(f"bench requestors: {error}", file=sys.stderr)
         return EXIT_BROKER
     finally:
@@ -196,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             requestor.close()
         timers.close()
         broker.close()
-    _say("stopped")
+    say("stopped")
     return 0
 
 

@@ -29,28 +29,21 @@ table, or with ``--json`` exactly one JSON object.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import platform
 import queue
 import secrets
-import signal
 import statistics
-import subprocess
-import sys
-import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import IO, Any, Final, Protocol
+from typing import Any, Final, Protocol
 
 from brokers import BrokerUrl
 from reservoir.broker import Broker, Delivery, Endpoint
 from reservoir.clock import SystemClock, ThreadScheduler
-from reservoir.exit_status import EXIT_BROKER, EXIT_RUN_FAILED
 from reservoir.protocol.placement import PlacementError
 from reservoir.runtime.backoff import quietly_connecting
 from reservoir.runtime.keeper import RosterKeeper
@@ -58,6 +51,8 @@ from reservoir.runtime.node_agent import NodeAgent
 from reservoir.runtime.plugins import load_filters, load_weighers
 from reservoir.runtime.requestor import Requestor
 from reservoir.runtime.settings import Settings
+from reservoir.tools.bench.children import ProcessNodes, ProcessRequestors
+from reservoir.tools.bench.errors import BenchError
 from reservoir.tools.bench.limits import (
     CpuMeter,
     CpuSnapshot,
@@ -67,8 +62,18 @@ from reservoir.tools.bench.limits import (
     own_cpu,
 )
 from reservoir.tools.bench.node_host import counters_of, echo_back, ledger_summary, node_inventories
+from reservoir.tools.bench.placing import (
+    FLAVOUR_MEMORY_MB,
+    PLACE_TIMEOUT_S,
+    READY_TIMEOUT_S,
+    WARMUP_PLACEMENTS,
+    place_in_threads,
+    place_one,
+    place_timed,
+    wait_for_roster,
+)
 
-__all__ = ["BenchError", "BenchResult", "child_env", "run_bench", "slots_per_node"]
+__all__ = ["BenchError", "BenchResult", "run_bench", "slots_per_node"]
 
 #: the size of the body the round trip bounces (a probe or an offer is 400-500 bytes)
 RTT_BODY_BYTES: Final = 512
@@ -77,15 +82,10 @@ RTT_WARMUP: Final = 100
 MAX_RTT_SAMPLES: Final = 2000
 #: messages sent back to back to measure the broker's bare rate (reservoir.tools.bench.limits)
 RATE_MESSAGES: Final = 20_000
-#: the one flavour placed: single-instance, small
-FLAVOUR_VCPUS: Final = 1
-FLAVOUR_MEMORY_MB: Final = 1024
 #: VCPUs are overcommitted 4:1, as clouds do
 VCPU_ALLOCATION_RATIO: Final = 4.0
 #: how long the message counts must stay still before a run's messages are taken as counted
 QUIET_S: Final = 0.05
-#: placements each requestor makes before it is measured (latency estimates settle)
-WARMUP_PLACEMENTS: Final = 20
 #: nodes hold this many times the run's placements between them
 CAPACITY_HEADROOM: Final = 3
 #: the small cluster filled for the failure measurement: nodes, and instances each holds
@@ -95,25 +95,12 @@ FULL_NODE_SLOTS: Final = 4
 FAILURE_SAMPLES: Final = 3
 #: the longest a failing request may take before it counts as a timeout
 FAILURE_TIMEOUT_S: Final = 10.0
-PLACE_TIMEOUT_S: Final = 30.0
-READY_TIMEOUT_S: Final = 60.0
-#: how long node processes get to stop after SIGTERM before SIGKILL
-STOP_TIMEOUT_S: Final = 30.0
-COUNTERS_TIMEOUT_S: Final = 10.0
 EXCHANGE_PREFIX: Final = "reservoir.bench"
 #: schemes whose brokers are RabbitMQ (the targets for RabbitMQ apply)
 RABBITMQ_SCHEMES: Final = ("amqp", "amqps", "kombu+amqp", "kombu+amqps", "kombu+pyamqp")
 
 
 Progress = Callable[[str], None]
-
-
-class BenchError(RuntimeError):
-    """The run could not be carried out (a node process died, nodes never came up)."""
-
-    def __init__(self, message: str, exit_status: int = EXIT_RUN_FAILED) -> None:
-        super().__init__(message)
-        self.exit_status = exit_status
 
 
 @dataclass(frozen=True)
@@ -435,298 +422,7 @@ class InProcessNodes:
         return sent
 
 
-@dataclass
-class _Child:
-    process: subprocess.Popen[str]
-    nodes: int
-    events: queue.SimpleQueue[dict[str, Any]] = field(default_factory=queue.SimpleQueue)
-    #: its round-trip echo, from its ``ready`` event
-    echo: str = ""
-    stderr_tail: deque[str] = field(default_factory=lambda: deque(maxlen=20))
-
-    def next_event(self, event: str, timeout_s: float) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise BenchError(f"node process {self.process.pid} never said {event!r}")
-            try:
-                message = self.events.get(timeout=min(remaining, 0.5))
-            except queue.Empty:
-                if self.process.poll() is not None and self.events.empty():
-                    raise self.died() from None
-                continue
-            if message.get("event") == event:
-                return message
-
-    def died(self) -> BenchError:
-        status = self.process.wait()
-        tail = " | ".join(line.strip() for line in self.stderr_tail if line.strip())
-        exit_status = EXIT_BROKER if status == EXIT_BROKER else EXIT_RUN_FAILED
-        return BenchError(
-            f"node process {self.process.pid} exited with status {status}: {tail or 'no output'}",
-            exit_status,
-        )
-
-
-def _pump_events(stream: IO[str], events: queue.SimpleQueue[dict[str, Any]]) -> None:
-    for line in stream:
-        with contextlib.suppress(ValueError):
-            message = json.loads(line)
-            if isinstance(message, dict):
-                events.put(message)
-
-
-def _pump_lines(stream: IO[str], tail: deque[str]) -> None:
-    for line in stream:
-        tail.append(line)
-
-
-class ProcessNodes:
-    """Node agents in processes of their own (``python -m reservoir.tools.bench.node_host``), the
-    agents of one process sharing its broker connection."""
-
-    def __init__(
-        self,
-        url: BrokerUrl,
-        names: Sequence[str],
-        processes: int,
-        *,
-        vcpus: int,
-        memory_mb: int,
-        vcpu_ratio: float,
-    ) -> None:
-        env = child_env()
-        self._children: list[_Child] = []
-        shares = [list(names[index::processes]) for index in range(processes)]
-        for share in shares:
-            if not share:
-                continue
-            self._children.append(
-                _spawn(
-                    "reservoir.tools.bench.node_host",
-                    [
-                        "--broker",
-                        url.given,
-                        "--names",
-                        ",".join(share),
-                        "--vcpus",
-                        str(vcpus),
-                        "--memory-mb",
-                        str(memory_mb),
-                        "--vcpu-ratio",
-                        str(vcpu_ratio),
-                    ],
-                    len(share),
-                    env,
-                )
-            )
-
-    @property
-    def pids(self) -> list[int]:
-        return [child.process.pid for child in self._children]
-
-    def wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        for child in self._children:
-            ready = child.next_event("ready", max(0.1, deadline - time.monotonic()))
-            child.echo = str(ready.get("echo", ""))
-
-    @property
-    def echoes(self) -> list[str]:
-        return [child.echo for child in self._children if child.echo]
-
-    def sent(self) -> Counter[str]:
-        return self._counters("sent")
-
-    def received(self) -> Counter[str]:
-        return self._counters("received")
-
-    def _counters(self, label: str) -> Counter[str]:
-        for child in self._children:
-            self._tell(child, "counters")
-        total: Counter[str] = Counter()
-        for child in self._children:
-            total.update(child.next_event("counters", COUNTERS_TIMEOUT_S).get(label, {}))
-        return total
-
-    def ledgers(self) -> list[dict[str, Any]]:
-        for child in self._children:
-            self._tell(child, "ledgers")
-        return [child.next_event("ledgers", COUNTERS_TIMEOUT_S) for child in self._children]
-
-    def _tell(self, child: _Child, command: str) -> None:
-        _tell(child, command)
-
-    def stop(self) -> Counter[str]:
-        """SIGTERM every process, read what it sent, SIGKILL any still up after
-        :data:`STOP_TIMEOUT_S`."""
-        for child in self._children:
-            if child.process.poll() is None:
-                child.process.send_signal(signal.SIGTERM)
-        total: Counter[str] = Counter()
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        for child in self._children:
-            with contextlib.suppress(BenchError):
-                stopped = child.next_event("stopped", max(0.1, deadline - time.monotonic()))
-                total.update(stopped.get("sent", {}))
-        for child in self._children:
-            try:
-                child.process.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                child.process.kill()
-                child.process.wait()
-            if child.process.stdin is not None:
-                with contextlib.suppress(OSError):
-                    child.process.stdin.close()
-        return total
-
-
-def _tell(child: _Child, command: str) -> None:
-    """A line to a child process's stdin; a child that is gone is a :class:`BenchError`."""
-    assert child.process.stdin is not None
-    try:
-        child.process.stdin.write(command + "\n")
-        child.process.stdin.flush()
-    except OSError:
-        raise child.died() from None
-
-
-def _spawn(module: str, args: list[str], participants: int, env: dict[str, str]) -> _Child:
-    """``python -m module args``: its events read from stdout, its stderr's tail kept."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", module, *args],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, env=env,
-    )  # fmt: skip
-    child = _Child(process, participants)
-    assert process.stdout is not None and process.stderr is not None
-    threading.Thread(target=_pump_events, args=(process.stdout, child.events), daemon=True).start()
-    threading.Thread(
-        target=_pump_lines, args=(process.stderr, child.stderr_tail), daemon=True
-    ).start()
-    return child
-
-
-def child_env() -> dict[str, str]:
-    """A child process's environment: this checkout first on its path."""
-    # the directory holding the reservoir package: reservoir/tools/bench/runner.py
-    package_root = str(Path(__file__).resolve().parents[3])
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
-    return env
-
-
-class ProcessRequestors:
-    """The throughput run's requestors in processes of their own
-    (``python -m reservoir.tools.bench.requestor_host``), as an API tier's workers are."""
-
-    def __init__(
-        self,
-        url: BrokerUrl,
-        names: Sequence[str],
-        processes: int,
-        placements: int,
-        *,
-        nodes: int,
-        roster_from: str,
-    ) -> None:
-        self._children: list[_Child] = []
-        shares = [list(names[index::processes]) for index in range(processes)]
-        env = child_env()
-        for share in (s for s in shares if s):
-            count = round(placements * len(share) / len(names))
-            self._children.append(
-                _spawn(
-                    "reservoir.tools.bench.requestor_host",
-                    [
-                        "--broker",
-                        url.given,
-                        "--names",
-                        ",".join(share),
-                        "--placements",
-                        str(count),
-                        "--nodes",
-                        str(nodes),
-                        "--roster-from",
-                        roster_from,
-                    ],
-                    len(share),
-                    env,
-                )
-            )
-
-    @property
-    def pids(self) -> list[int]:
-        return [child.process.pid for child in self._children]
-
-    def wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        for child in self._children:
-            child.next_event("ready", max(0.1, deadline - time.monotonic()))
-
-    def place(self, timeout_s: float) -> tuple[list[float], int, Counter[str]]:
-        """Every process places its share at once; their latencies, failures and the
-        messages their requestors received meanwhile."""
-        for child in self._children:
-            _tell(child, "go")
-        latencies_s: list[float] = []
-        failed = 0
-        received: Counter[str] = Counter()
-        deadline = time.monotonic() + timeout_s
-        for child in self._children:
-            done = child.next_event("done", max(0.1, deadline - time.monotonic()))
-            latencies_s.extend(float(s) for s in done.get("latencies_s", []))
-            failed += int(done.get("failed", 0))
-            received.update(done.get("received", {}))
-        return latencies_s, failed, received
-
-    def stop(self) -> None:
-        for child in self._children:
-            with contextlib.suppress(BenchError):
-                _tell(child, "stop")
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        for child in self._children:
-            try:
-                child.process.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                child.process.kill()
-                child.process.wait()
-            if child.process.stdin is not None:
-                with contextlib.suppress(OSError):
-                    child.process.stdin.close()
-
-
 # -- requestors -----------------------------------------------------------------------------
-
-
-def roster_wanted(requestor: Requestor, nodes: int) -> int:
-    """How many nodes a ready requestor knows: every one when it follows the
-    announcements, a keeper's full sample when it takes its roster from a keeper."""
-    config = requestor.machine.config
-    return nodes if config.roster_from == "announcements" else min(nodes, config.keeper_sample)
-
-
-def _wait_for_roster(requestor: Requestor, nodes: int, timeout_s: float) -> None:
-    """Until the requestor knows the nodes (roll call answers and announcements, or a
-    keeper's sample)."""
-    deadline = time.monotonic() + timeout_s
-    nodes = roster_wanted(requestor, nodes)
-    while len(requestor.machine.roster) < nodes:
-        if time.monotonic() > deadline:
-            raise BenchError(
-                f"only {len(requestor.machine.roster)} of {nodes} nodes answered "
-                f"{requestor.name}'s roll call within {timeout_s:.0f} s"
-            )
-        time.sleep(0.01)
-
-
-def _place(
-    requestor: Requestor, *, explain: bool = False, timeout_s: float = PLACE_TIMEOUT_S
-) -> None:
-    requestor.reserve(
-        vcpus=FLAVOUR_VCPUS, memory_mb=FLAVOUR_MEMORY_MB, explain=explain, timeout_s=timeout_s
-    )
 
 
 @dataclass
@@ -739,20 +435,11 @@ class _Sequential:
 
 def _run_sequential(requestor: Requestor, nodes: NodeHost, placements: int) -> _Sequential:
     for _ in range(WARMUP_PLACEMENTS):
-        _place(requestor)
+        place_one(requestor)
     nodes_before = nodes.sent()
     requestor_before = Counter(requestor.metrics.by_label("sent"))
     steps_before = requestor.machine.counters["exhaustive_steps"]
-    latencies_s: list[float] = []
-    failed = 0
-    for _ in range(placements):
-        started = time.perf_counter()
-        try:
-            _place(requestor)
-        except PlacementError:
-            failed += 1
-        else:
-            latencies_s.append(time.perf_counter() - started)
+    latencies_s, failed = place_timed(requestor, placements)
     sent = Counter(requestor.metrics.by_label("sent")) - requestor_before
     sent.update(nodes.sent() - nodes_before)
     steps = requestor.machine.counters["exhaustive_steps"] - steps_before
@@ -788,57 +475,23 @@ def _run_threads(
     """Each requestor places its share in a thread of its own, all starting together once
     each has made its warm-up placements; the CPU and the messages (``received()``, every
     participant's so far) are counted from then on."""
-    shares = [
-        placements // len(requestors) + (1 if index < placements % len(requestors) else 0)
-        for index in range(len(requestors))
-    ]
     begun = _Begun()
 
     def begin() -> None:
-        # Run by the barrier before it lets any thread go: the warm-ups' last messages
-        # are in, and no measured placement has started.
+        # Run once every thread has warmed up, before any measured placement starts:
+        # the warm-ups' last messages are in.
         begun.received = _once_quiet(received)
         begun.cpu = meter.snapshot()
         begun.at = time.perf_counter()
 
-    start = threading.Barrier(len(requestors) + 1, action=begin)
-    lock = threading.Lock()
-    latencies_s: list[float] = []
-    failures = [0]
-
-    def worker(requestor: Requestor, share: int) -> None:
-        for _ in range(WARMUP_PLACEMENTS):
-            with contextlib.suppress(PlacementError):
-                _place(requestor)
-        start.wait()
-        mine: list[float] = []
-        failed = 0
-        for _ in range(share):
-            started = time.perf_counter()
-            try:
-                _place(requestor)
-            except PlacementError:
-                failed += 1
-            else:
-                mine.append(time.perf_counter() - started)
-        with lock:
-            latencies_s.extend(mine)
-            failures[0] += failed
-
-    threads = [
-        threading.Thread(target=worker, args=(r, s), name=f"bench-requestor-{i}", daemon=True)
-        for i, (r, s) in enumerate(zip(requestors, shares, strict=True))
-    ]
-    for thread in threads:
-        thread.start()
-    start.wait()
-    for thread in threads:
-        thread.join()
+    latencies_s, failed = place_in_threads(
+        requestors, placements, warm_up=WARMUP_PLACEMENTS, begin=begin
+    )
     elapsed_s = time.perf_counter() - begun.at
-    assert begun.cpu is not None, "the barrier's action ran"
+    assert begun.cpu is not None, "the threads began"
     cpu = CpuMeter.per_placement_ms(begun.cpu, meter.snapshot(), len(latencies_s))
     messages = _once_quiet(received) - begun.received
-    return _Throughput(len(latencies_s), failures[0], elapsed_s, latencies_s, cpu, messages)
+    return _Throughput(len(latencies_s), failed, elapsed_s, latencies_s, cpu, messages)
 
 
 def _once_quiet(
@@ -871,7 +524,7 @@ def _time_failures(requestor: Requestor, capacity: int) -> _Failure:
     filled = 0
     for _ in range(capacity + FULL_NODES):
         try:
-            _place(requestor, timeout_s=FAILURE_TIMEOUT_S)
+            place_one(requestor, timeout_s=FAILURE_TIMEOUT_S)
         except PlacementError:
             break
         filled += 1
@@ -883,7 +536,7 @@ def _time_failures(requestor: Requestor, capacity: int) -> _Failure:
         for _ in range(FAILURE_SAMPLES):
             started = time.perf_counter()
             try:
-                _place(requestor, explain=explain, timeout_s=FAILURE_TIMEOUT_S)
+                place_one(requestor, explain=explain, timeout_s=FAILURE_TIMEOUT_S)
             except PlacementError as error:
                 timings[explain].append(time.perf_counter() - started)
                 if explain:
@@ -1207,7 +860,7 @@ def _measure(
     placements, the round trip again, the throughput, the full cluster's failures, the
     audit (the module docstring says why each)."""
     sequential_requestor = opened.open(broker, "sequential", plan.settings)
-    _wait_for_roster(sequential_requestor, plan.nodes, READY_TIMEOUT_S)
+    wait_for_roster(sequential_requestor, plan.nodes, READY_TIMEOUT_S)
     rtt_samples = max(100, min(plan.placements, MAX_RTT_SAMPLES)) // 2
     node_echo = host.echoes[:1]
     progress(
@@ -1245,7 +898,7 @@ def _measure(
 
     progress(f"failure: filling {FULL_NODES} nodes of {FULL_NODE_SLOTS} instances each")
     full_requestor = opened.open(full_broker, "full", plan.full_settings)
-    _wait_for_roster(full_requestor, FULL_NODES, READY_TIMEOUT_S)
+    wait_for_roster(full_requestor, FULL_NODES, READY_TIMEOUT_S)
     failure = _time_failures(full_requestor, FULL_NODES * FULL_NODE_SLOTS)
     progress("auditing the nodes' ledgers")
     audit = audit_ledgers(host.ledgers() + full_host.ledgers())
@@ -1286,7 +939,7 @@ def _throughput(
         for index in range(plan.requestors)
     ]
     for requestor in concurrent_requestors:
-        _wait_for_roster(requestor, plan.nodes, READY_TIMEOUT_S)
+        wait_for_roster(requestor, plan.nodes, READY_TIMEOUT_S)
     meter = CpuMeter({"nodes": node_pids, "broker": broker_processes(plan.url)})
     return _run_threads(
         concurrent_requestors,

@@ -48,20 +48,21 @@ from reservoir.clock import SystemClock, ThreadScheduler
 from reservoir.protocol.placement import PlacementError
 from reservoir.runtime.requestor import Requestor
 from reservoir.runtime.settings import Settings
+from reservoir.tools.bench.children import ProcessNodes, child_env
+from reservoir.tools.bench.errors import BenchError
 from reservoir.tools.bench.limits import CpuMeter
-from reservoir.tools.bench.runner import (
+from reservoir.tools.bench.placing import (
     FLAVOUR_MEMORY_MB,
     FLAVOUR_VCPUS,
     PLACE_TIMEOUT_S,
     READY_TIMEOUT_S,
+    roster_wanted,
+)
+from reservoir.tools.bench.runner import (
     VCPU_ALLOCATION_RATIO,
-    BenchError,
-    ProcessNodes,
     audit_ledgers,
     bench_url,
-    child_env,
     percentile,
-    roster_wanted,
     run_bench,
     slots_per_node,
 )

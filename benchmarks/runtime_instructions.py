@@ -23,12 +23,15 @@ of the totals by the difference of the sizes (start-up and roll call cancel out)
 (``valgrind python`` on a pyenv shim measures the shim: give it the interpreter itself.)
 With ``--profile K`` it runs under :mod:`cProfile` and prints the K functions with the
 most time of their own, per placement, instead: where the instructions go.
+``--gc-freeze`` and ``--gc-threshold N`` set the garbage collector before the run, to
+price it (docs/performance.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import json
 import pstats
 import random
@@ -111,9 +114,22 @@ def main() -> None:
     parser.add_argument("--placements", type=int, default=1000)
     parser.add_argument("--nodes", type=int, default=50)
     parser.add_argument("--profile", type=int, default=0, metavar="K")
+    parser.add_argument(
+        "--gc-freeze", action="store_true", help="collect, then gc.freeze() before the run"
+    )
+    parser.add_argument(
+        "--gc-threshold", type=int, default=0, metavar="N", help="gc.set_threshold(N, 10, 10)"
+    )
     args = parser.parse_args()
     if args.placements < 1 or args.nodes < 1:
         parser.error("--placements and --nodes must be at least 1")
+    if args.gc_threshold < 0:
+        parser.error("--gc-threshold must be at least 1 (0: as Python sets it)")
+    if args.gc_freeze:
+        gc.collect()
+        gc.freeze()
+    if args.gc_threshold:
+        gc.set_threshold(args.gc_threshold, 10, 10)
     if not args.profile:
         print(json.dumps(run(args.placements, args.nodes)))
         return

@@ -1,0 +1,125 @@
+"""What routing direct messages through a topic exchange costs RabbitMQ, against a direct one.
+
+    python benchmarks/exchange_type.py [--url amqp://guest:guest@127.0.0.1:5672/] \\
+        [--messages 5000] [--rounds 6] [--bindings 200] [--beam-pid PID]
+
+reservoir sends every direct message (offer, award, accepted, release...) through the
+topic exchange ``<name>.inbox``, routing key = the receiver's address, rather than through
+a direct exchange or the default one, so that RabbitMQ's topic permissions can say who may
+send what (docs/internals.md). This measures the price of that choice on the broker: for
+each exchange type, an exchange of its own with ``--bindings`` queues bound by
+address-like keys, as a node process's inboxes are, and one more queue consumed by a
+second connection; then ``--messages`` 512-byte publishes to it, ``mandatory``, each
+waiting for its publisher confirm (one at a time, as a placement's messages go), and
+RabbitMQ's CPU over them read from ``/proc/<beam.smp>/stat``. The two types take turns,
+the order alternating each round; it prints each run and the medians. Everything it
+declares is exclusive or auto-deleted, gone when it ends.
+
+RabbitMQ must run on this machine (its CPU is read from ``/proc``); ``--beam-pid`` names
+its process when ``pgrep`` cannot find the one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import threading
+import time
+import uuid
+
+import pika
+
+BODY = b"x" * 512
+
+
+def beam_pid() -> int:
+    found = subprocess.run(["pgrep", "-x", "beam.smp"], capture_output=True, text=True)
+    pids = found.stdout.split()
+    if len(pids) != 1:
+        raise SystemExit(f"found {len(pids)} beam.smp processes: name one with --beam-pid")
+    return int(pids[0])
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def one_run(url: str, kind: str, messages: int, bindings: int, pid: int) -> tuple[float, float]:
+    """RabbitMQ's CPU and the wall time per message, in microseconds, through a new
+    exchange of type ``kind``."""
+    params = pika.URLParameters(url)
+    publisher = pika.BlockingConnection(params)
+    consumer = pika.BlockingConnection(params)
+    try:
+        channel = publisher.channel()
+        channel.confirm_delivery()
+        exchange = f"bench.exchange-type.{kind}.{uuid.uuid4().hex[:8]}"
+        channel.exchange_declare(exchange, exchange_type=kind, auto_delete=True)
+        for index in range(bindings):
+            queue = channel.queue_declare("", exclusive=True).method.queue
+            address = f"inbox.node-{index}.{uuid.uuid4().hex}"
+            channel.queue_bind(queue, exchange, routing_key=address)
+        inbound = consumer.channel()
+        target = inbound.queue_declare("", exclusive=True).method.queue
+        key = f"inbox.{uuid.uuid4().hex}"
+        inbound.queue_bind(target, exchange, routing_key=key)
+        received = 0
+        all_in = threading.Event()
+
+        def on_message(*_: object) -> None:
+            nonlocal received
+            received += 1
+            if received == messages:
+                all_in.set()
+
+        inbound.basic_consume(target, on_message, auto_ack=True)
+        reader = threading.Thread(target=inbound.start_consuming, daemon=True)
+        reader.start()
+        time.sleep(0.3)  # the consumer settled before the clock starts
+        cpu_before, wall_before = cpu_seconds(pid), time.perf_counter()
+        for _ in range(messages):
+            channel.basic_publish(exchange, key, BODY, mandatory=True)
+        if not all_in.wait(60):
+            raise SystemExit(f"{kind}: {received} of {messages} messages arrived")
+        cpu = cpu_seconds(pid) - cpu_before
+        wall = time.perf_counter() - wall_before
+        consumer.add_callback_threadsafe(inbound.stop_consuming)
+        reader.join(5)
+    finally:
+        publisher.close()
+        consumer.close()
+    return cpu / messages * 1e6, wall / messages * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--url", default="amqp://guest:guest@127.0.0.1:5672/")
+    parser.add_argument("--messages", type=int, default=5000)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--bindings", type=int, default=200)
+    parser.add_argument("--beam-pid", type=int, default=None)
+    args = parser.parse_args()
+    if args.messages < 1 or args.rounds < 1 or args.bindings < 0:
+        parser.error("--messages and --rounds must be at least 1, --bindings at least 0")
+    pid = args.beam_pid or beam_pid()
+    cpu: dict[str, list[float]] = {"topic": [], "direct": []}
+    for round_ in range(args.rounds):
+        kinds = ("topic", "direct") if round_ % 2 == 0 else ("direct", "topic")
+        for kind in kinds:
+            cpu_us, wall_us = one_run(args.url, kind, args.messages, args.bindings, pid)
+            cpu[kind].append(cpu_us)
+            print(f"round {round_}: {kind:6} RabbitMQ {cpu_us:6.1f} us/message, wall {wall_us:.1f}")
+    topic, direct = statistics.median(cpu["topic"]), statistics.median(cpu["direct"])
+    lower = sum(d < t for t, d in zip(cpu["topic"], cpu["direct"], strict=True))
+    print(
+        f"median RabbitMQ CPU per message: topic {topic:.1f} us, direct {direct:.1f} us "
+        f"(topic/direct {topic / direct:.3f}; direct lower in {lower} of {args.rounds} rounds)"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -11,44 +11,41 @@ each exchange type, an exchange of its own with ``--bindings`` queues bound by
 address-like keys, as a node process's inboxes are, and one more queue consumed by a
 second connection; then ``--messages`` 512-byte publishes to it, ``mandatory``, each
 waiting for its publisher confirm (one at a time, as a placement's messages go), and
-RabbitMQ's CPU over them read from ``/proc/<beam.smp>/stat``. The two types take turns,
-the order alternating each round; it prints each run and the medians. Everything it
-declares is exclusive or auto-deleted, gone when it ends.
+RabbitMQ's CPU over them read from ``/proc`` as ``reservoir bench`` reads it
+(:mod:`reservoir.tools.bench.limits`). The two types take turns, the order alternating
+each round; it prints each run and the medians. Everything it declares is exclusive or
+auto-deleted, gone when it ends.
 
-RabbitMQ must run on this machine (its CPU is read from ``/proc``); ``--beam-pid`` names
-its process when ``pgrep`` cannot find the one.
+RabbitMQ must run on this machine, listening on the URL's loopback port (its CPU is read
+from ``/proc``); ``--beam-pid`` names its process when that finds none.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import subprocess
 import threading
 import time
 import uuid
 
 import pika
 
+from brokers import BrokerUrl
+from reservoir.tools.bench.limits import CpuMeter, broker_processes
+
 BODY = b"x" * 512
 
 
-def beam_pid() -> int:
-    found = subprocess.run(["pgrep", "-x", "beam.smp"], capture_output=True, text=True)
-    pids = found.stdout.split()
-    if len(pids) != 1:
-        raise SystemExit(f"found {len(pids)} beam.smp processes: name one with --beam-pid")
-    return int(pids[0])
+def broker_cpu_seconds(meter: CpuMeter) -> float:
+    seconds = meter.snapshot().seconds.get("broker")
+    if seconds is None:
+        raise SystemExit("RabbitMQ's CPU cannot be read from /proc: name it with --beam-pid")
+    return seconds
 
 
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def one_run(url: str, kind: str, messages: int, bindings: int, pid: int) -> tuple[float, float]:
+def one_run(
+    url: str, kind: str, messages: int, bindings: int, meter: CpuMeter
+) -> tuple[float, float]:
     """RabbitMQ's CPU and the wall time per message, in microseconds, through a new
     exchange of type ``kind``."""
     params = pika.URLParameters(url)
@@ -80,12 +77,12 @@ def one_run(url: str, kind: str, messages: int, bindings: int, pid: int) -> tupl
         reader = threading.Thread(target=inbound.start_consuming, daemon=True)
         reader.start()
         time.sleep(0.3)  # the consumer settled before the clock starts
-        cpu_before, wall_before = cpu_seconds(pid), time.perf_counter()
+        cpu_before, wall_before = broker_cpu_seconds(meter), time.perf_counter()
         for _ in range(messages):
             channel.basic_publish(exchange, key, BODY, mandatory=True)
         if not all_in.wait(60):
             raise SystemExit(f"{kind}: {received} of {messages} messages arrived")
-        cpu = cpu_seconds(pid) - cpu_before
+        cpu = broker_cpu_seconds(meter) - cpu_before
         wall = time.perf_counter() - wall_before
         consumer.add_callback_threadsafe(inbound.stop_consuming)
         reader.join(5)
@@ -105,12 +102,15 @@ def main() -> None:
     args = parser.parse_args()
     if args.messages < 1 or args.rounds < 1 or args.bindings < 0:
         parser.error("--messages and --rounds must be at least 1, --bindings at least 0")
-    pid = args.beam_pid or beam_pid()
+    pids = [args.beam_pid] if args.beam_pid else broker_processes(BrokerUrl.parse(args.url))
+    if not pids:
+        parser.error(f"no process listens on {args.url}'s port here: name it with --beam-pid")
+    meter = CpuMeter({"broker": pids})
     cpu: dict[str, list[float]] = {"topic": [], "direct": []}
     for round_ in range(args.rounds):
         kinds = ("topic", "direct") if round_ % 2 == 0 else ("direct", "topic")
         for kind in kinds:
-            cpu_us, wall_us = one_run(args.url, kind, args.messages, args.bindings, pid)
+            cpu_us, wall_us = one_run(args.url, kind, args.messages, args.bindings, meter)
             cpu[kind].append(cpu_us)
             print(f"round {round_}: {kind:6} RabbitMQ {cpu_us:6.1f} us/message, wall {wall_us:.1f}")
     topic, direct = statistics.median(cpu["topic"]), statistics.median(cpu["direct"])

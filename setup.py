@@ -34,7 +34,6 @@ COMPILED = [
     "reservoir/protocol/room.py",
     "reservoir/protocol/roster.py",
     "reservoir/protocol/tiers.py",
-    "reservoir/protocol/timers.py",
     "reservoir/tools/simulator/calendar.py",
     "reservoir/tools/simulator/engine.py",
 ]
@@ -45,6 +44,8 @@ INTERPRETED = {
     "reservoir/protocol/__init__.py": "re-exports only",
     "reservoir/protocol/messages.py": "msgspec structs, which a compiled class cannot be",
     "reservoir/protocol/placement.py": "PlacementRequest is a msgspec struct",
+    "reservoir/protocol/timers.py": "its keys are msgspec structs (made, hashed and compared "
+    "several times a placement: docs/performance.md)",
     "reservoir/protocol/filters.py": "Filter and Weigher are runtime_checkable protocols "
     "(plugins are checked against them), which a compiled class cannot be",
     "reservoir/protocol/errors.py": "a subclass of a built-in exception",

@@ -46,6 +46,10 @@ __all__ = ["TRANSITIONS", "Awarded", "Conversation", "Event", "Held", "Phase", "
 
 
 class Phase(Enum):
+    # Members are singletons compared by identity: hashed so too, in C, rather than by
+    # Enum's Python-level hash of the name (a call per lookup, several per placement).
+    __hash__ = object.__hash__
+
     NEW = "new"
     PROBING = "probing"
     BROADCASTING = "broadcasting"
@@ -55,6 +59,8 @@ class Phase(Enum):
 
 
 class Event(Enum):
+    __hash__ = object.__hash__  # as Phase's
+
     #: the request was sent to sampled nodes (or busy nodes), each alone
     PROBE = "probe"
     #: the request was published on a tier topic

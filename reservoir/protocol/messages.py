@@ -540,8 +540,13 @@ class InstanceShape(_Frozen, frozen=True, kw_only=True):
             raise ValueError("a request must ask for a positive amount of some resource")
         if self.min_count is not None and self.min_count > self.count:
             raise ValueError("min_count cannot exceed count")
-        # frozenset(): a caller may build one with lists; the check makes them frozensets
-        if frozenset(self.required_traits) & frozenset(self.forbidden_traits):
+        # frozenset(): a caller may build one with lists; the check makes them frozensets.
+        # Most requests forbid nothing: then there is nothing to build.
+        if (
+            self.forbidden_traits
+            and self.required_traits
+            and frozenset(self.required_traits) & frozenset(self.forbidden_traits)
+        ):
             raise ValueError("a trait cannot be both required and forbidden")
         if self.numa_policy is not None and not self.pci:
             raise ValueError("numa_policy places PCI devices: ask for some with pci")

@@ -1,15 +1,19 @@
 """The requestor's timer keys, as typed values.
 
 A machine asks its driver for a timer with ``SetTimer(key, at)`` and is called back with
-the same key. Keys are frozen dataclasses, so a firing is dispatched on its fields, never
+the same key. Keys are frozen structs, so a firing is dispatched on its fields, never
 on positions in a tuple, and a key of one conversation or attempt can never be mistaken
-for another's.
+for another's. They are msgspec structs rather than frozen dataclasses because several
+are made, hashed and compared per placement: a frozen dataclass is built field by field
+through ``object.__setattr__`` and hashed by a generated Python function, a frozen
+struct both in C (docs/performance.md).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from enum import StrEnum
+
+import msgspec
 
 __all__ = ["ConversationTimer", "FreeTimer", "TimerKind"]
 
@@ -35,8 +39,7 @@ class TimerKind(StrEnum):
 PER_ATTEMPT = frozenset({TimerKind.COLLECT, TimerKind.WIDEN})
 
 
-@dataclass(frozen=True, slots=True)
-class ConversationTimer:
+class ConversationTimer(msgspec.Struct, frozen=True):
     """A timer of the conversation placing ``request_id``; ``attempt`` is set for the kinds
     that belong to one attempt and 0 otherwise."""
 
@@ -45,8 +48,7 @@ class ConversationTimer:
     attempt: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class FreeTimer:
+class FreeTimer(msgspec.Struct, frozen=True):
     """Re-send the unconfirmed frees of ``request_id`` (``notify``: a caller waits)."""
 
     request_id: str

@@ -363,19 +363,23 @@ class NodeAgent(Driver):
 
     def _logging_tier(self, effects: list[Effect]) -> list[Effect]:
         # The node announces its tier on the roster topic exactly when it changes (its
-        # room, for keepers, on a topic of its own).
-        if any(
-            isinstance(e, Publish) and e.topic == ROSTER_TOPIC and isinstance(e.message, NodeStatus)
-            for e in effects
-        ):
-            utilisation, tier = self.machine.utilisation(), self.machine.tier()
-            log.info(
-                "node %s now at %.0f%% utilisation: tier %d%%",
-                self.name,
-                100 * utilisation,
-                tier,
-                extra={"node": self.name, "utilisation": round(utilisation, 4), "tier": tier},
-            )
+        # room, for keepers, on a topic of its own). A loop, not any() over a generator:
+        # this runs for every message a node handles.
+        for e in effects:
+            if (
+                isinstance(e, Publish)
+                and e.topic == ROSTER_TOPIC
+                and isinstance(e.message, NodeStatus)
+            ):
+                utilisation, tier = self.machine.utilisation(), self.machine.tier()
+                log.info(
+                    "node %s now at %.0f%% utilisation: tier %d%%",
+                    self.name,
+                    100 * utilisation,
+                    tier,
+                    extra={"node": self.name, "utilisation": round(utilisation, 4), "tier": tier},
+                )
+                break
         return effects
 
     def _handle_timer(self, key: Hashable, now: float) -> list[Effect]:

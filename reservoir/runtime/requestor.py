@@ -575,21 +575,8 @@ class Requestor(Driver):
                     replay = False
                 if not replay:
                     self.metrics.placed(placement)
-                log.debug(
-                    "placed %s: %d instance(s) on %s in %.1f ms, tiers %s",
-                    outcome.request_id,
-                    len(placement.allocations),
-                    ", ".join(sorted(set(placement.nodes))) or "no node",
-                    placement.elapsed_s * 1000,
-                    placement.tiers_tried,
-                    # the facts as fields of a JSON line (observe/logs.py)
-                    extra={
-                        "request_id": outcome.request_id,
-                        "outcome": "placed",
-                        "node": ",".join(sorted(set(placement.nodes))),
-                        "elapsed_ms": round(placement.elapsed_s * 1000, 1),
-                    },
-                )
+                if log.isEnabledFor(logging.DEBUG):  # its arguments cost more than the call
+                    self._log_placed(outcome.request_id, placement)
                 self._end_spans(
                     outcome.request_id,
                     "placed",
@@ -631,6 +618,25 @@ class Requestor(Driver):
                         done.set_exception(FreeIncomplete(outcome.request_id, outcome.missing))
                     else:
                         done.set_result(None)
+
+    @staticmethod
+    def _log_placed(request_id: str, placement: Placement) -> None:
+        nodes = sorted(set(placement.nodes))
+        log.debug(
+            "placed %s: %d instance(s) on %s in %.1f ms, tiers %s",
+            request_id,
+            len(placement.allocations),
+            ", ".join(nodes) or "no node",
+            placement.elapsed_s * 1000,
+            placement.tiers_tried,
+            # the facts as fields of a JSON line (observe/logs.py)
+            extra={
+                "request_id": request_id,
+                "outcome": "placed",
+                "node": ",".join(nodes),
+                "elapsed_ms": round(placement.elapsed_s * 1000, 1),
+            },
+        )
 
     def _pop(self, waiting: dict[str, list[Any]], request_id: str) -> list[Any]:
         with self._lock:

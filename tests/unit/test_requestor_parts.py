@@ -18,7 +18,7 @@ from reservoir.protocol.effects import CancelTimer, Dropped, Effect, FreeComplet
 from reservoir.protocol.freeing import Freeing, FreeTarget
 from reservoir.protocol.messages import LOOKUP_BUCKETS, Free, Freed, lookup_bucket
 from reservoir.protocol.placement import PlacementRequest
-from reservoir.protocol.timers import FreeTimer
+from reservoir.protocol.timers import ConversationTimer, FreeTimer, TimerKind
 
 T0 = 100.0
 
@@ -33,6 +33,21 @@ def a_conversation() -> Conversation:
         target=1,
         contention=IdContention("req"),
     )
+
+
+def test_timer_keys_are_values_that_cannot_change_once_a_timer_is_set_on_them() -> None:
+    key = ConversationTimer("r1", TimerKind.COLLECT, 2)
+    timers = {key: "set"}
+    # the same fields find the timer; another attempt, kind or conversation does not
+    assert timers[ConversationTimer("r1", TimerKind.COLLECT, 2)] == "set"
+    assert ConversationTimer("r1", TimerKind.COLLECT, 3) not in timers
+    assert ConversationTimer("r1", TimerKind.WIDEN, 2) not in timers
+    assert ConversationTimer("r2", TimerKind.COLLECT, 2) not in timers
+    assert FreeTimer("r1", True) != FreeTimer("r1", False)
+    with pytest.raises(AttributeError):
+        key.attempt = 3  # type: ignore[misc]
+    with pytest.raises(AttributeError):
+        FreeTimer("r1", True).notify = False  # type: ignore[misc]
 
 
 def test_a_new_conversation_can_only_probe_broadcast_or_wait_for_a_keepers_sample() -> None:

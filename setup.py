@@ -22,7 +22,6 @@ COMPILED = [
     "reservoir/protocol/contention.py",
     "reservoir/protocol/conversation.py",
     "reservoir/protocol/dry_run.py",
-    "reservoir/protocol/effects.py",
     "reservoir/protocol/finding.py",
     "reservoir/protocol/freeing.py",
     "reservoir/protocol/keeper.py",
@@ -44,6 +43,8 @@ INTERPRETED = {
     "reservoir/protocol/__init__.py": "re-exports only",
     "reservoir/protocol/messages.py": "msgspec structs, which a compiled class cannot be",
     "reservoir/protocol/placement.py": "PlacementRequest is a msgspec struct",
+    "reservoir/protocol/effects.py": "msgspec structs, made several times per message "
+    "(docs/performance.md)",
     "reservoir/protocol/timers.py": "its keys are msgspec structs (made, hashed and compared "
     "several times a placement: docs/performance.md)",
     "reservoir/protocol/filters.py": "Filter and Weigher are runtime_checkable protocols "

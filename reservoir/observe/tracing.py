@@ -197,7 +197,7 @@ def _answer(effects: Sequence[Effect]) -> str:
     from reservoir.protocol.effects import Send
 
     for effect in effects:
-        if isinstance(effect, Send):
+        if type(effect) is Send:
             return effect.message.kind
     return "none"
 

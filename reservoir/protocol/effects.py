@@ -5,16 +5,19 @@ takes an event and the current time and returns a list of these effects; the dri
 live runtime, or the simulator) carries them out *in order*. Order matters: a node stores
 an allocation before it sends ``Accepted``, so an acknowledged allocation survives a crash.
 
-Effects are values, but slotted dataclasses with a hash of their fields rather than frozen
-ones: a machine builds one for nearly every message it handles, and a frozen dataclass's
-``__init__`` (``object.__setattr__`` per field) costs 2.5 times as much. Nothing changes an
-effect once it is made.
+Effects are values: frozen msgspec structs, hashed and compared by their fields. A machine
+builds several for every message it handles, and a struct is made in C, for less than
+half the cost of a slotted dataclass's ``__init__`` (docs/performance.md). They are final:
+drivers tell them apart by exact class (``type(effect) is Send``), which is cheaper than
+``isinstance`` on a struct (that asks the struct's metaclass).
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import dataclass
+from typing import final
+
+import msgspec
 
 from reservoir.protocol.ledger import Allocation
 from reservoir.protocol.messages import Message
@@ -40,38 +43,38 @@ __all__ = [
 ]
 
 
-@dataclass(slots=True, unsafe_hash=True)
-class Publish:
+@final
+class Publish(msgspec.Struct, frozen=True):
     """Publish ``message`` on a topic of the request exchange."""
 
     topic: str
     message: Message
 
 
-@dataclass(slots=True, unsafe_hash=True)
-class Send:
+@final
+class Send(msgspec.Struct, frozen=True):
     """Send ``message`` to one participant's address."""
 
     address: str
     message: Message
 
 
-@dataclass(slots=True, unsafe_hash=True)
-class Bind:
+@final
+class Bind(msgspec.Struct, frozen=True):
     """Start hearing a topic."""
 
     topic: str
 
 
-@dataclass(slots=True, unsafe_hash=True)
-class Unbind:
+@final
+class Unbind(msgspec.Struct, frozen=True):
     """Stop hearing a topic."""
 
     topic: str
 
 
-@dataclass(slots=True, unsafe_hash=True)
-class SetTimer:
+@final
+class SetTimer(msgspec.Struct, frozen=True):
     """Call the machine's ``on_timer(key, now)`` at time ``at``; replaces a timer with the
     same key."""
 
@@ -79,25 +82,25 @@ class SetTimer:
     at: float
 
 
-@dataclass(slots=True, unsafe_hash=True)
-class CancelTimer:
+@final
+class CancelTimer(msgspec.Struct, frozen=True):
     key: Hashable
 
 
-@dataclass(slots=True, unsafe_hash=True)
-class StoreAllocation:
+@final
+class StoreAllocation(msgspec.Struct, frozen=True):
     """Persist a new allocation before anything else is said about it."""
 
     allocation: Allocation
 
 
-@dataclass(slots=True, unsafe_hash=True)
-class DeleteAllocation:
+@final
+class DeleteAllocation(msgspec.Struct, frozen=True):
     allocation_id: str
 
 
-@dataclass(slots=True, unsafe_hash=True)
-class StartTask:
+@final
+class StartTask(msgspec.Struct, frozen=True):
     """Start the allocation's task (its ``task``) through the driver it names; the node
     asks only after the allocation is stored and ``Accepted`` is on its way. The driver
     reports back with :meth:`~reservoir.protocol.node.NodeMachine.task_changed`."""
@@ -105,8 +108,8 @@ class StartTask:
     allocation: Allocation
 
 
-@dataclass(slots=True, unsafe_hash=True)
-class StopTask:
+@final
+class StopTask(msgspec.Struct, frozen=True):
     """Stop the task of an allocation that was freed: SIGTERM, then SIGKILL after
     ``grace_s`` (or the driver's equivalent)."""
 
@@ -115,24 +118,24 @@ class StopTask:
     grace_s: float
 
 
-@dataclass(slots=True, unsafe_hash=True)
-class Placed:
+@final
+class Placed(msgspec.Struct, frozen=True):
     """A request is placed: hand ``placement`` to whoever asked."""
 
     request_id: str
     placement: Placement
 
 
-@dataclass(slots=True, unsafe_hash=True)
-class Failed:
+@final
+class Failed(msgspec.Struct, frozen=True):
     """A request cannot be placed; ``error`` explains what was tried."""
 
     request_id: str
     error: PlacementError
 
 
-@dataclass(slots=True, unsafe_hash=True)
-class FreeCompleted:
+@final
+class FreeCompleted(msgspec.Struct, frozen=True):
     """A placement's allocations are freed (``missing`` lists nodes that never answered)."""
 
     request_id: str
@@ -140,8 +143,8 @@ class FreeCompleted:
     missing: tuple[str, ...]
 
 
-@dataclass(slots=True, unsafe_hash=True)
-class Found:
+@final
+class Found(msgspec.Struct, frozen=True):
     """What the nodes hold of a request id, asked for by a find
     (:mod:`reservoir.protocol.finding`): None when nobody answered holding any of it."""
 
@@ -149,8 +152,8 @@ class Found:
     placement: Placement | None
 
 
-@dataclass(slots=True, unsafe_hash=True)
-class Dropped:
+@final
+class Dropped(msgspec.Struct, frozen=True):
     """A message was ignored: late, duplicate, unknown or out of place. Logged at debug
     level and counted under ``reason``; never an error."""
 

@@ -589,10 +589,10 @@ class RequestorMachine:
 
     def on_timer(self, key: Hashable, now: float) -> list[Effect]:
         effects: list[Effect] = []
-        if isinstance(key, FreeTimer):
+        if type(key) is FreeTimer:
             self._frees.on_timer(key, now, effects)
             return effects
-        if not isinstance(key, ConversationTimer):
+        if type(key) is not ConversationTimer:
             return effects
         c = self._active.get(key.request_id)
         if c is None:

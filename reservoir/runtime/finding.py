@@ -106,7 +106,7 @@ class Finder(Driver):
 
     def _deliver(self, outcomes: list[Outcome]) -> None:
         for outcome in outcomes:
-            if isinstance(outcome, Found):
+            if type(outcome) is Found:
                 with self._lock:
                     waiting = self._waiting.pop(outcome.request_id, [])
                 for future in waiting:

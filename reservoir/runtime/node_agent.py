@@ -366,11 +366,7 @@ class NodeAgent(Driver):
         # room, for keepers, on a topic of its own). A loop, not any() over a generator:
         # this runs for every message a node handles.
         for e in effects:
-            if (
-                isinstance(e, Publish)
-                and e.topic == ROSTER_TOPIC
-                and isinstance(e.message, NodeStatus)
-            ):
+            if type(e) is Publish and e.topic == ROSTER_TOPIC and isinstance(e.message, NodeStatus):
                 utilisation, tier = self.machine.utilisation(), self.machine.tier()
                 log.info(
                     "node %s now at %.0f%% utilisation: tier %d%%",
@@ -412,9 +408,9 @@ class NodeAgent(Driver):
     def _deliver(self, outcomes: list[Outcome]) -> None:
         # After the machine's lock is released and Accepted is sent: drivers may block
         for outcome in outcomes:
-            if isinstance(outcome, StartTask):
+            if type(outcome) is StartTask:
                 self._task_executor().submit(self._start_task, outcome)
-            elif isinstance(outcome, StopTask):
+            elif type(outcome) is StopTask:
                 self._task_executor().submit(self._stop_task, outcome)
 
     def _task_executor(self) -> concurrent.futures.ThreadPoolExecutor:
@@ -533,7 +529,7 @@ class NodeAgent(Driver):
             )
 
     def _persist(self, effect: StoreAllocation | DeleteAllocation) -> None:
-        if isinstance(effect, StoreAllocation):
+        if type(effect) is StoreAllocation:
             self.store.put(effect.allocation)
         else:
             self.store.delete(effect.allocation_id)

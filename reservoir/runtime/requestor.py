@@ -546,7 +546,9 @@ class Requestor(Driver):
     # -- driver hooks ------------------------------------------------------------------
 
     def _conversation_of(self, key: Hashable) -> str | None:
-        return key.request_id if isinstance(key, ConversationTimer | FreeTimer) else None
+        if type(key) is ConversationTimer or type(key) is FreeTimer:
+            return key.request_id
+        return None
 
     def _handle_message(self, message: Message, now: float) -> list[Effect]:
         if message.kind == "task_state":
@@ -566,7 +568,7 @@ class Requestor(Driver):
         # A waiter may have given up (an asyncio task cancelled, a client gone): its future
         # is done already and is skipped; everyone else still gets the answer.
         for outcome in outcomes:
-            if isinstance(outcome, Placed):
+            if type(outcome) is Placed:
                 placement = outcome.placement
                 if self._replays:
                     replay = outcome.request_id in self._replays
@@ -587,7 +589,7 @@ class Requestor(Driver):
                 for future in self._pop(self._placing, outcome.request_id):
                     if not future.done():
                         future.set_result(outcome.placement)
-            elif isinstance(outcome, Failed):
+            elif type(outcome) is Failed:
                 explanation = outcome.error.explanation
                 self._replays.discard(outcome.request_id)
                 self.metrics.failed(outcome.error, explanation.elapsed_s)
@@ -610,7 +612,7 @@ class Requestor(Driver):
                 for future in self._pop(self._placing, outcome.request_id):
                     if not future.done():
                         future.set_exception(outcome.error)
-            elif isinstance(outcome, FreeCompleted):
+            elif type(outcome) is FreeCompleted:
                 for done in self._pop(self._freeing, outcome.request_id):
                     if done.done():
                         continue

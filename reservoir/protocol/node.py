@@ -892,6 +892,8 @@ class NodeMachine:
     def _expire(self, now: float, effects: list[Effect]) -> None:
         if self._expiry_at is not None and now < self._expiry_at:
             return  # the earliest deadline is still ahead: nothing to scan for
+        if not self.ledger.reservations:
+            return  # nothing held: most messages to a node come while it holds nothing
         for reservation in self.ledger.expired(now):
             self.ledger.pop_reservation(reservation.reservation_id)
             self.counters["expired"] += 1

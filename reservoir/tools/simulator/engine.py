@@ -135,6 +135,7 @@ class _Node:
         "allocated_vcpus",
         "index",
         "machine",
+        "memory_mb",
         "name",
         "reserved_vcpus",
         "timers",
@@ -150,6 +151,8 @@ class _Node:
         usage = machine.ledger.usage("VCPU")
         self.allocated_vcpus = usage.allocated
         self.reserved_vcpus = usage.reserved
+        #: the memory its allocations may take (a simulated node's inventory never changes)
+        self.memory_mb = machine.ledger.usage("MEMORY_MB").capacity
 
 
 class _Requestor:
@@ -590,11 +593,12 @@ class ReservoirRun:
         if allocated != node.allocated_vcpus:
             index = self.free_index
             i = node.index
-            memory = ledger.usage("MEMORY_MB")
+            # the free memory from its two parts (``usage`` would build a record for it)
+            free_memory_mb = node.memory_mb - ledger.allocated("MEMORY_MB")
             index.change(
                 i,
                 node.allocated_vcpus - allocated,
-                memory.capacity - memory.allocated - index.free_memory_mb[i],
+                free_memory_mb - index.free_memory_mb[i],
             )
             node.allocated_vcpus = allocated
 

@@ -57,7 +57,6 @@ from urllib.parse import parse_qsl, urlsplit
 
 import pika
 import pika.exceptions
-from pika.adapters.select_connection import IOLoop
 from pika.adapters.utils import io_services_utils
 
 from brokers._rules import DEFAULT_EXCHANGE, INBOX_SUFFIX, failure_words
@@ -65,6 +64,7 @@ from brokers.amqp import frames
 from brokers.amqp import session as core
 from brokers.amqp.session import Action, Role, Session
 from brokers.amqp.threaded import AmqpBroker, AmqpEndpoint, Future
+from brokers.pika_loop import new_loop
 from brokers.url import BrokerUrl
 
 __all__ = [
@@ -313,7 +313,7 @@ class PikaBroker(AmqpBroker):
         # RabbitMQ checks user_id against the authenticated user; EXTERNAL (certificate)
         # auth has no user name we could know, so it stays unset there.
         self._user_id: str | None = getattr(self._params.credentials, "username", None)
-        self._ioloop = IOLoop()
+        self._ioloop = new_loop()
         self._connection: Any = None
         self._gen = 0
         self._channels: dict[Role, Channel] = {}

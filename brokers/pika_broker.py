@@ -1,7 +1,8 @@
 """The RabbitMQ driver on pika, the default for ``amqp://`` and ``amqps://`` URLs.
 
-This module owns only what is pika's: one ``SelectConnection`` and its ``IOLoop`` on an IO
-thread the broker owns (the loop outlives reconnects), the three channels, and turning
+This module owns only what is pika's: one ``SelectConnection`` and its loop
+(:mod:`brokers.pika_loop`, pika's ``IOLoop`` where there is no ``epoll``) on an IO thread
+the broker owns (the loop outlives reconnects), the three channels, and turning
 pika's callbacks into the session's events and the session's actions into pika calls.
 What reservoir does on RabbitMQ (topology, confirms, returns, the 403 in a batch,
 reconnection and replay, flow control, stats) is decided by the sans-I/O session in
@@ -12,7 +13,7 @@ Why ``SelectConnection`` rather than a ``BlockingConnection`` on a thread: confi
 asynchronous. The blocking adapter's ``confirm_delivery`` turns every publish into a round
 trip; the select adapter reports acks and nacks as callbacks, so publishes are pipelined and
 confirmed in batches (``multiple=True``). Calls from other threads reach the IO thread
-through ``IOLoop.add_callback_threadsafe``, one wake-up for everything queued since the
+through the loop's ``add_callback_threadsafe``, one wake-up for everything queued since the
 last.
 
 Reply path: exclusive named queue, not direct reply-to (measured)

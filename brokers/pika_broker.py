@@ -125,7 +125,8 @@ class TunedPlaintextTransport(_PLAINTEXT_TRANSPORT or object):  # type: ignore[m
                 size += len(piece)
             chunk = b"".join(pieces)
             buffers.appendleft(chunk)
-        sent: int = _PLAINTEXT_TRANSPORT._sigint_safe_send(sock, chunk)
+        # pika retries on EINTR around this; Python's socket calls already do (PEP 475)
+        sent: int = sock.send(chunk)
         return sent
 
     #: while above 0, a write is buffered and left for :meth:`release_writes` to send
@@ -183,7 +184,7 @@ class TunedPlaintextTransport(_PLAINTEXT_TRANSPORT or object):  # type: ignore[m
     def _read(self) -> None:
         consumed = 0
         while self._state == self._STATE_ACTIVE and consumed < self._MAX_CONSUME_BYTES:
-            data: bytes = self._sigint_safe_recv(self._sock, RECV_BYTES)
+            data: bytes = self._sock.recv(RECV_BYTES)  # EINTR retried by Python (PEP 475)
             if not data:
                 raise self.RxEndOfFile()
             consumed += len(data)
@@ -485,7 +486,7 @@ class PikaBroker(AmqpBroker):
         for our open consume or publish channel, as pika's callbacks would have had it."""
         if gen != self._gen:
             return False
-        if isinstance(value, frames.Deliver):
+        if type(value) is frames.Deliver:  # final: isinstance on a struct is the slow path
             channel = self._channels.get("consume")
             token = self._consumers.get(value.consumer_tag)
             if token is None or channel is None or value.channel != channel.channel_number:

@@ -27,6 +27,7 @@ docs/performance.md has the profile and the figures before and after.
 from __future__ import annotations
 
 import struct
+from typing import final
 
 import msgspec
 
@@ -92,6 +93,11 @@ _FIELDS: tuple[tuple[int, str], ...] = (
 )
 #: a header with any other flag (a ``headers`` table, a second flag word) is not ours
 _UNREAD = 0xFFFF & ~(sum(flag for flag, _kind in _FIELDS))
+#: the bytes an octet ("o") and a timestamp ("q") take
+_WIDTH = {"o": 1, "q": 8}
+#: the fields that come before ``user_id`` in a header (reservoir's publishers send none:
+#: only ``user_id`` and ``app_id``)
+_AHEAD_OF_USER_ID = sum(flag for flag, _kind in _FIELDS if flag > _USER_ID)
 
 _frame_start = struct.Struct(">BHI")
 _method_id = struct.Struct(">I")
@@ -106,6 +112,7 @@ class FrameError(ValueError):
     cannot go on."""
 
 
+@final
 class Deliver(msgspec.Struct, frozen=True):
     """A whole ``basic.deliver``: the method's fields, the sender's ``user_id`` (None when
     the header has none) and the body."""
@@ -119,6 +126,7 @@ class Deliver(msgspec.Struct, frozen=True):
     body: bytes
 
 
+@final
 class Confirm(msgspec.Struct, frozen=True):
     """A publisher confirm: ``ack`` (else a nack) of ``delivery_tag``, and of every tag
     before it when ``multiple``."""
@@ -250,15 +258,16 @@ def _deliver(buffer: bytes, channel: int, at: int, end: int) -> tuple[Deliver | 
     if flags & _UNREAD:
         return None, end, 1  # a headers table or more flags: the library reads this one
     user_id = None
-    at = payload + 14
-    for flag, field in _FIELDS:
-        if flags & flag:
-            if field == "s":
-                value, at = _read_short_string(buffer, at)
+    if flags & _USER_ID:
+        at = payload + 14
+        if flags & _AHEAD_OF_USER_ID:  # not reservoir's own: step over what comes first
+            for flag, field in _FIELDS:
                 if flag == _USER_ID:
-                    user_id = value
-            else:
-                at += 1 if field == "o" else 8
+                    break
+                if flags & flag:
+                    # a short string is its length octet and that many bytes
+                    at += 1 + buffer[at] if field == "s" else _WIDTH[field]
+        user_id = _read_short_string(buffer, at)[0]
     pieces = []
     remaining = size
     next_frame = header_end

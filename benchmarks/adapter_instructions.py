@@ -16,9 +16,10 @@ over the difference of the round trips cancels start-up, connection and warm-up:
 
 and (second total - first) / 1100 is the instructions per round trip (300 and 1,300 round
 trips with 30 and 130 unmeasured). Two runs of one build agreed within 0.02 % on the
-adapter's own loop, within 0.4 % on pika's (docs/performance.md). A round trip is two messages, their two publisher confirms and one
-wake-up of the IO thread by the caller: every turn of the adapter's hot path. The run
-uses an exchange of its own, deleted at the end; the queues go with the connection.
+adapter's own loop, within 0.4 % on pika's (docs/performance.md). A round trip is two
+messages, their two publisher confirms and one wake-up of the IO thread by the caller:
+every turn of the adapter's hot path. The run uses an exchange of its own, deleted at
+the end; the queues go with the connection.
 """
 
 from __future__ import annotations

@@ -25,14 +25,21 @@ def loop(clock: FakeClock) -> Iterator[EpollLoop]:
     loop.close()
 
 
-@pytest.fixture
-def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
+Pair = tuple[socket.socket, socket.socket]
+
+
+def _socket_pair() -> Iterator[Pair]:
     a, b = socket.socketpair()
     a.setblocking(False)
     b.setblocking(False)
     yield a, b
     a.close()
     b.close()
+
+
+pair = pytest.fixture(_socket_pair)
+#: another, for the tests that need two descriptors ready in one turn
+second_pair = pytest.fixture(_socket_pair, name="second_pair")
 
 
 def test_timers_run_in_deadline_order_and_a_cancelled_one_never_runs(
@@ -125,7 +132,7 @@ def test_a_callback_added_by_a_callback_waits_for_the_next_turn(loop: EpollLoop)
 
 
 def test_callbacks_that_add_callbacks_do_not_keep_the_socket_waiting(
-    loop: EpollLoop, pair: tuple[socket.socket, socket.socket]
+    loop: EpollLoop, pair: Pair
 ) -> None:
     a, b = pair
     runs: list[int] = []
@@ -182,7 +189,7 @@ def test_start_is_not_reentrant(loop: EpollLoop) -> None:
 
 
 def test_a_handler_hears_what_it_watches_and_nothing_once_removed(
-    loop: EpollLoop, pair: tuple[socket.socket, socket.socket]
+    loop: EpollLoop, pair: Pair
 ) -> None:
     a, b = pair
     heard: list[int] = []
@@ -205,9 +212,7 @@ def test_a_handler_hears_what_it_watches_and_nothing_once_removed(
     assert heard == [loop.READ]
 
 
-def test_update_handler_changes_what_is_heard(
-    loop: EpollLoop, pair: tuple[socket.socket, socket.socket]
-) -> None:
+def test_update_handler_changes_what_is_heard(loop: EpollLoop, pair: Pair) -> None:
     a, _ = pair
     heard: list[int] = []
 
@@ -222,54 +227,44 @@ def test_update_handler_changes_what_is_heard(
 
 
 def test_a_handler_is_not_told_of_events_it_stopped_watching_in_the_same_turn(
-    loop: EpollLoop,
+    loop: EpollLoop, pair: Pair, second_pair: Pair
 ) -> None:
-    first, first_peer = socket.socketpair()
-    second, second_peer = socket.socketpair()
-    try:
-        heard: list[tuple[int, int]] = []
-        other = {first.fileno(): second.fileno(), second.fileno(): first.fileno()}
+    first, second = pair[0], second_pair[0]
+    heard: list[tuple[int, int]] = []
+    other = {first.fileno(): second.fileno(), second.fileno(): first.fileno()}
 
-        def on_events(fd: int, events: int) -> None:
-            heard.append((fd, events))
-            if len(heard) == 1:
-                loop.update_handler(other[fd], loop.READ)  # both were writable this turn
-                loop.update_handler(fd, loop.READ)
-                loop.call_later(0.0, loop.stop)
+    def on_events(fd: int, events: int) -> None:
+        heard.append((fd, events))
+        if len(heard) == 1:
+            loop.update_handler(other[fd], loop.READ)  # both were writable this turn
+            loop.update_handler(fd, loop.READ)
+            loop.call_later(0.0, loop.stop)
 
-        loop.add_handler(first.fileno(), on_events, loop.WRITE)
-        loop.add_handler(second.fileno(), on_events, loop.WRITE)
-        loop.start()
-        assert len(heard) == 1
-    finally:
-        for s in (first, first_peer, second, second_peer):
-            s.close()
+    loop.add_handler(first.fileno(), on_events, loop.WRITE)
+    loop.add_handler(second.fileno(), on_events, loop.WRITE)
+    loop.start()
+    assert len(heard) == 1
 
 
 def test_a_handler_removed_by_another_of_the_same_turn_is_not_called(
-    loop: EpollLoop,
+    loop: EpollLoop, pair: Pair, second_pair: Pair
 ) -> None:
-    first, first_peer = socket.socketpair()
-    second, second_peer = socket.socketpair()
-    try:
-        called: list[int] = []
-        pairs = {first.fileno(): second.fileno(), second.fileno(): first.fileno()}
+    (first, first_peer), (second, second_peer) = pair, second_pair
+    called: list[int] = []
+    other = {first.fileno(): second.fileno(), second.fileno(): first.fileno()}
 
-        def on_events(fd: int, _events: int) -> None:
-            called.append(fd)
-            loop.remove_handler(pairs[fd])  # the other one, ready in this turn too
-            loop.remove_handler(fd)
-            loop.add_callback(loop.stop)
+    def on_events(fd: int, _events: int) -> None:
+        called.append(fd)
+        loop.remove_handler(other[fd])  # the other one, ready in this turn too
+        loop.remove_handler(fd)
+        loop.add_callback(loop.stop)
 
-        loop.add_handler(first.fileno(), on_events, loop.READ)
-        loop.add_handler(second.fileno(), on_events, loop.READ)
-        first_peer.send(b"x")
-        second_peer.send(b"x")
-        loop.start()
-        assert len(called) == 1
-    finally:
-        for s in (first, first_peer, second, second_peer):
-            s.close()
+    loop.add_handler(first.fileno(), on_events, loop.READ)
+    loop.add_handler(second.fileno(), on_events, loop.READ)
+    first_peer.send(b"x")
+    second_peer.send(b"x")
+    loop.start()
+    assert len(called) == 1
 
 
 def test_a_closed_loop_refuses_to_start_and_takes_late_wake_ups_quietly(clock: FakeClock) -> None:

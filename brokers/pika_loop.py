@@ -117,7 +117,7 @@ class EpollLoop:
         heapq.heappush(self._timers, (self._now() + delay, next(self._sequence), timeout))
         return timeout
 
-    def remove_timeout(self, timeout_handle: Any) -> None:
+    def remove_timeout(self, timeout_handle: Timeout) -> None:
         # Left in the heap, skipped when its deadline comes: the heap is never searched.
         if timeout_handle.callback is None:
             return  # run or cancelled already

@@ -14,6 +14,13 @@ it, each hop (handed to the broker here, a handler starting there: the client li
 socket, RabbitMQ and the reader's IO thread), each participant's work between a message
 arriving and its answer handed over, and the caller waking with the placement.
 
+Each hop is split where its bytes cross a socket, stamped in the pika driver
+(``brokers.pika_broker``: the bytes a ``send()`` wrote, the bytes the connection was handed
+as they were read): the sender's IO thread (handed over -> written), the wire (written ->
+read: the kernel, RabbitMQ, and the reading process woken) and the reader's adapter (read
+-> handler). Before the bench starts it measures what this machine takes to wake a waiting
+thread and a waiting process (:func:`wake_ups`), the floor under every hand-over and hop.
+
 It measures by wrapping the runtime's methods, so its figures carry that overhead (a few
 microseconds a step); compare runs of it with each other, not with ``reservoir bench``'s
 ``place_p50_ms``. docs/performance.md holds what it showed.
@@ -28,6 +35,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from collections import Counter, defaultdict
 from functools import partial
 from pathlib import Path
@@ -88,10 +97,50 @@ if _DIR:
 
         module.Requestor.reserve = timed
 
+    def _tags(data):
+        # every message in a chunk of the socket's bytes (a write or a read holds several)
+        kinds = list(_KIND.finditer(data))
+        if not kinds:  # the round trips' bodies: an address, a newline, "x" to 512 bytes
+            return ["round-trip -"] * data.count(b"x" * 16 + b"\\xce")
+        found = []
+        for i, kind in enumerate(kinds):
+            end = kinds[i + 1].start() if i + 1 < len(kinds) else len(data)
+            request_id = _ID.search(data, kind.end(), end)
+            found.append("%s %s" % (
+                kind.group(1).decode(), request_id.group(1).decode() if request_id else "-"
+            ))
+        return found
+
+    def _socket(module):
+        # the pika driver's socket: bytes written (after send() returns) and read (as the
+        # connection is handed them); a transport or a pika it does not tune goes unstamped
+        transport = module.TunedPlaintextTransport
+        send = transport._sigint_safe_send
+
+        def written(self, sock, chunk):
+            sent = send(self, sock, chunk)
+            at = _now()
+            for tag in _tags(chunk[:sent]):
+                _events.append((at, "writes", tag))
+            return sent
+
+        transport._sigint_safe_send = written
+        connection = module.HotPathConnection
+        data_available = connection._on_data_available
+
+        def read(self, data):
+            at = _now()
+            for tag in _tags(data):
+                _events.append((at, "reads", tag))
+            return data_available(self, data)
+
+        connection._on_data_available = read
+
     _PENDING = {
         "reservoir.runtime.driver": _driver,
         "brokers.amqp.threaded": _endpoint,
         "reservoir.runtime.requestor": _requestor,
+        "brokers.pika_broker": _socket,
     }
     import builtins
 
@@ -151,10 +200,15 @@ def times_of(span: list[tuple[int, str, str, str]], t0: int, what: str, detail: 
     return [(t - t0) / 1000 for t, _, w, d in span if w == what and d == detail]
 
 
+def bench_pid_of(events: list[tuple[int, str, str, str]]) -> str:
+    """The bench's process: the one whose caller enters ``Requestor.reserve``."""
+    return Counter(pid for _, pid, what, _ in events if what == "reserve").most_common(1)[0][0]
+
+
 def steps_of(events: list[tuple[int, str, str, str]], warm_up: int = 20) -> dict[str, list[float]]:
     """Each step's durations in microseconds, over the sequential run's placements (those
     the bench's main thread made; the throughput run's threads are left out)."""
-    bench_pid = Counter(pid for _, pid, _, _ in events).most_common(1)[0][0]
+    bench_pid = bench_pid_of(events)
     starts = [
         i
         for i, (_, pid, what, detail) in enumerate(events)
@@ -205,7 +259,133 @@ def steps_of(events: list[tuple[int, str, str, str]], warm_up: int = 20) -> dict
         steps["whole placement"].append(whole)
         for label, duration in zip(STEPS, durations, strict=True):
             steps[label].append(duration)
+        for label, parts in hops_at_the_socket(span, request_id, bench_pid).items():
+            for part, duration in zip(HOP_PARTS, parts, strict=True):
+                steps[f"{label}: {part}"].append(duration)
     return steps
+
+
+#: a hop's three parts, split where its bytes leave one process's socket and reach another's
+HOP_PARTS = (
+    "handed over -> written (the sender's IO thread)",
+    "written -> read (the kernel, RabbitMQ, the reader woken)",
+    "read -> handler (the reader's adapter)",
+)
+
+#: each hop: its message's kind, whether the bench's process sends it, and whether the
+#: placement waits for the last of its kind (the second offer) rather than the first
+HOPS = (
+    ("hop: probe -> node handler", "request", True, False),
+    ("hop: last offer -> requestor handler", "offer", False, True),
+    ("hop: award -> node handler", "award", True, False),
+    ("hop: accepted -> requestor handler", "accepted", False, False),
+)
+
+
+def hops_at_the_socket(
+    span: list[tuple[int, str, str, str]], request_id: str, bench_pid: str
+) -> dict[str, tuple[float, float, float]]:
+    """Each hop of one placement split at the socket (``HOP_PARTS``), in microseconds; a hop
+    whose bytes were not all stamped (another transport, a message split across reads) is
+    left out."""
+    found = {}
+    for label, kind, from_bench, last in HOPS:
+        tag = f"{kind} {request_id}"
+        times: dict[str, list[int]] = defaultdict(list)
+        for at, pid, what, detail in span:
+            if detail != tag:
+                continue
+            if what in ("hands", "handles"):
+                times[what].append(at)
+            elif what == "writes" and (pid == bench_pid) == from_bench:
+                times[what].append(at)  # the sender's socket
+            elif what == "reads" and (pid == bench_pid) != from_bench:
+                times[what].append(at)  # the reader's
+        if len(times) < 4:
+            continue
+        pick = max if last else min
+        handed, written, read, handled = (
+            pick(times[what]) for what in ("hands", "writes", "reads", "handles")
+        )
+        found[label] = (
+            (written - handed) / 1000,
+            (read - written) / 1000,
+            (handled - read) / 1000,
+        )
+    return found
+
+
+def round_trip_hops(events: list[tuple[int, str, str, str]], bench_pid: str) -> list[float]:
+    """The wire part (written -> read) of each hop of the bench's round trips to a node
+    process (out and back), in microseconds: the same path as a placement's hops, with an
+    echo at the far end that does nothing else. Its round trips to an echo in its own
+    process are left out."""
+    stamps = [
+        (at, pid, what)
+        for at, pid, what, detail in events
+        if detail == "round-trip -" and what in ("writes", "reads")
+    ]
+    hops = []
+    for out, there, echoed, back in zip(stamps, stamps[1:], stamps[2:], stamps[3:], strict=False):
+        if (
+            (out[1], out[2], back[1], back[2]) == (bench_pid, "writes", bench_pid, "reads")
+            and (there[2], echoed[2]) == ("reads", "writes")
+            and there[1] == echoed[1] != bench_pid
+        ):
+            hops += [(there[0] - out[0]) / 1000, (back[0] - echoed[0]) / 1000]
+    return hops
+
+
+def wake_ups(rounds: int = 2000) -> dict[str, float]:
+    """What this machine takes to wake a thread, and a process on another core, that waits:
+    half the median of ``rounds`` ping-pongs (two ``threading.Event``; two pipes to a child
+    process), in microseconds. A hop pays one or more of these wherever nothing else runs."""
+    ping, pong = threading.Event(), threading.Event()
+
+    def answer() -> None:
+        for _ in range(rounds):
+            ping.wait()
+            ping.clear()
+            pong.set()
+
+    peer = threading.Thread(target=answer)
+    peer.start()
+    threads = []
+    for _ in range(rounds):
+        started = time.perf_counter_ns()
+        ping.set()
+        pong.wait()
+        pong.clear()
+        threads.append(time.perf_counter_ns() - started)
+    peer.join()
+    # The two processes on two cores: on one, a pipe's wake-up is a context switch the
+    # kernel makes at once, which no hop between processes on two cores gets.
+    allowed = sorted(os.sched_getaffinity(0))
+    there, here = os.pipe(), os.pipe()
+    child = os.fork()
+    if child == 0:  # the child answers each byte, and goes when the parent's end closes
+        os.sched_setaffinity(0, {allowed[-1]})
+        os.close(there[1])
+        while os.read(there[0], 1):
+            os.write(here[1], b"x")
+        os._exit(0)
+    processes = []
+    os.sched_setaffinity(0, {allowed[0]})
+    try:
+        for _ in range(rounds):
+            started = time.perf_counter_ns()
+            os.write(there[1], b"x")
+            os.read(here[0], 1)
+            processes.append(time.perf_counter_ns() - started)
+    finally:
+        os.sched_setaffinity(0, allowed)
+        for fd in (*there, *here):
+            os.close(fd)
+        os.waitpid(child, 0)
+    return {
+        "thread": round(statistics.median(threads) / 2000, 1),
+        "process": round(statistics.median(processes) / 2000, 1),
+    }
 
 
 def main() -> int:
@@ -215,19 +395,46 @@ def main() -> int:
     parser.add_argument("--placements", type=int, default=500)
     parser.add_argument("--json", action="store_true", help="one JSON object")
     args = parser.parse_args()
+    woken = wake_ups()  # first, on a machine the bench does not load yet
     with tempfile.TemporaryDirectory(prefix="reservoir-timeline-") as name:
         run_bench(args, Path(name))
-        steps = steps_of(read_events(Path(name)))
+        events = read_events(Path(name))
+    steps = steps_of(events)
+    bench_pid = bench_pid_of(events)
+    echoes = round_trip_hops(events, bench_pid)
+    echo_p50 = round(statistics.median(echoes), 1) if echoes else None
     if not steps:
         print("no sequential placement took the two-probe path", file=sys.stderr)
         return 1
     medians = {label: round(statistics.median(values), 1) for label, values in steps.items()}
     if args.json:
-        print(json.dumps({"placements": len(steps["whole placement"]), "p50_us": medians}))
+        placements = len(steps["whole placement"])
+        print(
+            json.dumps(
+                {
+                    "placements": placements,
+                    "p50_us": medians,
+                    "round_trip_hop_written_to_read_us": echo_p50,
+                    "wake_up_us": woken,
+                }
+            )
+        )
         return 0
     print(f"{len(steps['whole placement'])} placements, median of each step in microseconds")
-    for label, median in medians.items():
-        print(f"{median:9.1f}  {label}")
+    for label in ("whole placement", *STEPS):
+        print(f"{medians[label]:9.1f}  {label}")
+        for part in HOP_PARTS:
+            if f"{label}: {part}" in medians:
+                print(f"{medians[f'{label}: {part}']:13.1f}  {part}")
+    if echo_p50 is not None:
+        print(
+            f"{echo_p50:13.1f}  written -> read, a hop of the round trips to a node process "
+            f"(median of {len(echoes)})"
+        )
+    print(
+        f"this machine wakes a waiting thread in {woken['thread']} us and a waiting process on "
+        f"another core in {woken['process']} us (half a ping-pong, median, before the bench)"
+    )
     return 0
 
 

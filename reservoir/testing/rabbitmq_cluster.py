@@ -6,7 +6,10 @@ Nothing leaves loopback: every listener and the Erlang distribution bind 127.0.0
 epmd is asked to listen there only. The nodes share an Erlang cookie of their own (in
 the base directory), so they are not reachable with the machine's RabbitMQ's cookie, and
 they never touch that RabbitMQ's data. :meth:`RabbitMqCluster.kill` ends a node the hard
-way (SIGKILL of its Erlang VM), as a crashed broker host would.
+way (SIGKILL of its Erlang VM), as a crashed broker host would. Ports are picked free but
+not held: a node whose port was taken before it bound it starts again on fresh ones. Each
+node and each ``rabbitmqctl`` runs in the node's directory, so whatever the VM writes where
+it runs (a crash dump) goes with the base directory.
 
 It needs ``rabbitmq-server`` and ``rabbitmqctl`` (Debian's package is enough) and a user
 allowed to run them: root, or the ``rabbitmq`` user.
@@ -32,10 +35,20 @@ __all__ = ["ClusterUnavailable", "RabbitMqCluster"]
 _SERVER = Path("/usr/lib/rabbitmq/bin/rabbitmq-server")
 _CTL = Path("/usr/lib/rabbitmq/bin/rabbitmqctl")
 START_TIMEOUT_S = 90.0
+#: how often a node whose port was taken as it started is launched again on fresh ones
+LAUNCH_ATTEMPTS = 3
+#: what a node's output says when a port it was given is taken: the ports are picked free
+#: but not held, and a socket left in TIME_WAIT by a node just stopped, or anyone's
+#: listener, can take one before the node binds it
+_PORT_TAKEN = ("dist_port_already_used", "eaddrinuse")
 
 
 class ClusterUnavailable(RuntimeError):
     """This machine cannot run a RabbitMQ cluster (no RabbitMQ, or not allowed)."""
+
+
+class _PortTaken(RuntimeError):
+    """A node exited as it started because a port it was given is taken."""
 
 
 def _free_port() -> int:
@@ -53,6 +66,8 @@ class ClusterNode:
     directory: Path
     tls_port: int = 0
     process: subprocess.Popen[bytes] | None = None
+    #: where its latest launch's output starts in ``server.out`` (each launch appends)
+    output_from: int = 0
 
     @property
     def node_name(self) -> str:
@@ -99,7 +114,7 @@ class RabbitMqCluster:
         for node in self.nodes:
             self._launch(node)
         for node in self.nodes:
-            self._wait_up(node)
+            self._wait_up_or_move(node)
         first = self.nodes[0]
         for node in self.nodes[1:]:
             self.ctl(node, "stop_app")
@@ -166,6 +181,7 @@ class RabbitMqCluster:
         done = subprocess.run(
             [str(_CTL), "-q", "-n", node.node_name, *args],
             env=self._env(node),
+            cwd=node.directory,  # where an Erlang crash dump lands: removed with the rest
             capture_output=True,
             text=True,
             timeout=timeout_s,
@@ -232,18 +248,43 @@ class RabbitMqCluster:
         env = self._env(node)
         if log is None:
             log = (node.directory / "server.out").open("ab")
+        node.output_from = log.tell()
+        # In the node's directory, so that what the VM writes where it runs (an Erlang or
+        # Mnesia crash dump as a node is stopped or killed) goes with the base directory,
+        # not into the caller's (a test run's checkout).
         node.process = subprocess.Popen(
             [str(_SERVER)], env=env, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
-            start_new_session=True,
+            cwd=node.directory, start_new_session=True,
         )  # fmt: skip
         log.close()
+
+    def _wait_up_or_move(self, node: ClusterNode) -> None:
+        """Wait for a node just launched; one whose port was taken meanwhile is launched
+        again on fresh ports (it has no clients yet to be told of the old ones)."""
+        for attempt in range(1, LAUNCH_ATTEMPTS + 1):
+            try:
+                self._wait_up(node)
+                return
+            except _PortTaken:
+                if attempt == LAUNCH_ATTEMPTS:
+                    raise
+            node.amqp_port, node.dist_port = _free_port(), _free_port()
+            if node.tls_port:
+                node.tls_port = _free_port()
+            (node.directory / "rabbitmq.conf").unlink()  # written again with the new ports
+            self._launch(node)
 
     def _wait_up(self, node: ClusterNode) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             assert node.process is not None
             if node.process.poll() is not None:
-                tail = (node.directory / "server.out").read_text(errors="replace")[-2000:]
+                with (node.directory / "server.out").open("rb") as log:
+                    log.seek(node.output_from)
+                    output = log.read().decode(errors="replace")
+                tail = output[-2000:]
+                if any(marker in output for marker in _PORT_TAKEN):
+                    raise _PortTaken(f"RabbitMQ node {node.name}: a port was taken:\n{tail}")
                 raise RuntimeError(f"RabbitMQ node {node.name} exited:\n{tail}")
             with contextlib.suppress(OSError):
                 socket.create_connection(("127.0.0.1", node.amqp_port), timeout=1).close()

@@ -3,11 +3,17 @@ fixed set of examples under CI, so a CI run is reproducible; ``--run-slow`` runs
 marked ``slow`` (the soak runs of tests/property/test_soak.py and the full chaos run),
 skipped otherwise. These options are this suite's own: the pytest plugin reservoir
 installs for its users adds none. The report's header says where the RabbitMQ tests' broker
-comes from (the URL in ``RESERVOIR_TEST_AMQP_URL``, or a testcontainers image)."""
+comes from (the URL in ``RESERVOIR_TEST_AMQP_URL``, or a testcontainers image). The
+``benchmark_script`` fixture loads a script of ``benchmarks/`` for its tests."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 from hypothesis import settings
@@ -45,3 +51,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 settings.register_profile("ci", derandomize=True, print_blob=True)
 settings.register_profile("dev", print_blob=True)
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="session")
+def benchmark_script() -> Callable[[str], ModuleType]:
+    """Load ``benchmarks/<name>.py`` (scripts, not a package) as the module ``name``."""
+
+    def load(name: str) -> ModuleType:
+        if name in sys.modules:
+            return sys.modules[name]
+        spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # before running it: its dataclasses look it up
+        spec.loader.exec_module(module)
+        return module
+
+    return load

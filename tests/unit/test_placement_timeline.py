@@ -3,26 +3,18 @@ socket: these tests give it stamps whose gaps are known and check the split it r
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
+from collections.abc import Callable
 from types import ModuleType
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "placement_timeline.py"
 BENCH, NODE_A, NODE_B = "100", "200", "300"
 REQUEST_ID = "r1"
 
 
 @pytest.fixture(scope="module")
-def timeline() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("placement_timeline", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("placement_timeline", module)
-    spec.loader.exec_module(module)
-    return module
+def timeline(benchmark_script: Callable[[str], ModuleType]) -> ModuleType:
+    return benchmark_script("placement_timeline")
 
 
 def stamp(at_us: int, pid: str, what: str, kind: str) -> tuple[int, str, str, str]:

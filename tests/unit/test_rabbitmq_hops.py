@@ -3,26 +3,18 @@ port: these tests write a capture whose gaps are known and check what it reads b
 
 from __future__ import annotations
 
-import importlib.util
 import struct
-import sys
-from pathlib import Path
+from collections.abc import Callable
 from types import ModuleType
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "rabbitmq_hops.py"
 BROKER, BENCH, NODE = 5672, 40001, 40002
 
 
 @pytest.fixture(scope="module")
-def hops() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("rabbitmq_hops", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("rabbitmq_hops", module)
-    spec.loader.exec_module(module)
-    return module
+def hops(benchmark_script: Callable[[str], ModuleType]) -> ModuleType:
+    return benchmark_script("rabbitmq_hops")
 
 
 def body(kind: str, request_id: str) -> bytes:

@@ -400,12 +400,11 @@ def main() -> int:
         run_bench(args, Path(name))
         events = read_events(Path(name))
     steps = steps_of(events)
-    bench_pid = bench_pid_of(events)
-    echoes = round_trip_hops(events, bench_pid)
-    echo_p50 = round(statistics.median(echoes), 1) if echoes else None
     if not steps:
         print("no sequential placement took the two-probe path", file=sys.stderr)
         return 1
+    echoes = round_trip_hops(events, bench_pid_of(events))
+    echo_p50 = round(statistics.median(echoes), 1) if echoes else None
     medians = {label: round(statistics.median(values), 1) for label, values in steps.items()}
     if args.json:
         placements = len(steps["whole placement"])

@@ -140,17 +140,18 @@ def broker_times(segments: list[Segment], port: int) -> dict[str, list[float]]:
                 continue
             at, client = arrived[message]
             times[kind].append(left[message] - at)
-            acks = confirms[client]
-            first = bisect.bisect_left(acks, at)
-            if first < len(acks):
-                times[f"{kind} confirmed"].append(acks[first] - at)
+            times[f"{kind} confirmed"] += _confirmed_after(confirms[client], at)
     for at, client, gone in round_trips(trips):
         times["round trip"].append(gone - at)
-        acks = confirms[client]
-        first = bisect.bisect_left(acks, at)
-        if first < len(acks):
-            times["round trip confirmed"].append(acks[first] - at)
+        times["round trip confirmed"] += _confirmed_after(confirms[client], at)
     return dict(times)
+
+
+def _confirmed_after(acks: list[float], at: float) -> list[float]:
+    """How long after ``at`` the first of a connection's confirms (``acks``, in time order)
+    came: one figure, or none when none came after it."""
+    first = bisect.bisect_left(acks, at)
+    return [acks[first] - at] if first < len(acks) else []
 
 
 def sequential_placements(arrived: dict[str, tuple[float, int]]) -> list[str]:

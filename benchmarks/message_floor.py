@@ -1,0 +1,553 @@
+"""The floor under ``own_cpu_over_broker_cpu``: a placement's seven messages with no work
+at all, through reservoir's own RabbitMQ adapter, on the bench's processes and
+concurrency, in turns with ``reservoir bench`` itself.
+
+    python benchmarks/message_floor.py [--broker amqp://guest:guest@127.0.0.1:5672/] \\
+        [--nodes 100] [--node-processes 2] [--requestors 8] [--placements 4000] \\
+        [--pairs 3] [--no-bench] [--json]
+
+``reservoir bench``'s throughput run says what a placement costs reservoir's processes
+(the requestors' and the node agents') and RabbitMQ, in CPU. This script says how much of
+reservoir's share the messages alone take, with the same adapter (``brokers.connect``:
+publisher confirms, ``mandatory``, the topic exchanges, an exclusive queue per endpoint,
+handlers ``inline`` on the IO thread, as the driver opens them) and nothing above it:
+
+- ``--nodes`` endpoints spread over ``--node-processes`` processes, as the bench's node
+  agents are. A node answers a request with an offer and an award with an acceptance; it
+  drops a release. No ledger, no decision, no codec.
+- One requestor endpoint in this process, and ``--requestors`` placements in flight, as
+  the bench's throughput run has. A placement sends two requests to two nodes picked at
+  random, awards the first offer, releases the second and ends when the acceptance comes:
+  request, offer, award, release and accepted, seven messages, each of the size the
+  protocol's own message has (:data:`SIZES`).
+
+Two floors, each a run of its own:
+
+- ``io``: every placement after the first few is started by the handler that read the
+  previous one's acceptance, on the broker's IO thread: no thread hands anything over.
+  This is the least reservoir's processes can spend on the messages through this adapter.
+- ``threads``: ``--requestors`` threads, each sending its placement's requests and waiting
+  for its acceptance as ``Requestor.reserve`` does (the requests handed to the IO thread,
+  the caller woken by it). This adds what a synchronous caller's hand-overs cost.
+
+And the work alone: ``runtime_instructions.py`` (one requestor and ``--nodes`` node agents
+on the in-process broker, every step on one thread) timed at two sizes, the CPU of the
+machines, the drivers and the codec per placement with no thread and no RabbitMQ
+(:func:`run_work`). A floor plus the work alone is the least a runtime that makes the
+placement's decisions could spend with that kind of caller; over the bench's RabbitMQ CPU
+it is :func:`bound`. With the bench's own figures from the same turns, the difference
+says what the rest of reservoir (the hand-overs, the timers, the metrics, the roster's
+announcements) costs on top.
+
+Each floor run measures ``--placements`` placements after as many again unmeasured (the
+warm-up), CPU from ``/proc`` as the bench reads it
+(:class:`reservoir.tools.bench.limits.CpuMeter`); it checks that every message was
+confirmed and none returned, and that every placement was accepted by the node it
+awarded. The runs take turns (``io``, ``threads``, the bench), the order rotating by pair;
+the script prints every run, the medians by kind and the bounds, or one JSON object with
+``--json``.
+Every run uses exchanges of its own, deleted at the end. docs/performance.md holds what it
+showed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import resource
+import statistics
+import struct
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import brokers
+from brokers.amqp.threaded import AmqpBroker
+from brokers.url import BrokerUrl
+from reservoir.broker import Delivery, Endpoint
+from reservoir.tools.bench.limits import CpuMeter, broker_processes, own_cpu
+
+REQUEST, OFFER, AWARD, RELEASE, ACCEPTED = b"Q", b"O", b"A", b"R", b"C"
+
+#: Body bytes of each kind: the median size of the protocol's own message, encoded by
+#: ``reservoir.runtime.wire.Codec`` in ``reservoir bench --broker memory:// --nodes 100``
+#: (2026-12-05): ReservationRequest 293, Offer 318, Award 277, Release 172, Accepted 370.
+SIZES = {REQUEST: 293, OFFER: 318, AWARD: 277, RELEASE: 172, ACCEPTED: 370}
+
+#: a body starts with its kind, the placement's number and the node's
+_HEAD = struct.Struct(">cII")
+_STALL_S = 60.0
+
+Callers = Literal["io", "threads"]
+#: the kinds of run, as reported
+FLOORS: dict[Callers, str] = {
+    "io": "floor, callers on the IO thread",
+    "threads": "floor, callers on threads",
+}
+WORK = "the work alone, one thread"
+BENCH = "reservoir bench (throughput run)"
+
+
+def body(kind: bytes, flow: int, node: int) -> bytes:
+    """A message of ``kind`` for placement ``flow`` from or to node ``node``, padded to
+    the protocol's size for that kind."""
+    return _HEAD.pack(kind, flow, node).ljust(SIZES[kind], b".")
+
+
+def read(body: bytes) -> tuple[bytes, int, int]:
+    """The kind, placement and node of a :func:`body`."""
+    kind, flow, node = _HEAD.unpack_from(body)
+    return kind, flow, node
+
+
+@dataclass
+class _Placement:
+    offers: int = 0
+    awarded: int | None = None
+    accepted: bool = False
+    done: threading.Event | None = None
+
+
+@dataclass
+class Placements:
+    """The requestor's side of the placements in flight, without any I/O: what to send
+    next, and whether the placements went as the protocol says."""
+
+    nodes: int
+    seed: int = 0
+    started: int = 0
+    accepted: int = 0
+    #: an acceptance from a node that was not awarded, an offer too many, an unknown
+    #: placement: anything the nodes' side got wrong
+    faults: list[str] = field(default_factory=list)
+    _flows: dict[int, _Placement] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        if self.nodes < 2:
+            raise ValueError("a placement asks two nodes: at least 2")
+        self._random = random.Random(self.seed)
+
+    def start(self, done: threading.Event | None = None) -> list[tuple[int, bytes]]:
+        """A new placement's two requests, as (node, body); ``done`` is set when it is
+        accepted."""
+        with self._lock:
+            flow = self.started
+            self.started += 1
+            self._flows[flow] = _Placement(done=done)
+            first, second = self._random.sample(range(self.nodes), 2)
+        return [(first, body(REQUEST, flow, 0)), (second, body(REQUEST, flow, 0))]
+
+    def offered(self, flow: int, node: int) -> tuple[int, bytes] | None:
+        """The answer to node ``node``'s offer: the award for the first, a release for the
+        second."""
+        with self._lock:
+            placement = self._flows.get(flow)
+            if placement is None or placement.offers >= 2:
+                self.faults.append(f"offer for placement {flow} from node {node}: unexpected")
+                return None
+            placement.offers += 1
+            if placement.offers == 1:
+                placement.awarded = node
+                return node, body(AWARD, flow, 0)
+            self._forget_if_over(flow, placement)
+            return node, body(RELEASE, flow, 0)
+
+    def accepted_by(self, flow: int, node: int) -> threading.Event | None:
+        """Placement ``flow`` accepted by ``node``; its ``done`` event, to set."""
+        with self._lock:
+            placement = self._flows.get(flow)
+            if placement is None or placement.accepted or placement.awarded != node:
+                self.faults.append(f"acceptance of placement {flow} by node {node}: unexpected")
+                return None
+            placement.accepted = True
+            self.accepted += 1
+            self._forget_if_over(flow, placement)
+            return placement.done
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._flows)
+
+    def _forget_if_over(self, flow: int, placement: _Placement) -> None:
+        if placement.offers == 2 and placement.accepted:
+            del self._flows[flow]
+
+
+def node_answer(message: bytes, node: int) -> bytes | None:
+    """What node ``node`` sends back to the requestor for ``message``, if anything."""
+    kind, flow, _ = read(message)
+    if kind == REQUEST:
+        return body(OFFER, flow, node)
+    if kind == AWARD:
+        return body(ACCEPTED, flow, node)
+    return None
+
+
+# -- the node processes ------------------------------------------------------------------
+
+
+def serve_nodes(url: BrokerUrl, requestor: str, names: list[str], first: int) -> None:
+    """Open an endpoint for each name, answer until stdin closes, print what was sent and
+    received as one JSON line."""
+    broker = brokers.connect(url)
+    received = 0
+    endpoints: list[Endpoint] = []
+
+    def handler(index: int) -> Callable[[Delivery], None]:
+        def on(delivery: Delivery) -> None:
+            nonlocal received
+            received += 1
+            answer = node_answer(delivery.body, first + index)
+            if answer is not None:
+                endpoints[index].send(requestor, answer)
+
+        return on
+
+    try:
+        for index, name in enumerate(names):
+            endpoints.append(broker.open_endpoint(handler(index), name=name, inline=True))
+        print(json.dumps({"ready": len(endpoints)}), flush=True)
+        sys.stdin.read()
+        stats = broker.stats if isinstance(broker, AmqpBroker) else None
+        print(json.dumps({"received": received, "stats": asdict(stats) if stats else {}}))
+    finally:
+        broker.close()
+
+
+# -- one run of the floor ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Run:
+    kind: str
+    cpu_ms_per_placement: dict[str, float]
+    own_cpu_ms_per_placement: float
+    own_cpu_over_broker_cpu: float | None
+    placements_per_s: float
+    messages_per_placement: float | None
+
+
+def run_floor(args: argparse.Namespace, callers: Callers) -> Run:
+    exchange = f"reservoir.messagefloor.{uuid.uuid4().hex[:12]}"
+    url = BrokerUrl.parse(args.broker).with_exchange(exchange)
+    run = uuid.uuid4().hex[:8]
+    names = [f"floor-{run}-node-{i:04d}" for i in range(args.nodes)]
+    requestor = f"floor-{run}-requestor"
+    with brokers.own_exchange(url, name=exchange):
+        hosts = list(_node_processes(url, requestor, names, args.node_processes))
+        try:
+            return _measure(args, url, requestor, names, hosts, callers)
+        finally:
+            _stop(hosts)
+
+
+def _node_processes(
+    url: BrokerUrl, requestor: str, names: list[str], processes: int
+) -> Iterator[subprocess.Popen[str]]:
+    per = -(-len(names) // processes)
+    for first in range(0, len(names), per):
+        command = [sys.executable, __file__, "--serve-nodes", requestor]
+        command += [",".join(names[first : first + per]), str(first), "--broker", url.given]
+        host = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert host.stdout is not None
+        line = host.stdout.readline()
+        if not line.startswith('{"ready"'):
+            host.kill()
+            raise RuntimeError(f"a node process did not start: {line!r}")
+        yield host
+
+
+def _stop(hosts: list[subprocess.Popen[str]]) -> list[dict[str, Any]]:
+    reports = []
+    for host in hosts:
+        assert host.stdin is not None and host.stdout is not None
+        if host.stdin.closed:
+            continue  # stopped already
+        host.stdin.close()
+        line = host.stdout.readline()
+        host.wait(30)
+        if line:
+            reports.append(json.loads(line))
+    return reports
+
+
+def _measure(
+    args: argparse.Namespace,
+    url: BrokerUrl,
+    requestor: str,
+    names: list[str],
+    hosts: list[subprocess.Popen[str]],
+    callers: Callers,
+) -> Run:
+    placements = Placements(len(names), seed=args.seed)
+    total = 2 * args.placements  # the first half is the warm-up
+    marks = {args.placements: threading.Event(), total: threading.Event()}
+    broker = brokers.connect(url)
+    assert isinstance(broker, AmqpBroker)
+    endpoint: Endpoint
+
+    def send_all(messages: list[tuple[int, bytes]]) -> None:
+        for node, message in messages:
+            endpoint.send(names[node], message)
+
+    def on(delivery: Delivery) -> None:
+        if delivery.returned:
+            placements.faults.append("a message came back unroutable")
+            return
+        kind, flow, node = read(delivery.body)
+        if kind == OFFER:
+            answer = placements.offered(flow, node)
+            if answer is not None:
+                endpoint.send(names[answer[0]], answer[1])
+        elif kind == ACCEPTED:
+            done = placements.accepted_by(flow, node)
+            mark = marks.get(placements.accepted)
+            if mark is not None:
+                mark.set()
+            if done is not None:
+                done.set()
+            elif callers == "io" and placements.started < total:
+                send_all(placements.start())
+
+    def caller() -> None:
+        while True:
+            with claim:
+                if claimed[0] >= total:
+                    return
+                claimed[0] += 1
+            done = threading.Event()
+            send_all(placements.start(done))
+            if not done.wait(_STALL_S):
+                placements.faults.append("a placement was not accepted in time")
+                return
+
+    claim = threading.Lock()
+    claimed = [0]
+    try:
+        endpoint = broker.open_endpoint(on, name=requestor, inline=True)
+        meter = CpuMeter({"nodes": [host.pid for host in hosts], "broker": broker_processes(url)})
+        threads = [threading.Thread(target=caller, daemon=True) for _ in range(args.requestors)]
+        if callers == "threads":
+            for thread in threads:
+                thread.start()
+        else:
+            with endpoint.batch():
+                for _ in range(args.requestors):
+                    send_all(placements.start())
+        if not marks[args.placements].wait(_STALL_S):
+            raise RuntimeError(f"{placements.accepted} placements accepted in the warm-up")
+        before, started = meter.snapshot(), time.perf_counter()
+        if not marks[total].wait(_STALL_S):
+            raise RuntimeError(f"{placements.accepted} of {total} placements accepted")
+        after, elapsed = meter.snapshot(), time.perf_counter() - started
+        if callers == "threads":
+            for thread in threads:
+                thread.join(_STALL_S)
+        _settle(broker, placements)
+    finally:
+        broker.close()
+    stats = broker.stats
+    nodes_sent = sum(r["stats"].get("sent", 0) for r in _stop(hosts))
+    problems = list(placements.faults)
+    if stats.nacked or stats.returned or stats.refused or stats.reconnects:
+        problems.append(f"the requestor's messages: {stats}")
+    if problems:
+        raise RuntimeError(f"the {callers} floor went wrong: {problems[:5]}")
+    cpu = CpuMeter.per_placement_ms(before, after, args.placements)
+    own = own_cpu(cpu)
+    return Run(
+        kind=FLOORS[callers],
+        cpu_ms_per_placement=cpu,
+        own_cpu_ms_per_placement=own,
+        own_cpu_over_broker_cpu=round(own / cpu["broker"], 2) if cpu.get("broker") else None,
+        placements_per_s=round(args.placements / elapsed, 1),
+        messages_per_placement=round((stats.sent + nodes_sent) / placements.started, 2)
+        if nodes_sent
+        else None,
+    )
+
+
+def _settle(broker: AmqpBroker, placements: Placements) -> None:
+    """Wait for the placements still in flight to end and every message to be confirmed."""
+    deadline = time.monotonic() + _STALL_S
+    while time.monotonic() < deadline:
+        stats = broker.stats
+        confirmed = stats.confirmed + stats.nacked + stats.refused >= stats.sent
+        if confirmed and placements.in_flight() == 0:
+            return
+        time.sleep(0.01)
+    raise RuntimeError(f"{placements.in_flight()} placements or confirms outstanding")
+
+
+# -- the work alone, in the same turns ---------------------------------------------------
+
+#: the two sizes of the work-alone run: start-up and roll call cancel out in the difference
+WORK_SIZES = (500, 3500)
+
+
+def run_work(args: argparse.Namespace) -> Run:
+    """The runtime's own work per placement on one thread, with no broker of RabbitMQ's and
+    no thread: ``runtime_instructions.py`` (the machines, the drivers, the codec, the
+    in-process broker and a virtual clock) timed at two sizes, its CPU from
+    ``getrusage``. An overestimate of the machines' and codec's work by what the
+    in-process broker and the virtual clock take (13 % of its profile in
+    docs/performance.md)."""
+    script = str(Path(__file__).with_name("runtime_instructions.py"))
+    seconds = []
+    for placements in WORK_SIZES:
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        command = [sys.executable, script, "--placements", str(placements)]
+        done = subprocess.run(
+            [*command, "--nodes", str(args.nodes)], capture_output=True, text=True, check=False
+        )
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        if done.returncode != 0:
+            raise RuntimeError(f"runtime_instructions.py failed: {done.stderr[-500:]}")
+        seconds.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
+    per_placement_ms = round(1000 * (seconds[1] - seconds[0]) / (WORK_SIZES[1] - WORK_SIZES[0]), 3)
+    return Run(
+        kind=WORK,
+        cpu_ms_per_placement={"this process": per_placement_ms},
+        own_cpu_ms_per_placement=per_placement_ms,
+        own_cpu_over_broker_cpu=None,
+        placements_per_s=0.0,
+        messages_per_placement=None,
+    )
+
+
+# -- the bench, in the same turns --------------------------------------------------------
+
+
+def run_bench(args: argparse.Namespace) -> Run:
+    command = [sys.executable, "-m", "reservoir", "bench", "--broker", args.broker]
+    command += ["--nodes", str(args.nodes), "--node-processes", str(args.node_processes)]
+    command += ["--requestors", str(args.requestors), "--json"]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"reservoir bench failed ({done.returncode}): {done.stderr[-500:]}")
+    result = json.loads(done.stdout)
+    if any(result["audit"].values()):
+        raise RuntimeError(f"reservoir bench's audit: {result['audit']}")
+    return Run(
+        kind=BENCH,
+        cpu_ms_per_placement=result["cpu_ms_per_placement"],
+        own_cpu_ms_per_placement=result["own_cpu_ms_per_placement"],
+        own_cpu_over_broker_cpu=result["own_cpu_over_broker_cpu"],
+        placements_per_s=result["placements_per_s"],
+        messages_per_placement=result["throughput_messages_per_placement"],
+    )
+
+
+def medians(runs: list[Run]) -> dict[str, dict[str, float]]:
+    """Per kind of run, the median of each figure over its runs."""
+    by_kind: dict[str, list[Run]] = {}
+    for run in runs:
+        by_kind.setdefault(run.kind, []).append(run)
+    table = {}
+    for kind, same in by_kind.items():
+        row = {
+            "own_cpu_ms_per_placement": statistics.median(r.own_cpu_ms_per_placement for r in same),
+            "placements_per_s": statistics.median(r.placements_per_s for r in same),
+        }
+        for part in same[0].cpu_ms_per_placement:
+            row[f"{part} cpu_ms_per_placement"] = statistics.median(
+                r.cpu_ms_per_placement.get(part, 0.0) for r in same
+            )
+        ratios = [r.own_cpu_over_broker_cpu for r in same if r.own_cpu_over_broker_cpu]
+        if ratios:
+            row["own_cpu_over_broker_cpu"] = statistics.median(ratios)
+        table[kind] = row
+    return table
+
+
+def bound(table: dict[str, dict[str, float]]) -> dict[str, float]:
+    """For each floor: the least ``own_cpu_over_broker_cpu`` the bench could show with
+    that kind of caller, a floor's own CPU plus the work alone, over RabbitMQ's CPU in the
+    bench's own runs (medians). RabbitMQ's share is the bench's because the ratio is the
+    bench's: it is larger there than in the floor runs (RabbitMQ takes fewer messages per
+    read from slower clients), so a quicker reservoir would, if anything, lower it and
+    raise the ratio. Empty without a bench run or a work run."""
+    work, bench = table.get(WORK), table.get(BENCH)
+    broker = bench.get("broker cpu_ms_per_placement") if bench else None
+    if work is None or not broker:
+        return {}
+    least: dict[str, float] = {}
+    for callers, kind in FLOORS.items():
+        row = table.get(kind)
+        if row:
+            own = row["own_cpu_ms_per_placement"] + work["own_cpu_ms_per_placement"]
+            least[callers] = round(own / broker, 2)
+    return least
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument(
+        "--broker", default="amqp://guest:guest@127.0.0.1:5672/", help="a RabbitMQ on loopback"
+    )
+    parser.add_argument("--nodes", type=int, default=100, help="node endpoints, as the bench's")
+    parser.add_argument("--node-processes", type=int, default=2, help="they are spread over")
+    parser.add_argument("--requestors", type=int, default=8, help="placements in flight")
+    parser.add_argument("--placements", type=int, default=4000, help="measured, per floor run")
+    parser.add_argument("--pairs", type=int, default=3, help="turns of every kind of run")
+    parser.add_argument("--seed", type=int, default=0, help="the nodes each placement asks")
+    parser.add_argument("--no-bench", action="store_true", help="the floors alone")
+    parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    # the node processes' entry: this script runs itself with it
+    parser.add_argument("--serve-nodes", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.serve_nodes:
+        requestor, names, first = args.serve_nodes
+        serve_nodes(BrokerUrl.parse(args.broker), requestor, names.split(","), int(first))
+        return 0
+    for name in ("nodes", "node_processes", "requestors", "placements", "pairs"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')}: at least 1")
+    if args.nodes < 2:
+        parser.error("--nodes: at least 2 (a placement asks two)")
+    if BrokerUrl.parse(args.broker).adapter != "pika":
+        parser.error("--broker: an amqp:// URL (the pika adapter's, as the bench's)")
+    kinds: list[Callable[[], Run]] = [
+        lambda: run_floor(args, "io"),
+        lambda: run_floor(args, "threads"),
+        lambda: run_work(args),
+    ]
+    if not args.no_bench:
+        kinds.append(lambda: run_bench(args))
+    runs = []
+    for pair in range(args.pairs):
+        for index in range(len(kinds)):
+            run = kinds[(index + pair) % len(kinds)]()
+            runs.append(run)
+            if not args.json:
+                print(f"pair {pair + 1}: {run.kind}: {_line(run)}", file=sys.stderr)
+    table = medians(runs)
+    least = bound(table)
+    if args.json:
+        print(json.dumps({"runs": [asdict(r) for r in runs], "medians": table, "bound": least}))
+    else:
+        for kind, row in table.items():
+            print(f"{kind}: " + ", ".join(f"{k} {v:g}" for k, v in row.items()))
+        for callers, ratio in least.items():
+            print(f"bound, callers on {callers}: own CPU at least x{ratio} of RabbitMQ's")
+    return 0
+
+
+def _line(run: Run) -> str:
+    return (
+        f"own {run.own_cpu_ms_per_placement} ms ({run.cpu_ms_per_placement}), "
+        f"x{run.own_cpu_over_broker_cpu} of RabbitMQ's, {run.placements_per_s}/s, "
+        f"{run.messages_per_placement} messages per placement"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

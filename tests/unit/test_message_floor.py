@@ -1,0 +1,169 @@
+"""benchmarks/message_floor.py sends a placement's seven messages with no work: these tests
+hold its requestor and node sides to the protocol's exchange, and its message sizes to the
+protocol's own messages."""
+
+from __future__ import annotations
+
+import statistics
+import uuid
+from collections import defaultdict
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from reservoir.runtime import wire
+
+
+@pytest.fixture(scope="module")
+def floor(benchmark_script: Callable[[str], ModuleType]) -> ModuleType:
+    return benchmark_script("message_floor")
+
+
+def kinds(floor: ModuleType, messages: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
+    return [(node, floor.read(body)[0]) for node, body in messages]
+
+
+def test_a_placement_asks_two_different_nodes(floor: ModuleType) -> None:
+    placements = floor.Placements(nodes=2)
+
+    requests = placements.start()
+
+    assert sorted(kinds(floor, requests)) == [(0, floor.REQUEST), (1, floor.REQUEST)]
+
+
+def test_the_first_offer_is_awarded_and_the_second_released(floor: ModuleType) -> None:
+    placements = floor.Placements(nodes=5)
+    placements.start()
+
+    award = placements.offered(0, node=3)
+    release = placements.offered(0, node=1)
+
+    assert (award[0], floor.read(award[1])[0]) == (3, floor.AWARD)
+    assert (release[0], floor.read(release[1])[0]) == (1, floor.RELEASE)
+    assert placements.faults == []
+
+
+def test_a_placement_ends_when_its_awarded_node_accepts(floor: ModuleType) -> None:
+    placements = floor.Placements(nodes=5)
+    placements.start()
+    placements.offered(0, node=3)
+    placements.offered(0, node=1)
+
+    placements.accepted_by(0, node=3)
+
+    assert (placements.accepted, placements.in_flight(), placements.faults) == (1, 0, [])
+
+
+def test_an_offer_after_the_acceptance_is_still_released(floor: ModuleType) -> None:
+    placements = floor.Placements(nodes=5)
+    placements.start()
+    placements.offered(0, node=3)
+    placements.accepted_by(0, node=3)
+
+    release = placements.offered(0, node=1)
+
+    assert floor.read(release[1])[0] == floor.RELEASE
+    assert (placements.in_flight(), placements.faults) == (0, [])
+
+
+def test_an_acceptance_by_a_node_not_awarded_is_a_fault(floor: ModuleType) -> None:
+    placements = floor.Placements(nodes=5)
+    placements.start()
+    placements.offered(0, node=3)
+
+    placements.accepted_by(0, node=1)
+
+    assert placements.accepted == 0
+    assert placements.faults == ["acceptance of placement 0 by node 1: unexpected"]
+
+
+def test_a_third_offer_is_a_fault(floor: ModuleType) -> None:
+    placements = floor.Placements(nodes=5)
+    placements.start()
+    placements.offered(0, node=3)
+    placements.offered(0, node=1)
+
+    assert placements.offered(0, node=2) is None
+    assert placements.faults == ["offer for placement 0 from node 2: unexpected"]
+
+
+def test_a_node_offers_for_a_request_accepts_an_award_and_drops_a_release(
+    floor: ModuleType,
+) -> None:
+    answers = [
+        floor.node_answer(floor.body(kind, 7, 0), node=4)
+        for kind in (floor.REQUEST, floor.AWARD, floor.RELEASE)
+    ]
+
+    assert [floor.read(a) if a else None for a in answers] == [
+        (floor.OFFER, 7, 4),
+        (floor.ACCEPTED, 7, 4),
+        None,
+    ]
+
+
+def test_every_body_has_its_kinds_size(floor: ModuleType) -> None:
+    assert {kind: len(floor.body(kind, 1, 2)) for kind in floor.SIZES} == floor.SIZES
+
+
+def test_the_sizes_are_those_of_the_protocols_own_messages(
+    floor: ModuleType,
+    benchmark_script: Callable[[str], ModuleType],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The protocol's messages, as the runtime encodes them in a few placements; the
+    floor's sizes are the bench's (longer node and requestor names than these), so within
+    a third."""
+    sizes: dict[str, list[int]] = defaultdict(list)
+    encode = wire.Codec.encode
+
+    def recording(self: Any, message: Any, wall_s: float, *, destination: str) -> bytes:
+        body: bytes = encode(self, message, wall_s, destination=destination)
+        sizes[type(message).__name__].append(len(body))
+        return body
+
+    monkeypatch.setattr(wire.Codec, "encode", recording)
+    monkeypatch.setattr(uuid, "uuid4", uuid.uuid4)  # the run seeds it: put it back after
+    benchmark_script("runtime_instructions").run(20, 10)
+
+    names = {
+        floor.REQUEST: "ReservationRequest",
+        floor.OFFER: "Offer",
+        floor.AWARD: "Award",
+        floor.RELEASE: "Release",
+        floor.ACCEPTED: "Accepted",
+    }
+    for kind, name in names.items():
+        assert statistics.median(sizes[name]) == pytest.approx(floor.SIZES[kind], rel=1 / 3)
+
+
+def test_the_bound_is_each_floor_and_the_work_over_the_benchs_rabbitmq(
+    floor: ModuleType,
+) -> None:
+    table = {
+        floor.FLOORS["io"]: {"own_cpu_ms_per_placement": 0.3, "broker cpu_ms_per_placement": 0.5},
+        floor.FLOORS["threads"]: {
+            "own_cpu_ms_per_placement": 0.45,
+            "broker cpu_ms_per_placement": 0.5,
+        },
+        floor.WORK: {"own_cpu_ms_per_placement": 0.25},
+        floor.BENCH: {"own_cpu_ms_per_placement": 1.0, "broker cpu_ms_per_placement": 0.7},
+    }
+
+    assert floor.bound(table) == {"io": 0.79, "threads": 1.0}
+    for left_out in (floor.WORK, floor.BENCH):
+        assert floor.bound({k: v for k, v in table.items() if k != left_out}) == {}
+
+
+def test_medians_are_taken_by_kind_of_run(floor: ModuleType) -> None:
+    def run(kind: str, own: float, broker: float) -> Any:
+        cpu = {"this process": own, "broker": broker}
+        return floor.Run(kind, cpu, own, round(own / broker, 2), 100.0, 7.0)
+
+    table = floor.medians([run("a", 1.0, 2.0), run("b", 5.0, 5.0), run("a", 3.0, 2.0)])
+
+    assert table["a"]["own_cpu_ms_per_placement"] == 2.0
+    assert table["a"]["own_cpu_over_broker_cpu"] == 1.0
+    assert table["b"]["own_cpu_ms_per_placement"] == 5.0

@@ -21,7 +21,7 @@ handlers ``inline`` on the IO thread, as the driver opens them) and nothing abov
   request, offer, award, release and accepted, seven messages, each of the size the
   protocol's own message has (:data:`SIZES`).
 
-Two floors, each a run of its own:
+Three floors, each a run of its own:
 
 - ``io``: every placement after the first few is started by the handler that read the
   previous one's acceptance, on the broker's IO thread: no thread hands anything over.
@@ -29,6 +29,10 @@ Two floors, each a run of its own:
 - ``threads``: ``--requestors`` threads, each sending its placement's requests and waiting
   for its acceptance as ``Requestor.reserve`` does (the requests handed to the IO thread,
   the caller woken by it). This adds what a synchronous caller's hand-overs cost.
+- one placement at a time: the bench's sequential run without the work. From this
+  thread, a round trip to an endpoint of this process (the bench's baseline, a 512-byte
+  body), then a placement, each waited for: ``place_p50_over_rtt`` with nothing but the
+  messages, the floor under the bench's ratio of that name.
 
 And the work alone: ``runtime_instructions.py`` (one requestor and ``--nodes`` node agents
 on the in-process broker, every step on one thread) timed at two sizes, the CPU of the
@@ -39,20 +43,21 @@ it is :func:`bound`. With the bench's own figures from the same turns, the diffe
 says what the rest of reservoir (the hand-overs, the timers, the metrics, the roster's
 announcements) costs on top.
 
-Each floor run measures ``--placements`` placements after as many again unmeasured (the
-warm-up), CPU from ``/proc`` as the bench reads it
-(:class:`reservoir.tools.bench.limits.CpuMeter`); it checks that every message was
-confirmed and none returned, and that every placement was accepted by the node it
-awarded. The runs take turns (``io``, ``threads``, the bench), the order rotating by pair;
-the script prints every run, the medians by kind and the bounds, or one JSON object with
-``--json``.
-Every run uses exchanges of its own, deleted at the end. docs/performance.md holds what it
-showed.
+The two concurrent floors measure ``--placements`` placements after as many again
+unmeasured (the warm-up), CPU from ``/proc`` as the bench reads it
+(:class:`reservoir.tools.bench.limits.CpuMeter`). Every floor checks that every message
+was confirmed and none returned, and that every placement was accepted by the node it
+awarded. The runs take turns (``io``, ``threads``, the work, the sequential floor, the
+bench), the order rotating by pair; the script prints every run, the medians by kind and
+the bounds, or one JSON object with ``--json``. Every run uses exchanges of its own,
+deleted at the end. docs/performance.md holds what it showed.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import json
 import random
 import resource
@@ -73,13 +78,17 @@ from brokers.amqp.threaded import AmqpBroker
 from brokers.url import BrokerUrl
 from reservoir.broker import Delivery, Endpoint
 from reservoir.tools.bench.limits import CpuMeter, broker_processes, own_cpu
+from reservoir.tools.bench.runner import RTT_BODY_BYTES
 
 REQUEST, OFFER, AWARD, RELEASE, ACCEPTED = b"Q", b"O", b"A", b"R", b"C"
+#: a round trip's body, the bench's baseline
+ECHO = b"E"
 
 #: Body bytes of each kind: the median size of the protocol's own message, encoded by
 #: ``reservoir.runtime.wire.Codec`` in ``reservoir bench --broker memory:// --nodes 100``
 #: (2026-12-05): ReservationRequest 293, Offer 318, Award 277, Release 172, Accepted 370.
-SIZES = {REQUEST: 293, OFFER: 318, AWARD: 277, RELEASE: 172, ACCEPTED: 370}
+#: A round trip's body is the bench's (``RTT_BODY_BYTES``).
+SIZES = {REQUEST: 293, OFFER: 318, AWARD: 277, RELEASE: 172, ACCEPTED: 370, ECHO: RTT_BODY_BYTES}
 
 #: a body starts with its kind, the placement's number and the node's
 _HEAD = struct.Struct(">cII")
@@ -92,6 +101,9 @@ FLOORS: dict[Callers, str] = {
     "threads": "floor, callers on threads",
 }
 WORK = "the work alone, one thread"
+SEQUENTIAL = "floor, one placement at a time"
+#: sequential placements and round trips not measured, first
+WARM_UP = 100
 BENCH = "reservoir bench (throughput run)"
 
 
@@ -227,24 +239,53 @@ def serve_nodes(url: BrokerUrl, requestor: str, names: list[str], first: int) ->
 
 @dataclass(frozen=True)
 class Run:
+    """One run's figures; a kind of run leaves out what it does not measure."""
+
     kind: str
-    cpu_ms_per_placement: dict[str, float]
-    own_cpu_ms_per_placement: float
-    own_cpu_over_broker_cpu: float | None
-    placements_per_s: float
-    messages_per_placement: float | None
+    cpu_ms_per_placement: dict[str, float] = field(default_factory=dict)
+    own_cpu_ms_per_placement: float | None = None
+    own_cpu_over_broker_cpu: float | None = None
+    placements_per_s: float | None = None
+    messages_per_placement: float | None = None
+    #: the sequential placements' p50 and the round trip's, one at a time
+    place_p50_ms: float | None = None
+    rtt_p50_ms: float | None = None
+    place_p50_over_rtt: float | None = None
 
 
-def run_floor(args: argparse.Namespace, callers: Callers) -> Run:
+#: the figures :func:`medians` takes, where a run has them
+_FIGURES = (
+    "own_cpu_ms_per_placement",
+    "own_cpu_over_broker_cpu",
+    "placements_per_s",
+    "messages_per_placement",
+    "place_p50_ms",
+    "rtt_p50_ms",
+    "place_p50_over_rtt",
+)
+
+
+@dataclass(frozen=True)
+class _Nodes:
+    url: BrokerUrl
+    requestor: str
+    names: list[str]
+    hosts: list[subprocess.Popen[str]]
+
+
+@contextlib.contextmanager
+def _nodes_up(args: argparse.Namespace) -> Iterator[_Nodes]:
+    """The run's exchanges and its node processes, answering the requestor's address."""
     exchange = f"reservoir.messagefloor.{uuid.uuid4().hex[:12]}"
     url = BrokerUrl.parse(args.broker).with_exchange(exchange)
     run = uuid.uuid4().hex[:8]
     names = [f"floor-{run}-node-{i:04d}" for i in range(args.nodes)]
     requestor = f"floor-{run}-requestor"
     with brokers.own_exchange(url, name=exchange):
-        hosts = list(_node_processes(url, requestor, names, args.node_processes))
+        hosts: list[subprocess.Popen[str]] = []
         try:
-            return _measure(args, url, requestor, names, hosts, callers)
+            hosts.extend(_node_processes(url, requestor, names, args.node_processes))
+            yield _Nodes(url, requestor, names, hosts)
         finally:
             _stop(hosts)
 
@@ -266,11 +307,12 @@ def _node_processes(
 
 
 def _stop(hosts: list[subprocess.Popen[str]]) -> list[dict[str, Any]]:
+    """Stop the node processes (once: later calls find them stopped); what they sent."""
     reports = []
     for host in hosts:
         assert host.stdin is not None and host.stdout is not None
         if host.stdin.closed:
-            continue  # stopped already
+            continue
         host.stdin.close()
         line = host.stdout.readline()
         host.wait(30)
@@ -279,88 +321,91 @@ def _stop(hosts: list[subprocess.Popen[str]]) -> list[dict[str, Any]]:
     return reports
 
 
-def _measure(
-    args: argparse.Namespace,
-    url: BrokerUrl,
-    requestor: str,
-    names: list[str],
-    hosts: list[subprocess.Popen[str]],
-    callers: Callers,
-) -> Run:
-    placements = Placements(len(names), seed=args.seed)
-    total = 2 * args.placements  # the first half is the warm-up
-    marks = {args.placements: threading.Event(), total: threading.Event()}
-    broker = brokers.connect(url)
-    assert isinstance(broker, AmqpBroker)
-    endpoint: Endpoint
+class _Requestor:
+    """The requestor's endpoint in this process: it answers offers, ends placements (and
+    tells :attr:`on_accepted`), and hears its round trips come back."""
 
-    def send_all(messages: list[tuple[int, bytes]]) -> None:
+    def __init__(self, broker: AmqpBroker, nodes: _Nodes, placements: Placements) -> None:
+        self.names = nodes.names
+        self.placements = placements
+        self.on_accepted: Callable[[threading.Event | None], None] = lambda done: None
+        self.echoed = threading.Event()
+        self.endpoint = broker.open_endpoint(self._on, name=nodes.requestor, inline=True)
+
+    def send_all(self, messages: list[tuple[int, bytes]]) -> None:
         for node, message in messages:
-            endpoint.send(names[node], message)
+            self.endpoint.send(self.names[node], message)
 
-    def on(delivery: Delivery) -> None:
+    def _on(self, delivery: Delivery) -> None:
         if delivery.returned:
-            placements.faults.append("a message came back unroutable")
+            self.placements.faults.append("a message came back unroutable")
             return
         kind, flow, node = read(delivery.body)
         if kind == OFFER:
-            answer = placements.offered(flow, node)
+            answer = self.placements.offered(flow, node)
             if answer is not None:
-                endpoint.send(names[answer[0]], answer[1])
+                self.endpoint.send(self.names[answer[0]], answer[1])
         elif kind == ACCEPTED:
-            done = placements.accepted_by(flow, node)
-            mark = marks.get(placements.accepted)
-            if mark is not None:
-                mark.set()
-            if done is not None:
-                done.set()
-            elif callers == "io" and placements.started < total:
-                send_all(placements.start())
+            self.on_accepted(self.placements.accepted_by(flow, node))
+        elif kind == ECHO:
+            self.echoed.set()
 
-    def caller() -> None:
-        while True:
-            with claim:
-                if claimed[0] >= total:
-                    return
-                claimed[0] += 1
-            done = threading.Event()
-            send_all(placements.start(done))
-            if not done.wait(_STALL_S):
-                placements.faults.append("a placement was not accepted in time")
-                return
 
-    claim = threading.Lock()
-    claimed = [0]
-    try:
-        endpoint = broker.open_endpoint(on, name=requestor, inline=True)
-        meter = CpuMeter({"nodes": [host.pid for host in hosts], "broker": broker_processes(url)})
-        threads = [threading.Thread(target=caller, daemon=True) for _ in range(args.requestors)]
-        if callers == "threads":
-            for thread in threads:
-                thread.start()
-        else:
-            with endpoint.batch():
-                for _ in range(args.requestors):
-                    send_all(placements.start())
-        if not marks[args.placements].wait(_STALL_S):
-            raise RuntimeError(f"{placements.accepted} placements accepted in the warm-up")
-        before, started = meter.snapshot(), time.perf_counter()
-        if not marks[total].wait(_STALL_S):
-            raise RuntimeError(f"{placements.accepted} of {total} placements accepted")
-        after, elapsed = meter.snapshot(), time.perf_counter() - started
-        if callers == "threads":
-            for thread in threads:
-                thread.join(_STALL_S)
-        _settle(broker, placements)
-    finally:
-        broker.close()
-    stats = broker.stats
-    nodes_sent = sum(r["stats"].get("sent", 0) for r in _stop(hosts))
-    problems = list(placements.faults)
-    if stats.nacked or stats.returned or stats.refused or stats.reconnects:
-        problems.append(f"the requestor's messages: {stats}")
-    if problems:
-        raise RuntimeError(f"the {callers} floor went wrong: {problems[:5]}")
+def run_floor(args: argparse.Namespace, callers: Callers) -> Run:
+    """One floor run: ``--placements`` placements measured after as many unmeasured."""
+    with _nodes_up(args) as nodes:
+        placements = Placements(len(nodes.names), seed=args.seed)
+        total = 2 * args.placements  # the first half is the warm-up
+        marks = {args.placements: threading.Event(), total: threading.Event()}
+        broker = brokers.connect(nodes.url)
+        assert isinstance(broker, AmqpBroker)
+        try:
+            requestor = _Requestor(broker, nodes, placements)
+
+            def on_accepted(done: threading.Event | None) -> None:
+                mark = marks.get(placements.accepted)
+                if mark is not None:
+                    mark.set()
+                if done is not None:
+                    done.set()
+                elif callers == "io" and placements.started < total:
+                    requestor.send_all(placements.start())
+
+            requestor.on_accepted = on_accepted
+            claimed = itertools.count()
+
+            def caller() -> None:
+                while next(claimed) < total:
+                    done = threading.Event()
+                    requestor.send_all(placements.start(done))
+                    if not done.wait(_STALL_S):
+                        placements.faults.append("a placement was not accepted in time")
+                        return
+
+            meter = CpuMeter(
+                {"nodes": [host.pid for host in nodes.hosts], "broker": broker_processes(nodes.url)}
+            )
+            threads = [threading.Thread(target=caller, daemon=True) for _ in range(args.requestors)]
+            if callers == "threads":
+                for thread in threads:
+                    thread.start()
+            else:
+                with requestor.endpoint.batch():
+                    for _ in range(args.requestors):
+                        requestor.send_all(placements.start())
+            if not marks[args.placements].wait(_STALL_S):
+                raise RuntimeError(f"{placements.accepted} placements accepted in the warm-up")
+            before, started = meter.snapshot(), time.perf_counter()
+            if not marks[total].wait(_STALL_S):
+                raise RuntimeError(f"{placements.accepted} of {total} placements accepted")
+            after, elapsed = meter.snapshot(), time.perf_counter() - started
+            if callers == "threads":
+                for thread in threads:
+                    thread.join(_STALL_S)
+            _settle(broker, placements)
+        finally:
+            broker.close()
+        nodes_sent = _checked(broker, placements, nodes, f"the {callers} floor")
     cpu = CpuMeter.per_placement_ms(before, after, args.placements)
     own = own_cpu(cpu)
     return Run(
@@ -369,10 +414,65 @@ def _measure(
         own_cpu_ms_per_placement=own,
         own_cpu_over_broker_cpu=round(own / cpu["broker"], 2) if cpu.get("broker") else None,
         placements_per_s=round(args.placements / elapsed, 1),
-        messages_per_placement=round((stats.sent + nodes_sent) / placements.started, 2)
+        messages_per_placement=round((broker.stats.sent + nodes_sent) / placements.started, 2)
         if nodes_sent
         else None,
     )
+
+
+def run_sequential(args: argparse.Namespace) -> Run:
+    """The floor of the bench's sequential run: from this thread, a round trip to an
+    endpoint of this process (the bench's baseline), then one placement, each waited for,
+    ``--sequential`` times after :data:`WARM_UP`."""
+    with _nodes_up(args) as nodes:
+        placements = Placements(len(nodes.names), seed=args.seed)
+        broker = brokers.connect(nodes.url)
+        assert isinstance(broker, AmqpBroker)
+        round_trips: list[float] = []
+        placed: list[float] = []
+        try:
+            requestor = _Requestor(broker, nodes, placements)
+            requestor.on_accepted = lambda done: done.set() if done is not None else None
+            echo = broker.open_endpoint(
+                lambda delivery: echo.send(nodes.requestor, delivery.body), inline=True
+            )
+            for index in range(WARM_UP + args.sequential):
+                requestor.echoed.clear()
+                started = time.perf_counter()
+                requestor.endpoint.send(echo.address, body(ECHO, index, 0))
+                if not requestor.echoed.wait(_STALL_S):
+                    raise RuntimeError("a round trip did not come back")
+                echoed = time.perf_counter()
+                done = threading.Event()
+                requestor.send_all(placements.start(done))
+                if not done.wait(_STALL_S):
+                    raise RuntimeError("a placement was not accepted in time")
+                if index >= WARM_UP:
+                    round_trips.append(echoed - started)
+                    placed.append(time.perf_counter() - echoed)
+            _settle(broker, placements)
+        finally:
+            broker.close()
+        _checked(broker, placements, nodes, "the sequential floor")
+    place_p50, rtt_p50 = statistics.median(placed), statistics.median(round_trips)
+    return Run(
+        kind=SEQUENTIAL,
+        place_p50_ms=round(1000 * place_p50, 3),
+        rtt_p50_ms=round(1000 * rtt_p50, 3),
+        place_p50_over_rtt=round(place_p50 / rtt_p50, 2),
+    )
+
+
+def _checked(broker: AmqpBroker, placements: Placements, nodes: _Nodes, what: str) -> int:
+    """Stop the nodes and raise if anything went wrong; the messages the nodes sent."""
+    nodes_sent: int = sum(report["stats"].get("sent", 0) for report in _stop(nodes.hosts))
+    problems = list(placements.faults)
+    stats = broker.stats
+    if stats.nacked or stats.returned or stats.refused or stats.reconnects:
+        problems.append(f"the requestor's messages: {stats}")
+    if problems:
+        raise RuntimeError(f"{what} went wrong: {problems[:5]}")
+    return nodes_sent
 
 
 def _settle(broker: AmqpBroker, placements: Placements) -> None:
@@ -417,9 +517,6 @@ def run_work(args: argparse.Namespace) -> Run:
         kind=WORK,
         cpu_ms_per_placement={"this process": per_placement_ms},
         own_cpu_ms_per_placement=per_placement_ms,
-        own_cpu_over_broker_cpu=None,
-        placements_per_s=0.0,
-        messages_per_placement=None,
     )
 
 
@@ -443,27 +540,28 @@ def run_bench(args: argparse.Namespace) -> Run:
         own_cpu_over_broker_cpu=result["own_cpu_over_broker_cpu"],
         placements_per_s=result["placements_per_s"],
         messages_per_placement=result["throughput_messages_per_placement"],
+        place_p50_ms=result["place_p50_ms"],
+        rtt_p50_ms=result["rtt_p50_ms"],
+        place_p50_over_rtt=result["place_p50_over_rtt"],
     )
 
 
 def medians(runs: list[Run]) -> dict[str, dict[str, float]]:
-    """Per kind of run, the median of each figure over its runs."""
+    """Per kind of run, the median of each figure over the runs that have it."""
     by_kind: dict[str, list[Run]] = {}
     for run in runs:
         by_kind.setdefault(run.kind, []).append(run)
     table = {}
     for kind, same in by_kind.items():
-        row = {
-            "own_cpu_ms_per_placement": statistics.median(r.own_cpu_ms_per_placement for r in same),
-            "placements_per_s": statistics.median(r.placements_per_s for r in same),
-        }
+        row: dict[str, float] = {}
+        for name in _FIGURES:
+            values = [getattr(r, name) for r in same if getattr(r, name) is not None]
+            if values:
+                row[name] = statistics.median(values)
         for part in same[0].cpu_ms_per_placement:
             row[f"{part} cpu_ms_per_placement"] = statistics.median(
                 r.cpu_ms_per_placement.get(part, 0.0) for r in same
             )
-        ratios = [r.own_cpu_over_broker_cpu for r in same if r.own_cpu_over_broker_cpu]
-        if ratios:
-            row["own_cpu_over_broker_cpu"] = statistics.median(ratios)
         table[kind] = row
     return table
 
@@ -497,6 +595,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--node-processes", type=int, default=2, help="they are spread over")
     parser.add_argument("--requestors", type=int, default=8, help="placements in flight")
     parser.add_argument("--placements", type=int, default=4000, help="measured, per floor run")
+    parser.add_argument(
+        "--sequential", type=int, default=1000, help="measured, in the sequential floor run"
+    )
     parser.add_argument("--pairs", type=int, default=3, help="turns of every kind of run")
     parser.add_argument("--seed", type=int, default=0, help="the nodes each placement asks")
     parser.add_argument("--no-bench", action="store_true", help="the floors alone")
@@ -508,7 +609,7 @@ def main(argv: list[str] | None = None) -> int:
         requestor, names, first = args.serve_nodes
         serve_nodes(BrokerUrl.parse(args.broker), requestor, names.split(","), int(first))
         return 0
-    for name in ("nodes", "node_processes", "requestors", "placements", "pairs"):
+    for name in ("nodes", "node_processes", "requestors", "placements", "sequential", "pairs"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}: at least 1")
     if args.nodes < 2:
@@ -519,6 +620,7 @@ def main(argv: list[str] | None = None) -> int:
         lambda: run_floor(args, "io"),
         lambda: run_floor(args, "threads"),
         lambda: run_work(args),
+        lambda: run_sequential(args),
     ]
     if not args.no_bench:
         kinds.append(lambda: run_bench(args))
@@ -542,11 +644,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _line(run: Run) -> str:
-    return (
-        f"own {run.own_cpu_ms_per_placement} ms ({run.cpu_ms_per_placement}), "
-        f"x{run.own_cpu_over_broker_cpu} of RabbitMQ's, {run.placements_per_s}/s, "
-        f"{run.messages_per_placement} messages per placement"
-    )
+    figures = {k: v for k, v in asdict(run).items() if k != "kind" and v not in (None, {})}
+    return ", ".join(f"{name} {value}" for name, value in figures.items())
 
 
 if __name__ == "__main__":

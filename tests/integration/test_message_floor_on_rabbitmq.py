@@ -32,6 +32,19 @@ def test_a_floor_run_carries_seven_messages_a_placement_between_processes(
     assert run.placements_per_s > 0
 
 
+def test_the_sequential_floor_times_placements_against_round_trips(
+    floor: ModuleType, amqp_url: str
+) -> None:
+    args = argparse.Namespace(broker=amqp_url, nodes=4, node_processes=2, sequential=30, seed=1)
+
+    run = floor.run_sequential(args)
+
+    # a placement is four hops one after another (request, offer, award, accepted), a
+    # round trip two
+    assert run.place_p50_ms > run.rtt_p50_ms > 0
+    assert run.place_p50_over_rtt == round(run.place_p50_ms / run.rtt_p50_ms, 2)
+
+
 def test_a_floor_run_leaves_no_exchange_of_its_own(
     floor: ModuleType, amqp_url: str, rabbitmqctl: Rabbitmqctl
 ) -> None:

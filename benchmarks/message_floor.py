@@ -17,7 +17,9 @@ handlers ``inline`` on the IO thread, as the driver opens them) and nothing abov
   drops a release. No ledger, no decision, no codec.
 - One requestor endpoint in this process, and ``--requestors`` placements in flight, as
   the bench's throughput run has. A placement sends two requests to two nodes picked at
-  random, awards the first offer, releases the second and ends when the acceptance comes:
+  random, decides once both have offered (as the requestor decides a probe round when
+  every probed node has answered), awards the first to offer, releases the other and
+  ends when the acceptance comes:
   request, offer, award, release and accepted, seven messages, each of the size the
   protocol's own message has (:data:`SIZES`).
 
@@ -76,6 +78,7 @@ from typing import Any, Literal
 import brokers
 from brokers.amqp.threaded import AmqpBroker
 from brokers.url import BrokerUrl
+from reservoir import interrupt
 from reservoir.broker import Delivery, Endpoint
 from reservoir.tools.bench.limits import CpuMeter, broker_processes, own_cpu
 from reservoir.tools.bench.runner import RTT_BODY_BYTES
@@ -122,6 +125,7 @@ def read(body: bytes) -> tuple[bytes, int, int]:
 @dataclass
 class _Placement:
     offers: int = 0
+    first: int | None = None
     awarded: int | None = None
     accepted: bool = False
     done: threading.Event | None = None
@@ -157,20 +161,22 @@ class Placements:
             first, second = self._random.sample(range(self.nodes), 2)
         return [(first, body(REQUEST, flow, 0)), (second, body(REQUEST, flow, 0))]
 
-    def offered(self, flow: int, node: int) -> tuple[int, bytes] | None:
-        """The answer to node ``node``'s offer: the award for the first, a release for the
-        second."""
+    def offered(self, flow: int, node: int) -> list[tuple[int, bytes]]:
+        """What node ``node``'s offer calls for. As the requestor decides a probe round
+        once every probed node has answered: nothing after the first offer; after the
+        second, the award to the first node that offered and a release to the other."""
         with self._lock:
             placement = self._flows.get(flow)
             if placement is None or placement.offers >= 2:
                 self.faults.append(f"offer for placement {flow} from node {node}: unexpected")
-                return None
+                return []
             placement.offers += 1
             if placement.offers == 1:
-                placement.awarded = node
-                return node, body(AWARD, flow, 0)
-            self._forget_if_over(flow, placement)
-            return node, body(RELEASE, flow, 0)
+                placement.first = node
+                return []
+            first = placement.awarded = placement.first
+            assert first is not None  # set by the first offer
+            return [(first, body(AWARD, flow, 0)), (node, body(RELEASE, flow, 0))]
 
     def accepted_by(self, flow: int, node: int) -> threading.Event | None:
         """Placement ``flow`` accepted by ``node``; its ``done`` event, to set."""
@@ -181,16 +187,12 @@ class Placements:
                 return None
             placement.accepted = True
             self.accepted += 1
-            self._forget_if_over(flow, placement)
+            del self._flows[flow]
             return placement.done
 
     def in_flight(self) -> int:
         with self._lock:
             return len(self._flows)
-
-    def _forget_if_over(self, flow: int, placement: _Placement) -> None:
-        if placement.offers == 2 and placement.accepted:
-            del self._flows[flow]
 
 
 def node_answer(message: bytes, node: int) -> bytes | None:
@@ -342,9 +344,7 @@ class _Requestor:
             return
         kind, flow, node = read(delivery.body)
         if kind == OFFER:
-            answer = self.placements.offered(flow, node)
-            if answer is not None:
-                self.endpoint.send(self.names[answer[0]], answer[1])
+            self.send_all(self.placements.offered(flow, node))
         elif kind == ACCEPTED:
             self.on_accepted(self.placements.accepted_by(flow, node))
         elif kind == ECHO:
@@ -605,6 +605,7 @@ def main(argv: list[str] | None = None) -> int:
     # the node processes' entry: this script runs itself with it
     parser.add_argument("--serve-nodes", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    interrupt.install()  # SIGTERM unwinds as Ctrl-C does: the run's exchanges go
     if args.serve_nodes:
         requestor, names, first = args.serve_nodes
         serve_nodes(BrokerUrl.parse(args.broker), requestor, names.split(","), int(first))
@@ -625,12 +626,17 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_bench:
         kinds.append(lambda: run_bench(args))
     runs = []
-    for pair in range(args.pairs):
-        for index in range(len(kinds)):
-            run = kinds[(index + pair) % len(kinds)]()
-            runs.append(run)
-            if not args.json:
-                print(f"pair {pair + 1}: {run.kind}: {_line(run)}", file=sys.stderr)
+    try:
+        with interrupt.interruptible():
+            for pair in range(args.pairs):
+                for index in range(len(kinds)):
+                    run = kinds[(index + pair) % len(kinds)]()
+                    runs.append(run)
+                    if not args.json:
+                        print(f"pair {pair + 1}: {run.kind}: {_line(run)}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("message_floor.py: interrupted; the run's exchanges are deleted", file=sys.stderr)
+        return 130
     table = medians(runs)
     least = bound(table)
     if args.json:

@@ -5,6 +5,7 @@ protocol's own messages."""
 from __future__ import annotations
 
 import statistics
+import threading
 import uuid
 from collections import defaultdict
 from collections.abc import Callable
@@ -33,45 +34,44 @@ def test_a_placement_asks_two_different_nodes(floor: ModuleType) -> None:
     assert sorted(kinds(floor, requests)) == [(0, floor.REQUEST), (1, floor.REQUEST)]
 
 
-def test_the_first_offer_is_awarded_and_the_second_released(floor: ModuleType) -> None:
+def test_nothing_is_decided_until_both_nodes_have_offered(floor: ModuleType) -> None:
     placements = floor.Placements(nodes=5)
     placements.start()
 
-    award = placements.offered(0, node=3)
-    release = placements.offered(0, node=1)
+    assert placements.offered(0, node=3) == []
+    decided = placements.offered(0, node=1)
 
-    assert (award[0], floor.read(award[1])[0]) == (3, floor.AWARD)
-    assert (release[0], floor.read(release[1])[0]) == (1, floor.RELEASE)
+    assert sorted(kinds(floor, decided)) == [(1, floor.RELEASE), (3, floor.AWARD)]
     assert placements.faults == []
 
 
 def test_a_placement_ends_when_its_awarded_node_accepts(floor: ModuleType) -> None:
     placements = floor.Placements(nodes=5)
-    placements.start()
+    done = threading.Event()
+    placements.start(done)
     placements.offered(0, node=3)
     placements.offered(0, node=1)
 
-    placements.accepted_by(0, node=3)
-
+    assert placements.accepted_by(0, node=3) is done
     assert (placements.accepted, placements.in_flight(), placements.faults) == (1, 0, [])
 
 
-def test_an_offer_after_the_acceptance_is_still_released(floor: ModuleType) -> None:
+def test_an_acceptance_before_the_award_is_a_fault(floor: ModuleType) -> None:
     placements = floor.Placements(nodes=5)
     placements.start()
     placements.offered(0, node=3)
+
     placements.accepted_by(0, node=3)
 
-    release = placements.offered(0, node=1)
-
-    assert floor.read(release[1])[0] == floor.RELEASE
-    assert (placements.in_flight(), placements.faults) == (0, [])
+    assert placements.accepted == 0
+    assert placements.faults == ["acceptance of placement 0 by node 3: unexpected"]
 
 
-def test_an_acceptance_by_a_node_not_awarded_is_a_fault(floor: ModuleType) -> None:
+def test_an_acceptance_by_the_released_node_is_a_fault(floor: ModuleType) -> None:
     placements = floor.Placements(nodes=5)
     placements.start()
     placements.offered(0, node=3)
+    placements.offered(0, node=1)
 
     placements.accepted_by(0, node=1)
 
@@ -85,7 +85,7 @@ def test_a_third_offer_is_a_fault(floor: ModuleType) -> None:
     placements.offered(0, node=3)
     placements.offered(0, node=1)
 
-    assert placements.offered(0, node=2) is None
+    assert placements.offered(0, node=2) == []
     assert placements.faults == ["offer for placement 0 from node 2: unexpected"]
 
 

@@ -104,6 +104,7 @@ FLOORS: dict[Callers, str] = {
     "threads": "floor, callers on threads",
 }
 WORK = "the work alone, one thread"
+WORK_WOKEN = "the work alone, woken before every step"
 SEQUENTIAL = "floor, one placement at a time"
 #: sequential placements and round trips not measured, first
 WARM_UP = 100
@@ -493,31 +494,45 @@ def _settle(broker: AmqpBroker, placements: Placements) -> None:
 WORK_SIZES = (500, 3500)
 
 
-def run_work(args: argparse.Namespace) -> Run:
+def run_work(args: argparse.Namespace, woken_us: int = 0) -> Run:
     """The runtime's own work per placement on one thread, with no broker of RabbitMQ's and
     no thread: ``runtime_instructions.py`` (the machines, the drivers, the codec, the
     in-process broker and a virtual clock) timed at two sizes, its CPU from
     ``getrusage``. An overestimate of the machines' and codec's work by what the
     in-process broker and the virtual clock take (13 % of its profile in
-    docs/performance.md)."""
+    docs/performance.md).
+
+    With ``woken_us``, every step of a placement runs after a real sleep of that long, as
+    the live runtime's handlers run after a wake-up; the sleeps' own CPU, measured here
+    in the same turn (:func:`sleep_cpu_s`), is taken off."""
     script = str(Path(__file__).with_name("runtime_instructions.py"))
-    seconds = []
+    seconds, steps = [], []
     for placements in WORK_SIZES:
-        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         command = [sys.executable, script, "--placements", str(placements)]
-        done = subprocess.run(
-            [*command, "--nodes", str(args.nodes)], capture_output=True, text=True, check=False
-        )
+        command += ["--nodes", str(args.nodes), "--woken-us", str(woken_us)]
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         if done.returncode != 0:
             raise RuntimeError(f"runtime_instructions.py failed: {done.stderr[-500:]}")
         seconds.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
-    per_placement_ms = round(1000 * (seconds[1] - seconds[0]) / (WORK_SIZES[1] - WORK_SIZES[0]), 3)
+        steps.append(json.loads(done.stdout)["steps"])
+    sleeps_s = (steps[1] - steps[0]) * sleep_cpu_s(woken_us / 1e6) if woken_us else 0.0
+    per_placement_s = (seconds[1] - seconds[0] - sleeps_s) / (WORK_SIZES[1] - WORK_SIZES[0])
+    per_placement_ms = round(1000 * per_placement_s, 3)
     return Run(
-        kind=WORK,
+        kind=WORK_WOKEN if woken_us else WORK,
         cpu_ms_per_placement={"this process": per_placement_ms},
         own_cpu_ms_per_placement=per_placement_ms,
     )
+
+
+def sleep_cpu_s(sleep_s: float, sleeps: int = 2000) -> float:
+    """The CPU seconds one ``time.sleep(sleep_s)`` costs this process, nothing else done."""
+    started = time.process_time()
+    for _ in range(sleeps):
+        time.sleep(sleep_s)
+    return (time.process_time() - started) / sleeps
 
 
 # -- the bench, in the same turns --------------------------------------------------------
@@ -567,22 +582,23 @@ def medians(runs: list[Run]) -> dict[str, dict[str, float]]:
 
 
 def bound(table: dict[str, dict[str, float]]) -> dict[str, float]:
-    """For each floor: the least ``own_cpu_over_broker_cpu`` the bench could show with
-    that kind of caller, a floor's own CPU plus the work alone, over RabbitMQ's CPU in the
-    bench's own runs (medians). RabbitMQ's share is the bench's because the ratio is the
-    bench's: it is larger there than in the floor runs (RabbitMQ takes fewer messages per
-    read from slower clients), so a quicker reservoir would, if anything, lower it and
-    raise the ratio. Empty without a bench run or a work run."""
-    work, bench = table.get(WORK), table.get(BENCH)
+    """For each floor, and each work run: the least ``own_cpu_over_broker_cpu`` the bench
+    could show with that kind of caller, the floor's own CPU plus the work alone, over
+    RabbitMQ's CPU in the bench's own runs (medians). Keyed by the floor's callers, with
+    ", woken" for the work run woken before every step. RabbitMQ's share is the bench's
+    because the ratio is the bench's: it is larger there than in the floor runs (RabbitMQ
+    takes fewer messages per read from slower clients), so a quicker reservoir would, if
+    anything, lower it and raise the ratio. Empty without a bench run or a work run."""
+    bench = table.get(BENCH)
     broker = bench.get("broker cpu_ms_per_placement") if bench else None
-    if work is None or not broker:
-        return {}
     least: dict[str, float] = {}
-    for callers, kind in FLOORS.items():
-        row = table.get(kind)
-        if row:
-            own = row["own_cpu_ms_per_placement"] + work["own_cpu_ms_per_placement"]
-            least[callers] = round(own / broker, 2)
+    for work_kind, suffix in ((WORK, ""), (WORK_WOKEN, ", woken")):
+        work = table.get(work_kind)
+        for callers, kind in FLOORS.items():
+            row = table.get(kind)
+            if row and work and broker:
+                own = row["own_cpu_ms_per_placement"] + work["own_cpu_ms_per_placement"]
+                least[callers + suffix] = round(own / broker, 2)
     return least
 
 
@@ -598,6 +614,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--sequential", type=int, default=1000, help="measured, in the sequential floor run"
     )
+    parser.add_argument(
+        "--woken-us",
+        type=int,
+        default=200,
+        help="the sleep before every step of the woken work run (0: no such run)",
+    )
     parser.add_argument("--pairs", type=int, default=3, help="turns of every kind of run")
     parser.add_argument("--seed", type=int, default=0, help="the nodes each placement asks")
     parser.add_argument("--no-bench", action="store_true", help="the floors alone")
@@ -610,6 +632,8 @@ def main(argv: list[str] | None = None) -> int:
         requestor, names, first = args.serve_nodes
         serve_nodes(BrokerUrl.parse(args.broker), requestor, names.split(","), int(first))
         return 0
+    if args.woken_us < 0:
+        parser.error("--woken-us: at least 0 (0 leaves the woken work run out)")
     for name in ("nodes", "node_processes", "requestors", "placements", "sequential", "pairs"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}: at least 1")
@@ -623,6 +647,8 @@ def main(argv: list[str] | None = None) -> int:
         lambda: run_work(args),
         lambda: run_sequential(args),
     ]
+    if args.woken_us:
+        kinds.append(lambda: run_work(args, args.woken_us))
     if not args.no_bench:
         kinds.append(lambda: run_bench(args))
     runs = []
@@ -645,7 +671,7 @@ def main(argv: list[str] | None = None) -> int:
         for kind, row in table.items():
             print(f"{kind}: " + ", ".join(f"{k} {v:g}" for k, v in row.items()))
         for callers, ratio in least.items():
-            print(f"bound, callers on {callers}: own CPU at least x{ratio} of RabbitMQ's")
+            print(f"bound, callers on {callers}: own CPU x{ratio} of RabbitMQ's at the least")
     return 0
 
 

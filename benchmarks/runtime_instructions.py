@@ -24,7 +24,10 @@ of the totals by the difference of the sizes (start-up and roll call cancel out)
 With ``--profile K`` it runs under :mod:`cProfile` and prints the K functions with the
 most time of their own, per placement, instead: where the instructions go.
 ``--gc-freeze`` and ``--gc-threshold N`` set the garbage collector before the run, to
-price it (docs/performance.md).
+price it (docs/performance.md). ``--woken-us N`` sleeps N microseconds before every step
+of a placement (every delivery and timer), so that each runs after its thread was woken,
+as the live runtime's do; the JSON line's ``steps`` counts them, so that the sleeps' own
+CPU can be taken off (``benchmarks/message_floor.py`` does).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import json
 import pstats
 import random
 import sys
+import time
 import uuid
 
 import reservoir  # noqa: F401  (the package first: brokers imports it back)
@@ -51,7 +55,7 @@ from reservoir.tools.bench.node_host import node_inventories
 VCPUS, MEMORY_MB = 1, 512
 
 
-def run(placements: int, nodes: int) -> dict[str, int]:
+def run(placements: int, nodes: int, *, woken_s: float = 0.0) -> dict[str, int]:
     random.seed(7)
     # The requestor names each request with uuid4; which nodes a request samples follows
     # from its id, so random ids made two runs of one build differ by up to 0.5 %. Seeded
@@ -84,15 +88,26 @@ def run(placements: int, nodes: int) -> dict[str, int]:
         raise SystemExit(f"only {len(requestor.machine.roster)} of {nodes} nodes announced")
     delivered_before = broker.stats.delivered
     placed = []
+    steps = 0
+
+    def step(until: float | None = None) -> bool:
+        # --woken-us: each step of a placement runs after a real sleep, as the live
+        # runtime's handlers run after their thread was woken
+        nonlocal steps
+        steps += 1
+        if woken_s:
+            time.sleep(woken_s)
+        return scheduler.step(until)
+
     for _ in range(placements):
         future = requestor.submit(vcpus=VCPUS, memory_mb=MEMORY_MB)
         while not future.done():
-            if not scheduler.step():
+            if not step():
                 raise SystemExit("a placement stalled: nothing left to run")
         placed.append(future.result())
         # the losers' releases and the winner's confirmation, before the next one
         quiet = scheduler.clock.now() + 0.001
-        while scheduler.step(quiet):
+        while step(quiet):
             pass
     messages = broker.stats.delivered - delivered_before
     # every reservation past its deadline: any still held then has leaked
@@ -106,7 +121,7 @@ def run(placements: int, nodes: int) -> dict[str, int]:
         agent.close()
     broker.close()
     report.raise_if_failed(allow_orphans=False)
-    return {"placements": len(placed), "nodes": nodes, "messages": messages}
+    return {"placements": len(placed), "nodes": nodes, "messages": messages, "steps": steps}
 
 
 def main() -> None:
@@ -114,6 +129,13 @@ def main() -> None:
     parser.add_argument("--placements", type=int, default=1000)
     parser.add_argument("--nodes", type=int, default=50)
     parser.add_argument("--profile", type=int, default=0, metavar="K")
+    parser.add_argument(
+        "--woken-us",
+        type=int,
+        default=0,
+        metavar="N",
+        help="sleep N us before every step of a placement (its CPU: see --help's text)",
+    )
     parser.add_argument(
         "--gc-freeze", action="store_true", help="collect, then gc.freeze() before the run"
     )
@@ -123,6 +145,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.placements < 1 or args.nodes < 1:
         parser.error("--placements and --nodes must be at least 1")
+    if args.woken_us < 0:
+        parser.error("--woken-us must be at least 0")
     if args.gc_threshold < 0:
         parser.error("--gc-threshold must be at least 1 (0: as Python sets it)")
     if args.gc_freeze:
@@ -131,7 +155,7 @@ def main() -> None:
     if args.gc_threshold:
         gc.set_threshold(args.gc_threshold, 10, 10)
     if not args.profile:
-        print(json.dumps(run(args.placements, args.nodes)))
+        print(json.dumps(run(args.placements, args.nodes, woken_s=args.woken_us / 1e6)))
         return
     profiler = cProfile.Profile()
     result = profiler.runcall(run, args.placements, args.nodes)

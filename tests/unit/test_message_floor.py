@@ -153,8 +153,10 @@ def test_the_bound_is_each_floor_and_the_work_over_the_benchs_rabbitmq(
     }
 
     assert floor.bound(table) == {"io": 0.79, "threads": 1.0}
-    for left_out in (floor.WORK, floor.BENCH):
-        assert floor.bound({k: v for k, v in table.items() if k != left_out}) == {}
+    table[floor.WORK_WOKEN] = {"own_cpu_ms_per_placement": 0.6}
+    woken = {"io, woken": 1.29, "threads, woken": 1.5}
+    assert floor.bound(table) == {"io": 0.79, "threads": 1.0, **woken}
+    assert floor.bound({k: v for k, v in table.items() if k != floor.BENCH}) == {}
 
 
 def test_medians_are_taken_by_kind_of_run(floor: ModuleType) -> None:

@@ -231,8 +231,11 @@ def serve_nodes(url: BrokerUrl, requestor: str, names: list[str], first: int) ->
             endpoints.append(broker.open_endpoint(handler(index), name=name, inline=True))
         print(json.dumps({"ready": len(endpoints)}), flush=True)
         sys.stdin.read()
-        stats = broker.stats if isinstance(broker, AmqpBroker) else None
-        print(json.dumps({"received": received, "stats": asdict(stats) if stats else {}}))
+        assert isinstance(broker, AmqpBroker)
+        deadline = time.monotonic() + 5.0  # the last acceptances' confirms, if on the way
+        while not _all_confirmed(broker) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        print(json.dumps({"received": received, "stats": asdict(broker.stats)}))
     finally:
         broker.close()
 
@@ -465,24 +468,47 @@ def run_sequential(args: argparse.Namespace) -> Run:
 
 
 def _checked(broker: AmqpBroker, placements: Placements, nodes: _Nodes, what: str) -> int:
-    """Stop the nodes and raise if anything went wrong; the messages the nodes sent."""
-    nodes_sent: int = sum(report["stats"].get("sent", 0) for report in _stop(nodes.hosts))
-    problems = list(placements.faults)
-    stats = broker.stats
-    if stats.nacked or stats.returned or stats.refused or stats.reconnects:
-        problems.append(f"the requestor's messages: {stats}")
+    """Stop the nodes and raise if anything went wrong on either side; the messages the
+    nodes sent."""
+    reports = _stop(nodes.hosts)
+    problems = problems_of(placements, asdict(broker.stats), reports, len(nodes.hosts))
     if problems:
         raise RuntimeError(f"{what} went wrong: {problems[:5]}")
-    return nodes_sent
+    return sum(report["stats"]["sent"] for report in reports)
+
+
+def problems_of(
+    placements: Placements,
+    requestor: dict[str, int],
+    reports: list[dict[str, Any]],
+    processes: int,
+) -> list[str]:
+    """What went wrong in a run: the placements' faults, a node process that said nothing
+    at the end, and any message on either side nacked, returned, refused, unconfirmed or
+    sent again after a reconnect."""
+    problems = list(placements.faults)
+    if len(reports) != processes:
+        problems.append(f"{processes - len(reports)} node process(es) said nothing")
+    sides = [("the requestor", requestor)]
+    sides += [("a node process", report["stats"]) for report in reports]
+    for side, stats in sides:
+        lost = stats["nacked"] + stats["returned"] + stats["refused"] + stats["reconnects"]
+        unconfirmed = stats["sent"] - stats["confirmed"] - stats["nacked"] - stats["refused"]
+        if lost or unconfirmed:
+            problems.append(f"{side}'s messages: {stats}")
+    return problems
+
+
+def _all_confirmed(broker: AmqpBroker) -> bool:
+    stats = broker.stats
+    return stats.confirmed + stats.nacked + stats.refused >= stats.sent
 
 
 def _settle(broker: AmqpBroker, placements: Placements) -> None:
     """Wait for the placements still in flight to end and every message to be confirmed."""
     deadline = time.monotonic() + _STALL_S
     while time.monotonic() < deadline:
-        stats = broker.stats
-        confirmed = stats.confirmed + stats.nacked + stats.refused >= stats.sent
-        if confirmed and placements.in_flight() == 0:
+        if _all_confirmed(broker) and placements.in_flight() == 0:
             return
         time.sleep(0.01)
     raise RuntimeError(f"{placements.in_flight()} placements or confirms outstanding")

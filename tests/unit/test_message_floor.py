@@ -169,3 +169,38 @@ def test_medians_are_taken_by_kind_of_run(floor: ModuleType) -> None:
     assert table["a"]["own_cpu_ms_per_placement"] == 2.0
     assert table["a"]["own_cpu_over_broker_cpu"] == 1.0
     assert table["b"]["own_cpu_ms_per_placement"] == 5.0
+
+
+def stats(**counts: int) -> dict[str, int]:
+    return {"sent": 10, "confirmed": 10, "nacked": 0, "returned": 0, "refused": 0,
+            "reconnects": 0, **counts}  # fmt: skip
+
+
+def test_a_clean_run_has_no_problems(floor: ModuleType) -> None:
+    report = {"received": 8, "stats": stats()}
+
+    assert floor.problems_of(floor.Placements(nodes=2), stats(), [report, report], 2) == []
+
+
+@pytest.mark.parametrize(
+    "counts",
+    [{"nacked": 1}, {"returned": 1}, {"refused": 1}, {"reconnects": 1}, {"confirmed": 9}],
+)
+def test_a_message_lost_on_either_side_is_a_problem(
+    floor: ModuleType, counts: dict[str, int]
+) -> None:
+    placements = floor.Placements(nodes=2)
+    clean = {"received": 8, "stats": stats()}
+
+    on_a_node = floor.problems_of(placements, stats(), [clean, {"stats": stats(**counts)}], 2)
+    at_the_requestor = floor.problems_of(placements, stats(**counts), [clean, clean], 2)
+
+    assert len(on_a_node) == len(at_the_requestor) == 1
+
+
+def test_a_node_process_that_said_nothing_is_a_problem(floor: ModuleType) -> None:
+    report = {"received": 8, "stats": stats()}
+
+    problems = floor.problems_of(floor.Placements(nodes=2), stats(), [report], 2)
+
+    assert problems == ["1 node process(es) said nothing"]

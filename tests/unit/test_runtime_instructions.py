@@ -32,7 +32,7 @@ def test_a_woken_run_sleeps_once_before_every_step_it_counts(
     assert woken["placements"] == 5
 
 
-def test_the_steps_and_messages_do_not_depend_on_the_sleep(
+def test_the_placements_and_messages_do_not_depend_on_the_sleep(
     runtime: ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(time, "sleep", lambda _s: None)
@@ -41,5 +41,6 @@ def test_the_steps_and_messages_do_not_depend_on_the_sleep(
     monkeypatch.setattr(uuid, "uuid4", uuid.uuid4)
     woken = runtime.run(5, 3, woken_s=0.0002)
 
+    steps = woken.pop("steps")
     assert plain == woken
-    assert plain["steps"] > plain["messages"] > 0
+    assert steps > plain["messages"] > 0

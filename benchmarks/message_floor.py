@@ -542,7 +542,7 @@ def run_work(args: argparse.Namespace, woken_us: int = 0) -> Run:
         if done.returncode != 0:
             raise RuntimeError(f"runtime_instructions.py failed: {done.stderr[-500:]}")
         seconds.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
-        steps.append(json.loads(done.stdout)["steps"])
+        steps.append(json.loads(done.stdout).get("steps", 0))  # counted when woken
     sleeps_s = (steps[1] - steps[0]) * sleep_cpu_s(woken_us / 1e6) if woken_us else 0.0
     per_placement_s = (seconds[1] - seconds[0] - sleeps_s) / (WORK_SIZES[1] - WORK_SIZES[0])
     per_placement_ms = round(1000 * per_placement_s, 3)

@@ -4,6 +4,7 @@ protocol's own messages."""
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import threading
 import uuid
@@ -204,3 +205,16 @@ def test_a_node_process_that_said_nothing_is_a_problem(floor: ModuleType) -> Non
     problems = floor.problems_of(floor.Placements(nodes=2), stats(), [report], 2)
 
     assert problems == ["1 node process(es) said nothing"]
+
+
+@pytest.mark.parametrize("woken_us", [0, 100])
+def test_the_work_runs_both_back_to_back_and_woken(
+    floor: ModuleType, monkeypatch: pytest.MonkeyPatch, woken_us: int
+) -> None:
+    monkeypatch.setattr(floor, "WORK_SIZES", (2, 4))
+    args = argparse.Namespace(nodes=3)
+
+    run = floor.run_work(args, woken_us)
+
+    assert run.kind == (floor.WORK_WOKEN if woken_us else floor.WORK)
+    assert set(run.cpu_ms_per_placement) == {"this process"}

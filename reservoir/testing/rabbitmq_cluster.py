@@ -69,6 +69,12 @@ class ClusterNode:
     #: where its latest launch's output starts in ``server.out`` (each launch appends)
     output_from: int = 0
 
+    def take_fresh_ports(self, *, tls: bool) -> None:
+        """Free ports for AMQP, the Erlang distribution, and TLS when ``tls``: picked free,
+        not held (see :meth:`RabbitMqCluster._wait_up_or_move`)."""
+        self.amqp_port, self.dist_port = _free_port(), _free_port()
+        self.tls_port = _free_port() if tls else 0
+
     @property
     def node_name(self) -> str:
         return f"{self.name}@localhost"
@@ -98,15 +104,10 @@ class RabbitMqCluster:
             cookie.chmod(0o400)
         tag = secrets.token_hex(3)
         self.nodes = [
-            ClusterNode(
-                f"reservoir-{tag}-{i}",
-                _free_port(),
-                _free_port(),
-                base_dir / f"n{i}",
-                tls_port=_free_port() if tls is not None else 0,
-            )
-            for i in range(size)
+            ClusterNode(f"reservoir-{tag}-{i}", 0, 0, base_dir / f"n{i}") for i in range(size)
         ]
+        for node in self.nodes:
+            node.take_fresh_ports(tls=tls is not None)
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -268,9 +269,7 @@ class RabbitMqCluster:
             except _PortTaken:
                 if attempt == LAUNCH_ATTEMPTS:
                     raise
-            node.amqp_port, node.dist_port = _free_port(), _free_port()
-            if node.tls_port:
-                node.tls_port = _free_port()
+            node.take_fresh_ports(tls=self.tls is not None)
             (node.directory / "rabbitmq.conf").unlink()  # written again with the new ports
             self._launch(node)
 

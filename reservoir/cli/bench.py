@@ -243,5 +243,10 @@ def _print_table(result: BenchResult) -> None:
     console.print(f"messages per placement by kind: {kinds}")
     parts = ", ".join(f"{k} {v:.3f} ms" for k, v in r.cpu_ms_per_placement.items())
     console.print(f"CPU per placement by part: {parts}")
+    switches = ", ".join(
+        f"{k} {v['woken']:g} woken, {v['preempted']:g} preempted"
+        for k, v in r.switches_per_placement.items()
+    )
+    console.print(f"threads' context switches per placement by part: {switches}")
     for note in r.notes:
         console.print(f"note: {note}")

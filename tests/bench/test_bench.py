@@ -97,6 +97,17 @@ def assert_sane(result: dict[str, Any]) -> None:
     else:
         assert result["own_cpu_over_broker_cpu"] is None
     assert result["client_floor_cpu_ms_per_placement"] > 0
+    # the threads' context switches by part, where the part's CPU was read: whoever runs
+    # the requestors waits for every placement, a node process's IO thread for its
+    # deliveries
+    switches = result["switches_per_placement"]
+    assert set(switches) == set(cpu)
+    for counts in switches.values():
+        assert counts["woken"] >= 0 and counts["preempted"] >= 0
+    requestors = "this process" if result["requestor_mode"] == "threads" else "requestors"
+    assert switches[requestors]["woken"] >= 1
+    if result["node_mode"] == "processes":
+        assert switches["nodes"]["woken"] > 0
     # the run ends with the invariant audit of every node's ledger
     assert result["audit"] == {
         "overcommitted": 0, "leaked_reservations": 0, "duplicate_placements": 0,

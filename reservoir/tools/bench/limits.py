@@ -14,12 +14,18 @@ protocol does; the distance between the measured rate and the bounds says what i
 to win.
 
 CPU times come from ``/proc`` (Linux); where a process cannot be read (a remote broker,
-another OS), its part is left out and the bound says so in its ``parts``.
+another OS), its part is left out and the bound says so in its ``parts``. So do the
+context switches of each part's threads, which say how often the work of a placement
+starts on a core that was idle or busy with another process: each time a thread waits
+and is woken (a voluntary switch), and each time the kernel takes its core from it (an
+involuntary one). Work run just after either costs more than the same work run back to
+back (``benchmarks/message_floor.py`` prices the difference).
 """
 
 from __future__ import annotations
 
 import os
+import resource
 import threading
 import time
 from dataclasses import dataclass, field
@@ -31,6 +37,7 @@ from reservoir.broker import Broker, Delivery
 __all__ = [
     "CpuMeter",
     "CpuSnapshot",
+    "Switches",
     "broker_processes",
     "cpu_bound",
     "measure_message_rate",
@@ -117,10 +124,50 @@ def _listening_inodes(port: int) -> set[str]:
 
 
 @dataclass(frozen=True)
+class Switches:
+    """Context switches of a part's threads: ``woken``, the times a thread waited and was
+    woken (voluntary); ``preempted``, the times the kernel gave its core to another
+    (involuntary)."""
+
+    woken: int
+    preempted: int
+
+
+def _switches_of(pid: int) -> Switches | None:
+    """The context switches so far of every live thread of one process, or None when it
+    cannot be read. A thread that has ended takes its count with it: the parts measured
+    this way (node and requestor processes, the broker) keep their threads for the run."""
+    woken = preempted = 0
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return None
+    for task in tasks:
+        try:
+            status = (task / "status").read_text()
+        except OSError:
+            continue  # the thread ended since the listing
+        for line in status.splitlines():
+            if line.startswith("voluntary_ctxt_switches:"):
+                woken += int(line.split()[1])
+            elif line.startswith("nonvoluntary_ctxt_switches:"):
+                preempted += int(line.split()[1])
+    return Switches(woken, preempted)
+
+
+def _own_switches() -> Switches:
+    """This process's context switches, its ended threads' included (the kernel adds a
+    thread's count to its process's as it exits)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return Switches(usage.ru_nvcsw, usage.ru_nivcsw)
+
+
+@dataclass(frozen=True)
 class CpuSnapshot:
-    """CPU seconds so far of each measured part."""
+    """CPU seconds, and context switches, so far of each measured part."""
 
     seconds: dict[str, float]
+    switches: dict[str, Switches] = field(default_factory=dict)
 
 
 @dataclass
@@ -133,11 +180,18 @@ class CpuMeter:
         # process_time() reads the kernel's nanosecond clock for this process; os.times()
         # and /proc count in 10 ms ticks, which a short run's few placements may not fill
         seconds = {"this process": time.process_time()}
+        switches = {"this process": _own_switches()}
         for name, pids in self.groups.items():
             readings = [_cpu_s_of(pid) for pid in pids]
             if pids and all(r is not None for r in readings):
                 seconds[name] = sum(r for r in readings if r is not None)
-        return CpuSnapshot(seconds)
+            counts = [_switches_of(pid) for pid in pids]
+            if pids and all(c is not None for c in counts):
+                switches[name] = Switches(
+                    sum(c.woken for c in counts if c is not None),
+                    sum(c.preempted for c in counts if c is not None),
+                )
+        return CpuSnapshot(seconds, switches)
 
     @staticmethod
     def per_placement_ms(
@@ -151,6 +205,25 @@ class CpuMeter:
             part: round(1000 * (after.seconds[part] - was) / placements, digits)
             for part, was in before.seconds.items()
             if part in after.seconds
+        }
+
+    @staticmethod
+    def switches_per_placement(
+        before: CpuSnapshot, after: CpuSnapshot, placements: int
+    ) -> dict[str, dict[str, float]]:
+        """Context switches per placement of each part measured at both ends: ``woken``
+        and ``preempted`` (see :class:`Switches`)."""
+        if placements <= 0:
+            return {}
+        return {
+            part: {
+                "woken": round((after.switches[part].woken - was.woken) / placements, 2),
+                "preempted": round(
+                    (after.switches[part].preempted - was.preempted) / placements, 2
+                ),
+            }
+            for part, was in before.switches.items()
+            if part in after.switches
         }
 
 

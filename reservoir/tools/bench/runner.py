@@ -198,6 +198,9 @@ class BenchResult:
     #: over the broker's share where the broker was measured (None where it was not)
     own_cpu_ms_per_placement: float
     own_cpu_over_broker_cpu: float | None
+    #: context switches per placement in the throughput run, by part: how often a thread
+    #: was woken from a wait (``woken``) and how often it lost its core (``preempted``)
+    switches_per_placement: dict[str, dict[str, float]]
     #: what this process spent per message in the message-rate run (one endpoint sending
     #: to another, pipelined: the client adapter's work, sending and receiving, and no
     #: protocol), times the messages a placement takes: the CPU that reservoir's own
@@ -453,6 +456,7 @@ class _Throughput:
     elapsed_s: float
     latencies_s: list[float]
     cpu_ms_per_placement: dict[str, float]
+    switches_per_placement: dict[str, dict[str, float]]
     #: every message delivered during the run, to whichever participant, by kind
     received: Counter[str] = field(default_factory=Counter)
 
@@ -489,9 +493,11 @@ def _run_threads(
     )
     elapsed_s = time.perf_counter() - begun.at
     assert begun.cpu is not None, "the threads began"
-    cpu = CpuMeter.per_placement_ms(begun.cpu, meter.snapshot(), len(latencies_s))
+    ended = meter.snapshot()
+    cpu = CpuMeter.per_placement_ms(begun.cpu, ended, len(latencies_s))
+    switches = CpuMeter.switches_per_placement(begun.cpu, ended, len(latencies_s))
     messages = _once_quiet(received) - begun.received
-    return _Throughput(len(latencies_s), failed, elapsed_s, latencies_s, cpu, messages)
+    return _Throughput(len(latencies_s), failed, elapsed_s, latencies_s, cpu, switches, messages)
 
 
 def _once_quiet(
@@ -931,9 +937,13 @@ def _throughput(
         started = time.perf_counter()
         latencies_s, failed, received = hosts.place(PLACE_TIMEOUT_S * plan.placements)
         elapsed_s = time.perf_counter() - started
-        cpu = CpuMeter.per_placement_ms(cpu_before, meter.snapshot(), len(latencies_s))
+        cpu_after = meter.snapshot()
+        cpu = CpuMeter.per_placement_ms(cpu_before, cpu_after, len(latencies_s))
+        switches = CpuMeter.switches_per_placement(cpu_before, cpu_after, len(latencies_s))
         received.update(host.received() + opened.received() - before)
-        return _Throughput(len(latencies_s), failed, elapsed_s, latencies_s, cpu, received)
+        return _Throughput(
+            len(latencies_s), failed, elapsed_s, latencies_s, cpu, switches, received
+        )
     concurrent_requestors = [
         opened.open(broker, f"throughput-{index}", plan.settings)
         for index in range(plan.requestors)
@@ -1017,6 +1027,7 @@ def _result(plan: _Plan, measured: _Measured, elapsed_s: float) -> BenchResult:
         if messages_per_placement
         else 0.0,
         cpu_ms_per_placement=throughput.cpu_ms_per_placement,
+        switches_per_placement=throughput.switches_per_placement,
         own_cpu_ms_per_placement=own_cpu(throughput.cpu_ms_per_placement),
         own_cpu_over_broker_cpu=_ratio(
             own_cpu(throughput.cpu_ms_per_placement), throughput.cpu_ms_per_placement["broker"]

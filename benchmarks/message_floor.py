@@ -255,11 +255,14 @@ class Run:
     place_p50_ms: float | None = None
     rtt_p50_ms: float | None = None
     place_p50_over_rtt: float | None = None
+    #: by part, as the bench counts them: {"woken": ..., "preempted": ...} a placement
+    switches_per_placement: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 #: the figures :func:`medians` takes, where a run has them: every one but the kind and the
-#: CPU by part (taken part by part)
-_FIGURES = tuple(f.name for f in fields(Run) if f.name not in ("kind", "cpu_ms_per_placement"))
+#: figures by part (taken part by part)
+_BY_PART = ("cpu_ms_per_placement", "switches_per_placement")
+_FIGURES = tuple(f.name for f in fields(Run) if f.name != "kind" and f.name not in _BY_PART)
 
 
 @dataclass(frozen=True)
@@ -406,6 +409,7 @@ def run_floor(args: argparse.Namespace, callers: Callers) -> Run:
     return Run(
         kind=FLOORS[callers],
         cpu_ms_per_placement=cpu,
+        switches_per_placement=CpuMeter.switches_per_placement(before, after, args.placements),
         own_cpu_ms_per_placement=own,
         own_cpu_over_broker_cpu=round(own / cpu["broker"], 2) if cpu.get("broker") else None,
         placements_per_s=round(args.placements / elapsed, 1),
@@ -568,6 +572,7 @@ def run_bench(args: argparse.Namespace) -> Run:
     return Run(
         kind=BENCH,
         cpu_ms_per_placement=result["cpu_ms_per_placement"],
+        switches_per_placement=result["switches_per_placement"],
         own_cpu_ms_per_placement=result["own_cpu_ms_per_placement"],
         own_cpu_over_broker_cpu=result["own_cpu_over_broker_cpu"],
         placements_per_s=result["placements_per_s"],
@@ -594,6 +599,11 @@ def medians(runs: list[Run]) -> dict[str, dict[str, float]]:
             row[f"{part} cpu_ms_per_placement"] = statistics.median(
                 r.cpu_ms_per_placement.get(part, 0.0) for r in same
             )
+        for part, counts in same[0].switches_per_placement.items():
+            for count in counts:
+                row[f"{part} {count}_per_placement"] = statistics.median(
+                    r.switches_per_placement.get(part, {}).get(count, 0.0) for r in same
+                )
         table[kind] = row
     return table
 

@@ -163,13 +163,20 @@ def test_the_bound_is_each_floor_and_the_work_over_the_benchs_rabbitmq(
 def test_medians_are_taken_by_kind_of_run(floor: ModuleType) -> None:
     def run(kind: str, own: float, broker: float) -> Any:
         cpu = {"this process": own, "broker": broker}
-        return floor.Run(kind, cpu, own, round(own / broker, 2), 100.0, 7.0)
+        switches = {"nodes": {"woken": own, "preempted": broker}}
+        return floor.Run(
+            kind, cpu, own, round(own / broker, 2), 100.0, 7.0, switches_per_placement=switches
+        )
 
     table = floor.medians([run("a", 1.0, 2.0), run("b", 5.0, 5.0), run("a", 3.0, 2.0)])
 
     assert table["a"]["own_cpu_ms_per_placement"] == 2.0
     assert table["a"]["own_cpu_over_broker_cpu"] == 1.0
+    assert table["a"]["broker cpu_ms_per_placement"] == 2.0
+    assert table["a"]["nodes woken_per_placement"] == 2.0
+    assert table["a"]["nodes preempted_per_placement"] == 2.0
     assert table["b"]["own_cpu_ms_per_placement"] == 5.0
+    assert table["b"]["nodes woken_per_placement"] == 5.0
 
 
 def stats(**counts: int) -> dict[str, int]:

@@ -24,7 +24,6 @@ import concurrent.futures
 import logging
 import secrets
 import threading
-import uuid
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +51,7 @@ from reservoir.protocol.requestor import RequestorConfig, RequestorMachine
 from reservoir.protocol.timers import ConversationTimer, FreeTimer
 from reservoir.runtime.driver import Driver, Outcome
 from reservoir.runtime.finding import Finder
+from reservoir.runtime.request_ids import new_request_id
 from reservoir.runtime.settings import Settings
 from reservoir.runtime.task_run import TaskRun
 
@@ -198,7 +198,7 @@ class Requestor(Driver):
         placement (``reserve``, ``result()``), whose answer that thread would have to read,
         nor open or close a participant there. Calling ``submit`` from a callback is fine."""
         spec = _shape(request, fields)
-        request_id = spec.request_id or uuid.uuid4().hex
+        request_id = spec.request_id or new_request_id()
         timeout_s = self.settings.request_timeout_s if timeout_s is None else timeout_s
         span, traceparent = tracing.start_place(request_id, spec.resources, spec.count)
         if span is not None:
@@ -311,7 +311,7 @@ class Requestor(Driver):
             stop_grace_s=stop_grace_s,
         )
         spec = request_of(task=task, **fields)
-        request_id = spec.request_id or uuid.uuid4().hex
+        request_id = spec.request_id or new_request_id()
         spec = checked_request(msgspec_replace(spec, request_id=request_id))
         placement: concurrent.futures.Future[Placement] = concurrent.futures.Future()
         run = TaskRun(

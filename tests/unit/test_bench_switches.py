@@ -80,3 +80,10 @@ def test_a_part_measured_at_one_end_only_is_not_divided() -> None:
 def test_no_placement_gives_no_figure(placements: int) -> None:
     snapshot = CpuSnapshot({}, {"nodes": Switches(10, 1)})
     assert CpuMeter.switches_per_placement(snapshot, snapshot, placements) == {}
+
+
+def test_switches_since_an_earlier_count_and_per_placement() -> None:
+    later, earlier = Switches(130, 17), Switches(30, 5)
+
+    assert later.since(earlier) == Switches(100, 12)
+    assert later.since(earlier).per_placement(8) == {"woken": 12.5, "preempted": 1.5}

@@ -29,6 +29,7 @@ from typing import IO, Any, Final
 from brokers import BrokerUrl
 from reservoir.exit_status import EXIT_BROKER, EXIT_RUN_FAILED
 from reservoir.tools.bench.errors import BenchError
+from reservoir.tools.bench.limits import Switches
 
 __all__ = ["COUNTERS_TIMEOUT_S", "STOP_TIMEOUT_S", "ProcessNodes", "ProcessRequestors", "child_env"]
 
@@ -274,21 +275,23 @@ class ProcessRequestors(_Hosts):
     def wait_ready(self, timeout_s: float) -> None:
         self._ready(timeout_s)
 
-    def place(self, timeout_s: float) -> tuple[list[float], int, Counter[str]]:
-        """Every process places its share at once; their latencies, failures and the
-        messages their requestors received meanwhile."""
+    def place(self, timeout_s: float) -> tuple[list[float], int, Counter[str], Switches]:
+        """Every process places its share at once; their latencies, failures, the
+        messages their requestors received meanwhile, and their context switches."""
         for child in self._children:
             child.tell("go")
         latencies_s: list[float] = []
         failed = 0
         received: Counter[str] = Counter()
+        switched: Counter[str] = Counter()
         deadline = time.monotonic() + timeout_s
         for child in self._children:
             done = child.next_event("done", max(0.1, deadline - time.monotonic()))
             latencies_s.extend(float(s) for s in done.get("latencies_s", []))
             failed += int(done.get("failed", 0))
             received.update(done.get("received", {}))
-        return latencies_s, failed, received
+            switched.update(done.get("switches", {}))
+        return latencies_s, failed, received, Switches(switched["woken"], switched["preempted"])
 
     def stop(self) -> None:
         for child in self._children:

@@ -42,6 +42,7 @@ __all__ = [
     "cpu_bound",
     "measure_message_rate",
     "own_cpu",
+    "own_switches",
 ]
 
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -132,11 +133,23 @@ class Switches:
     woken: int
     preempted: int
 
+    def since(self, before: Switches) -> Switches:
+        """The switches from ``before`` to these."""
+        return Switches(self.woken - before.woken, self.preempted - before.preempted)
+
+    def per_placement(self, placements: int) -> dict[str, float]:
+        """These switches per placement (``placements`` > 0), as the bench reports them."""
+        return {
+            "woken": round(self.woken / placements, 2),
+            "preempted": round(self.preempted / placements, 2),
+        }
+
 
 def _switches_of(pid: int) -> Switches | None:
     """The context switches so far of every live thread of one process, or None when it
     cannot be read. A thread that has ended takes its count with it: the parts measured
-    this way (node and requestor processes, the broker) keep their threads for the run."""
+    this way (node processes, the broker) keep their threads for the run; a process whose
+    threads end (the bench's requestor hosts) reports :func:`own_switches` itself."""
     woken = preempted = 0
     try:
         tasks = list(Path(f"/proc/{pid}/task").iterdir())
@@ -155,7 +168,7 @@ def _switches_of(pid: int) -> Switches | None:
     return Switches(woken, preempted)
 
 
-def _own_switches() -> Switches:
+def own_switches() -> Switches:
     """This process's context switches, its ended threads' included (the kernel adds a
     thread's count to its process's as it exits)."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
@@ -180,7 +193,7 @@ class CpuMeter:
         # process_time() reads the kernel's nanosecond clock for this process; os.times()
         # and /proc count in 10 ms ticks, which a short run's few placements may not fill
         seconds = {"this process": time.process_time()}
-        switches = {"this process": _own_switches()}
+        switches = {"this process": own_switches()}
         for name, pids in self.groups.items():
             readings = [_cpu_s_of(pid) for pid in pids]
             if pids and all(r is not None for r in readings):
@@ -216,12 +229,7 @@ class CpuMeter:
         if placements <= 0:
             return {}
         return {
-            part: {
-                "woken": round((after.switches[part].woken - was.woken) / placements, 2),
-                "preempted": round(
-                    (after.switches[part].preempted - was.preempted) / placements, 2
-                ),
-            }
+            part: after.switches[part].since(was).per_placement(placements)
             for part, was in before.switches.items()
             if part in after.switches
         }

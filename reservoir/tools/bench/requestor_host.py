@@ -9,7 +9,10 @@ one JSON object per line on stdout (nothing else is ever written there; logs go 
   placed its warm-up placements;
 - on a line ``go`` on stdin, every requestor places its share in a thread of its own,
   then ``{"event": "done", "latencies_s": [...], "failed": N, "sent": {KIND: COUNT},
-  "received": {...}}``, the messages counted from ``go`` on, summed over the requestors;
+  "received": {...}, "switches": {"woken": W, "preempted": P}}``, the messages counted
+  from ``go`` on, summed over the requestors, and the process's context switches
+  meanwhile (its placing threads' included, which ``/proc`` no longer lists once they
+  end);
 - ``{"event": "stopped"}`` once every requestor has closed, on a line ``stop``, on
   SIGTERM or SIGINT, or when stdin closes (the bench is gone).
 
@@ -35,6 +38,7 @@ from reservoir.runtime.requestor import Requestor
 from reservoir.runtime.settings import Settings
 from reservoir.tools.bench.errors import BenchError
 from reservoir.tools.bench.hosting import Commands, names_of, say
+from reservoir.tools.bench.limits import own_switches
 from reservoir.tools.bench.placing import (
     WARMUP_PLACEMENTS,
     place_in_threads,
@@ -102,13 +106,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         for command in commands:
             if command == "go":
                 sent, received = _counters(requestors, "sent"), _counters(requestors, "received")
+                switched = own_switches()
                 latencies_s, failed = place_in_threads(requestors, args.placements)
+                # the placing threads have ended: only this process's own count has them
+                switches = own_switches().since(switched)
                 say(
                     "done",
                     latencies_s=latencies_s,
                     failed=failed,
                     sent=dict(_counters(requestors, "sent") - sent),
                     received=dict(_counters(requestors, "received") - received),
+                    switches={"woken": switches.woken, "preempted": switches.preempted},
                 )
     except (BrokerError, BenchError) as error:
         print(f"bench requestors: {error}", file=sys.stderr)

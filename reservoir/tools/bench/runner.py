@@ -935,11 +935,13 @@ def _throughput(
         before = host.received() + opened.received()
         cpu_before = meter.snapshot()
         started = time.perf_counter()
-        latencies_s, failed, received = hosts.place(PLACE_TIMEOUT_S * plan.placements)
+        latencies_s, failed, received, switched = hosts.place(PLACE_TIMEOUT_S * plan.placements)
         elapsed_s = time.perf_counter() - started
         cpu_after = meter.snapshot()
         cpu = CpuMeter.per_placement_ms(cpu_before, cpu_after, len(latencies_s))
         switches = CpuMeter.switches_per_placement(cpu_before, cpu_after, len(latencies_s))
+        if latencies_s:  # the hosts' own count: /proc has lost their placing threads
+            switches["requestors"] = switched.per_placement(len(latencies_s))
         received.update(host.received() + opened.received() - before)
         return _Throughput(
             len(latencies_s), failed, elapsed_s, latencies_s, cpu, switches, received

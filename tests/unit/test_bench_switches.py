@@ -15,10 +15,11 @@ from reservoir.tools.bench.limits import CpuMeter, CpuSnapshot, Switches
 
 WAITS = 40
 
-# Waits for a line, then sleeps WAITS times (each sleep a wait the kernel wakes it from),
-# says so, and waits for the end of its input.
+# Says it has started, waits for a line, then sleeps WAITS times (each sleep a wait the
+# kernel wakes it from), says so, and waits for the end of its input.
 SLEEPER = (
     "import sys, time\n"
+    "print('ready', flush=True)\n"
     "sys.stdin.readline()\n"
     f"for _ in range({WAITS}): time.sleep(0.001)\n"
     "print('slept', flush=True)\n"
@@ -33,7 +34,7 @@ def test_a_process_that_waits_is_counted_woken_once_for_each_wait() -> None:
     assert child.stdin is not None and child.stdout is not None
     try:
         meter = CpuMeter({"sleeper": [child.pid]})
-        time.sleep(0.2)  # the child is blocked on its first line
+        assert child.stdout.readline() == "ready\n"  # its start-up's waits are behind it
         before = meter.snapshot()
         child.stdin.write("go\n")
         child.stdin.flush()

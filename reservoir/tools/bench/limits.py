@@ -145,27 +145,29 @@ class Switches:
         }
 
 
-def _switches_of(pid: int) -> Switches | None:
-    """The context switches so far of every live thread of one process, or None when it
-    cannot be read. A thread that has ended takes its count with it: the parts measured
-    this way (node processes, the broker) keep their threads for the run; a process whose
-    threads end (the bench's requestor hosts) reports :func:`own_switches` itself."""
+def _switches_of(pids: list[int]) -> Switches | None:
+    """The context switches so far of every live thread of the processes ``pids``, or None
+    when there are none or one cannot be read. A thread that has ended takes its count with
+    it: the parts measured this way (node processes, the broker) keep their threads for
+    the run; a process whose threads end (the bench's requestor hosts) reports
+    :func:`own_switches` itself."""
     woken = preempted = 0
-    try:
-        tasks = list(Path(f"/proc/{pid}/task").iterdir())
-    except OSError:
-        return None
-    for task in tasks:
+    for pid in pids:
         try:
-            status = (task / "status").read_text()
+            tasks = list(Path(f"/proc/{pid}/task").iterdir())
         except OSError:
-            continue  # the thread ended since the listing
-        for line in status.splitlines():
-            if line.startswith("voluntary_ctxt_switches:"):
-                woken += int(line.split()[1])
-            elif line.startswith("nonvoluntary_ctxt_switches:"):
-                preempted += int(line.split()[1])
-    return Switches(woken, preempted)
+            return None
+        for task in tasks:
+            try:
+                status = (task / "status").read_text()
+            except OSError:
+                continue  # the thread ended since the listing
+            for line in status.splitlines():
+                if line.startswith("voluntary_ctxt_switches:"):
+                    woken += int(line.split()[1])
+                elif line.startswith("nonvoluntary_ctxt_switches:"):
+                    preempted += int(line.split()[1])
+    return Switches(woken, preempted) if pids else None
 
 
 def own_switches() -> Switches:
@@ -198,12 +200,9 @@ class CpuMeter:
             readings = [_cpu_s_of(pid) for pid in pids]
             if pids and all(r is not None for r in readings):
                 seconds[name] = sum(r for r in readings if r is not None)
-            counts = [_switches_of(pid) for pid in pids]
-            if pids and all(c is not None for c in counts):
-                switches[name] = Switches(
-                    sum(c.woken for c in counts if c is not None),
-                    sum(c.preempted for c in counts if c is not None),
-                )
+            counted = _switches_of(pids)
+            if counted is not None:
+                switches[name] = counted
         return CpuSnapshot(seconds, switches)
 
     @staticmethod

@@ -29,6 +29,7 @@ import contextlib
 import sys
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import asdict
 
 from reservoir.broker import Broker, BrokerError
 from reservoir.clock import SystemClock, ThreadScheduler
@@ -116,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     failed=failed,
                     sent=dict(_counters(requestors, "sent") - sent),
                     received=dict(_counters(requestors, "received") - received),
-                    switches={"woken": switches.woken, "preempted": switches.preempted},
+                    switches=asdict(switches),
                 )
     except (BrokerError, BenchError) as error:
         print(f"bench requestors: {error}", file=sys.stderr)

@@ -15,11 +15,15 @@ socket, RabbitMQ and the reader's IO thread), each participant's work between a 
 arriving and its answer handed over, and the caller waking with the placement.
 
 Each hop is split where its bytes cross a socket, stamped in the pika driver
-(``brokers.pika_broker``: the bytes a ``send()`` wrote, the bytes the connection was handed
-as they were read): the sender's IO thread (handed over -> written), the wire (written ->
-read: the kernel, RabbitMQ, and the reading process woken) and the reader's adapter (read
--> handler). Before the bench starts it measures what this machine takes to wake a waiting
-thread and a waiting process (:func:`wake_ups`), the floor under every hand-over and hop.
+(``brokers.pika_broker``: the bytes a ``send()`` wrote, stamped as the call starts, and the
+bytes the connection was handed as they were read): the sender's IO thread (handed over ->
+written), the wire (written -> read: the kernel, RabbitMQ, and the reading process woken)
+and the reader's adapter (read -> handler). Stamped as ``send()`` starts, not as it
+returns: on loopback the call can return late, once the sender has its core and the
+interpreter's lock back, long after its bytes have gone (docs/performance.md).
+
+Before the bench starts it measures what this machine takes to wake a waiting thread and a
+waiting process (:func:`wake_ups`), the floor under every hand-over and hop.
 
 It measures by wrapping the runtime's methods, so its figures carry that overhead (a few
 microseconds a step); compare runs of it with each other, not with ``reservoir bench``'s
@@ -112,14 +116,14 @@ if _DIR:
         return found
 
     def _socket(module):
-        # the pika driver's socket: bytes written (after send() returns) and read (as the
+        # the pika driver's socket: bytes written (as send() starts) and read (as the
         # connection is handed them); a transport or a pika it does not tune goes unstamped
         transport = module.TunedPlaintextTransport
         send = transport._sigint_safe_send
 
         def written(self, sock, chunk):
+            at = _now()  # the bytes go as the call starts; it may return much later
             sent = send(self, sock, chunk)
-            at = _now()
             for tag in _tags(chunk[:sent]):
                 _events.append((at, "writes", tag))
             return sent

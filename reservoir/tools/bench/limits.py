@@ -151,6 +151,8 @@ def _switches_of(pids: list[int]) -> Switches | None:
     it: the parts measured this way (node processes, the broker) keep their threads for
     the run; a process whose threads end (the bench's requestor hosts) reports
     :func:`own_switches` itself."""
+    if not pids:
+        return None
     woken = preempted = 0
     for pid in pids:
         try:
@@ -167,7 +169,7 @@ def _switches_of(pids: list[int]) -> Switches | None:
                     woken += int(line.split()[1])
                 elif line.startswith("nonvoluntary_ctxt_switches:"):
                     preempted += int(line.split()[1])
-    return Switches(woken, preempted) if pids else None
+    return Switches(woken, preempted)
 
 
 def own_switches() -> Switches:

@@ -21,7 +21,7 @@ import msgspec
 
 from reservoir.protocol.ledger import Allocation
 from reservoir.protocol.messages import Message
-from reservoir.protocol.placement import Placement, PlacementError
+from reservoir.protocol.placement import Holdings, Placement, PlacementError
 
 __all__ = [
     "Bind",
@@ -146,10 +146,10 @@ class FreeCompleted(msgspec.Struct, frozen=True):
 @final
 class Found(msgspec.Struct, frozen=True):
     """What the nodes hold of a request id, asked for by a find
-    (:mod:`reservoir.protocol.finding`): None when nobody answered holding any of it."""
+    (:mod:`reservoir.protocol.finding`)."""
 
     request_id: str
-    placement: Placement | None
+    holdings: Holdings
 
 
 @final

@@ -3,46 +3,55 @@ as a small machine with no I/O.
 
 A service answering ``GET``/``DELETE`` for an id it may not have placed (another replica
 did, or this process before a restart) asks the nodes, which are the truth. Every node
-holding allocations of a *findable* id binds the id's lookup bucket
-(:func:`~reservoir.protocol.messages.lookup_topic`), so the question is one ``Lookup`` on
-that bucket, sent ``following`` (it contends for nothing: a node answers with what is
-placed and never with a reservation's contention):
+holding something of a *findable* id (a reservation, an allocation, the task of one)
+binds the id's own lookup topic (:func:`~reservoir.protocol.messages.lookup_topic`)
+before it offers, so the question is one ``Lookup`` on that topic, sent ``following``
+(it contends for nothing), and the answer is a fact rather than a wait:
 
-    find(id)                -> Lookup(following) on the id's bucket, a timer at the wait;
-                               a find of an id already being found joins it
-    AlreadyPlaced from node -> its allocations are kept; once every allocation expected
-                               (the placement the asker remembers, if any) is heard: Found
-    the Lookup unroutable   -> no node binds the bucket: nobody holds the id, Found(None)
-    the timer               -> Found with what was heard (None: nothing)
+    find(id)                  -> Lookup(following) on the id's topic, a timer at the
+                                 deadline; a find of an id already being found joins it
+    the Lookup unroutable     -> no node holds anything of the id: settled, nothing held
+    AlreadyPlaced from a node -> its allocations and tasks kept, and the placement's size
+                                 (``instances``); once the instances heard reach the
+                                 size: settled, what was heard
+    Decline in_flight from X  -> a node holds X's reservation of the id: X is placing it
+                                 (kept; the find goes on, an answer may complete it)
+    the deadline              -> not settled: what was heard, and who was placing it
+
+Settled means every holder answered: each holder says how many instances the placement
+has in all, so the asker knows when it has heard them all; and a ``Lookup`` nobody binds
+comes back, so "nobody holds it" is known at once. The deadline says nothing of the id:
+a find it ends is *not settled* (a holder slow to answer, or a placement in flight), and
+its asker must say "not known yet", never "not found".
 
 A holder that is not reachable when the ``Lookup`` goes out (its inbox and bindings go
 with its connection) is not heard: the answer is what the nodes that can be reached hold,
-as the protocol's own lookups have it. Nodes do not say how many instances a placement
-has, so without an expected placement the find waits the whole wait for holders it has
-not heard yet (the asker passes the wait its lookups use).
+as the protocol's own lookups have it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from reservoir.protocol.effects import CancelTimer, Dropped, Effect, Found, Publish, SetTimer
 from reservoir.protocol.messages import (
     AlreadyPlaced,
+    Decline,
     Lookup,
     Message,
+    TaskState,
     check_ids,
     lookup_topic,
 )
-from reservoir.protocol.placement import PlacedAllocation, Placement
+from reservoir.protocol.node import IN_FLIGHT_ELSEWHERE
+from reservoir.protocol.placement import Holdings, PlacedAllocation, Placement
 
 __all__ = ["FindTimer", "Finding"]
 
 
 @dataclass(frozen=True, slots=True)
 class FindTimer:
-    """The wait of the find of ``request_id`` is over."""
+    """The deadline of the find of ``request_id`` has come."""
 
     request_id: str
 
@@ -50,10 +59,31 @@ class FindTimer:
 @dataclass
 class _Find:
     request_id: str
-    #: the placement the asker remembers: its allocations, once all heard, end the wait
+    #: the placement the asker remembers: the answer when the nodes hold exactly it
     expected: Placement | None
     found: dict[str, PlacedAllocation] = field(default_factory=dict)
+    tasks: dict[tuple[str, str], TaskState] = field(default_factory=dict)
     requested_at_s: float = 0.0
+    #: the fewest instances a holder said the placement has (0: none said)
+    instances: int = 0
+    placing: str | None = None
+
+    def heard_instances(self) -> int:
+        return len(self.found.keys() | {allocation for _node, allocation in self.tasks})
+
+    def complete(self) -> bool:
+        """Every holder has answered: the instances heard reach the placement's size.
+        (The size only shrinks, so the fewest said is the final one once its holder
+        answered, and until then more are awaited.)"""
+        if self.instances:
+            return self.heard_instances() >= self.instances
+        expected = self.expected
+        # nodes of an earlier release say no size: the remembered placement says it
+        return (
+            expected is not None
+            and bool(expected.allocations)
+            and all(a.allocation_id in self.found for a in expected.allocations)
+        )
 
 
 class Finding:
@@ -84,16 +114,16 @@ class Finding:
         self,
         request_id: str,
         now: float,
-        wait_s: float,
+        deadline_s: float,
         *,
         expected: Placement | None = None,
     ) -> list[Effect]:
-        """Ask the nodes what they hold of ``request_id``, for at most ``wait_s``.
-        ``expected``: the placement the asker remembers making under the id; the find ends
-        as soon as all of its allocations are reported, and answers with it (as the asker
-        knows it: tiers tried, instances requested) when the nodes hold exactly it."""
-        if wait_s <= 0:
-            raise ValueError(f"a find waits a positive time, not {wait_s!r} s")
+        """Ask the nodes what they hold of ``request_id``; after ``deadline_s`` the find
+        ends unsettled. ``expected``: the placement the asker remembers making under the
+        id, the answer (as the asker knows it: tiers tried, instances requested) when the
+        nodes hold exactly it."""
+        if deadline_s <= 0:
+            raise ValueError(f"a find waits a positive time, not {deadline_s!r} s")
         if request_id in self._finds:
             return []  # being found: the caller joins it
         if expected is not None and expected.request_id != request_id:
@@ -102,42 +132,36 @@ class Finding:
         self._finds[request_id] = _Find(request_id, expected)
         return [
             Publish(lookup_topic(request_id), question),
-            SetTimer(FindTimer(request_id), now + wait_s),
+            SetTimer(FindTimer(request_id), now + deadline_s),
         ]
 
     def handle(self, message: Message, now: float) -> list[Effect]:
         effects: list[Effect] = []
-        if not isinstance(message, AlreadyPlaced):
-            effects.append(Dropped("unexpected", f"a find does not take {message.kind!r}"))
-            return effects
         find = self._finds.get(message.request_id)
-        if find is None:
-            effects.append(Dropped("late_found", f"{message.request_id} from {message.sender}"))
-            return effects
-        for info in message.allocations:
-            find.found[info.allocation_id] = PlacedAllocation(
-                node=message.sender,
-                address=message.reply_to,
-                allocation_id=info.allocation_id,
-                resources=dict(info.resources),
-                numa=info.numa,
+        if isinstance(message, AlreadyPlaced) and find is not None:
+            self._heard_placed(find, message)
+            if find.complete():
+                self._over(find, effects, settled=True)
+        elif isinstance(message, Decline) and find is not None:
+            placing = next(
+                (r.subject for r in message.reasons if r.code == IN_FLIGHT_ELSEWHERE), None
             )
-        find.requested_at_s = max(find.requested_at_s, message.requested_at_s)
-        expected = find.expected
-        if (
-            expected is not None
-            and expected.allocations
-            and all(a.allocation_id in find.found for a in expected.allocations)
-        ):
-            self._over(find, effects)
+            if placing is None:
+                effects.append(Dropped("unexpected", f"a find does not take {message!r}"))
+            else:
+                find.placing = placing
+        elif isinstance(message, AlreadyPlaced | Decline):
+            effects.append(Dropped("late_found", f"{message.request_id} from {message.sender}"))
+        else:
+            effects.append(Dropped("unexpected", f"a find does not take {message.kind!r}"))
         return effects
 
     def on_unroutable(self, message: Message, now: float) -> list[Effect]:
-        """The ``Lookup`` came back: no node binds the id's bucket, so none holds it."""
+        """The ``Lookup`` came back: no node binds the id's topic, so none holds it."""
         effects: list[Effect] = []
         find = self._finds.get(message.request_id)
         if isinstance(message, Lookup) and find is not None:
-            self._over(find, effects)
+            self._over(find, effects, settled=True)
         else:
             effects.append(Dropped("unroutable", f"{message.kind} for {message.request_id}"))
         return effects
@@ -147,7 +171,7 @@ class Finding:
         if isinstance(key, FindTimer):
             find = self._finds.get(key.request_id)
             if find is not None:
-                self._over(find, effects)
+                self._over(find, effects, settled=False)
         return effects
 
     def abandon(self) -> list[str]:
@@ -156,10 +180,44 @@ class Finding:
         self._finds.clear()
         return ids
 
-    def _over(self, find: _Find, effects: list[Effect]) -> None:
+    def _heard_placed(self, find: _Find, message: AlreadyPlaced) -> None:
+        for info in message.allocations:
+            find.found[info.allocation_id] = PlacedAllocation(
+                node=message.sender,
+                address=message.reply_to,
+                allocation_id=info.allocation_id,
+                resources=dict(info.resources),
+                numa=info.numa,
+            )
+        for task in message.tasks:
+            find.tasks[(message.sender, task.allocation_id)] = TaskState(
+                request_id=message.request_id,
+                sender=message.sender,
+                reply_to=message.reply_to,
+                allocation_id=task.allocation_id,
+                state=task.state,
+                driver=task.driver,
+                exit_code=task.exit_code,
+                reason=task.reason,
+                limits=task.limits,
+                kept=task.kept,
+                answering=True,
+            )
+        find.requested_at_s = max(find.requested_at_s, message.requested_at_s)
+        if message.instances:
+            find.instances = min(find.instances or message.instances, message.instances)
+
+    def _over(self, find: _Find, effects: list[Effect], *, settled: bool) -> None:
         del self._finds[find.request_id]
         effects.append(CancelTimer(FindTimer(find.request_id)))
-        effects.append(Found(find.request_id, _placement(find)))
+        holdings = Holdings(
+            request_id=find.request_id,
+            placement=_placement(find),
+            tasks=tuple(find.tasks[key] for key in sorted(find.tasks)),
+            settled=settled,
+            placing=find.placing,
+        )
+        effects.append(Found(find.request_id, holdings))
 
 
 def _placement(find: _Find) -> Placement | None:
@@ -167,7 +225,9 @@ def _placement(find: _Find) -> Placement | None:
     if not find.found:
         return None
     expected = find.expected
-    if expected is not None and _same(expected.allocations, find.found.values()):
+    if expected is not None and {(a.node, a.allocation_id) for a in expected.allocations} == {
+        (a.node, a.allocation_id) for a in find.found.values()
+    }:
         return expected
     allocations = tuple(sorted(find.found.values(), key=lambda a: a.allocation_id))
     return Placement(
@@ -179,10 +239,3 @@ def _placement(find: _Find) -> Placement | None:
         attempts=0,
         requested_at_s=find.requested_at_s,
     )
-
-
-def _same(these: Iterable[PlacedAllocation], those: Iterable[PlacedAllocation]) -> bool:
-    def key(allocations: Iterable[PlacedAllocation]) -> set[tuple[str, str]]:
-        return {(a.node, a.allocation_id) for a in allocations}
-
-    return key(these) == key(those)

@@ -117,6 +117,7 @@ __all__ = [
     "RosterQuery",
     "RosterSample",
     "TaskQuery",
+    "TaskReport",
     "TaskSpec",
     "TaskState",
     "TaskStateName",
@@ -154,9 +155,10 @@ MAX_SAMPLE: Final = 256
 ROSTER_ID: Final = "roster"
 #: The ``request_id`` of audit messages.
 AUDIT_ID: Final = "audit"
-#: Request ids hash into this many lookup buckets. A node binds ``lookup.<bucket>`` while
-#: it holds a reservation or allocation of an id in the bucket, so a ``Lookup`` reaches
-#: only nodes that may hold the id (and comes back unroutable when none can).
+#: Request ids hash into this many lookup buckets: a node that is back names the buckets
+#: of the ids it holds (``NodeStatus.rejoined_buckets``, a bitmap of this many bits), so
+#: that requestors look up again the ids they placed in them. (Lookups themselves go to
+#: one topic per id: :func:`lookup_topic`.)
 LOOKUP_BUCKETS: Final = 1 << 16
 
 _CUSTOM_CLASS = re.compile(r"CUSTOM_[A-Z0-9_]+")
@@ -223,8 +225,11 @@ def lookup_bucket(request_id: str) -> int:
 
 def lookup_topic(request_id: str) -> str:
     """The topic a ``Lookup`` for ``request_id`` is published on, and that a node holding
-    anything of that id binds."""
-    return f"lookup.{lookup_bucket(request_id):04x}"
+    anything of that id binds: one per id (a 128-bit hash of it, so the topic has one
+    length and one alphabet whatever the id). A ``Lookup`` therefore reaches exactly the
+    nodes holding something of the id, and comes back unroutable when none does, which
+    is how "nobody holds it" is known rather than waited for."""
+    return f"lookup.{hashlib.blake2b(request_id.encode(), digest_size=16).hexdigest()}"
 
 
 def bucket_bitmap(buckets: Iterable[int]) -> bytes:
@@ -596,16 +601,17 @@ class ReservationRequest(InstanceShape, tag_field="kind", tag="request", frozen=
 
 
 class Lookup(_Message, tag="lookup", frozen=True, kw_only=True):
-    """Published on the id's lookup bucket (:func:`lookup_topic`) when the caller chose
-    the request id: "does anyone already hold allocations for this id?" Only holders
-    answer (``AlreadyPlaced``); a node holding a reservation of the id for another
-    requestor tells both (``in_flight_elsewhere``). Tiers cannot do this job: the node
-    holding a placement may sit in any tier."""
+    """Published on the id's own topic (:func:`lookup_topic`), which only nodes holding
+    something of the id bind: "who holds this id?" Holders of allocations answer
+    ``AlreadyPlaced``; a node holding a reservation of the id for another requestor says
+    so (``in_flight_elsewhere``), to both requestors unless the asker is ``following``.
+    Nobody bound: the broker hands it back, and nobody holds the id. Tiers cannot do this
+    job: the node holding a placement may sit in any tier."""
 
     kind: ClassVar[Literal["lookup"]] = "lookup"
     reply_to: Identifier
-    #: the sender only waits for another requestor's placement to complete: it contends
-    #: for nothing, so nodes tell it what is placed and nothing else
+    #: the sender contends for nothing (it follows another requestor's placement, or
+    #: only asks what is held): nodes tell it what they hold, and nobody else of it
     following: bool = False
 
 
@@ -642,8 +648,22 @@ class Decline(_Message, tag="decline", frozen=True, kw_only=True):
     room: Room = field(default_factory=dict)
 
 
+class TaskReport(_Frozen, frozen=True, kw_only=True):
+    """One instance's task as a node last knew it (in :class:`AlreadyPlaced`): the fields
+    of a :class:`TaskState`, without the envelope."""
+
+    allocation_id: Identifier
+    state: TaskStateName
+    driver: Annotated[str, Meta(max_length=64)] = ""
+    exit_code: int | None = None
+    reason: Annotated[str, Meta(max_length=500)] = ""
+    limits: Annotated[str, Meta(max_length=200)] = ""
+    kept: bool = False
+
+
 class AlreadyPlaced(_Message, tag="already_placed", frozen=True, kw_only=True):
-    """The node already holds allocations for this request id: the request was placed."""
+    """The node holds allocations for this request id (the request was placed), or
+    remembers the tasks of some that ended (``allocations`` empty, ``tasks`` not)."""
 
     kind: ClassVar[Literal["already_placed"]] = "already_placed"
     reply_to: Identifier
@@ -655,6 +675,12 @@ class AlreadyPlaced(_Message, tag="already_placed", frozen=True, kw_only=True):
     #: node holds one placement's allocations of an id (it answers any request for an id
     #: it holds with this message, so it never reserves for the id again)
     requested_at_s: PlacedAt = 0.0
+    #: how many instances the placement has on every node together (the award's
+    #: ``instances``, else the request's count): once an asker has heard of that many,
+    #: every holder has answered. 0: not said (a node of an earlier release)
+    instances: Annotated[int, Meta(ge=0, le=10_000)] = 0
+    #: the tasks of the id's instances on this node, running or lately ended
+    tasks: tuple[TaskReport, ...] = ()
 
 
 class Award(_Message, tag="award", frozen=True, kw_only=True):
@@ -671,6 +697,10 @@ class Award(_Message, tag="award", frozen=True, kw_only=True):
     #: for later is the one its caller holds, and the earlier one is freed. 0: unknown
     #: (a requestor of an earlier release), older than any other.
     requested_at_s: PlacedAt = 0.0
+    #: how many instances the whole placement has, on every node together: the node
+    #: keeps it with the allocations, so that whoever asks who holds the id knows when
+    #: every holder has answered. 0: not said (the node keeps the request's count)
+    instances: Annotated[int, Meta(ge=0, le=10_000)] = 0
 
 
 class Assessment(_Message, tag="assessment", frozen=True, kw_only=True):

@@ -13,8 +13,10 @@ How a node answers (one conversation per request id):
                                                          node alone), when asked to explain
                                                          or when only others' reservations
                                                          stand in the way (busy); else silence
-    lookup   -> holds allocations for the id           : AlreadyPlaced
-                holds another requestor's reservation  : in_flight_elsewhere, to both
+    lookup   -> holds allocations, or remembers tasks, : AlreadyPlaced (with the
+                of the id                                placement's instances, the tasks)
+                holds another requestor's reservation  : in_flight_elsewhere, to both (to
+                                                         the asker alone when it follows)
     roll call-> NodeStatus to the caller
     (start, rejoined) -> NodeStatus on the roster topic; holding allocations of caller-
                 chosen ids, a second one naming their lookup buckets (``rejoined_buckets``)
@@ -30,9 +32,10 @@ How a node answers (one conversation per request id):
 After every change the node re-binds if its allocations moved it across a tier boundary
 (live reservations do not count there: they come and go within seconds),
 and then announces its new tier on the roster topic (requestors sample whom to probe from
-what nodes announce). It also binds the lookup bucket (``lookup.<bucket>``) of every request
-id it holds a reservation or allocation of, before it offers, so that a ``Lookup`` for the
-id reaches it and no node that holds nothing of it.
+what nodes announce). It also binds the lookup topic (``lookup.<hash of the id>``) of every
+findable request id it holds a reservation, an allocation or a remembered task of, before
+it offers, so that a ``Lookup`` for the id reaches it and no node that holds nothing of it
+(and comes back unroutable when no node holds anything of it).
 """
 
 from __future__ import annotations
@@ -171,9 +174,8 @@ class NodeMachine:
         self.bound_topics: frozenset[str] = frozenset()
         #: the room when the allocations last changed (to tell when it grows)
         self._room_before: dict[str, int] | None = None
-        #: lookup bucket topic -> the request ids held here that hash into it
-        self._bucket_holds: dict[str, set[str]] = {}
-        self._bucket_of: dict[str, str] = {}
+        #: request id -> its lookup topic, bound while something of the id is held here
+        self._lookup_topics: dict[str, str] = {}
         self.stopping = False
         #: a keeper roll-called this node: it publishes every change of room for keepers
         self._keepers_listen = False
@@ -211,7 +213,7 @@ class NodeMachine:
         came back holding (see :meth:`rejoined`)."""
         effects: list[Effect] = []
         self._expire(now, effects)
-        self._sync_buckets(effects)
+        self._sync_lookups(effects)
         self._retier(effects)
         self._announce_holdings(effects)
         self._schedule_expiry(effects)
@@ -251,7 +253,7 @@ class NodeMachine:
             if reservation is not None:
                 self.ledger.pop_reservation(message.reservation_id)
                 self.counters["released"] += 1
-                self._sync_buckets(effects)
+                self._sync_lookups(effects)
                 self._retier(effects)
                 self._schedule_expiry(effects)
         return effects
@@ -261,9 +263,8 @@ class NodeMachine:
         the node is leaving."""
         self.stopping = True
         effects: list[Effect] = [Unbind(topic) for topic in sorted(self.bound_topics)]
-        effects.extend(Unbind(topic) for topic in sorted(self._bucket_holds))
-        self._bucket_holds.clear()
-        self._bucket_of.clear()
+        effects.extend(Unbind(topic) for topic in sorted(self._lookup_topics.values()))
+        self._lookup_topics.clear()
         if self.bound_topics:
             effects.append(Publish(ROSTER_TOPIC, self._status(leaving=True)))
         self.bound_topics = frozenset()
@@ -311,7 +312,7 @@ class NodeMachine:
             self._on_task_query(message, effects)
         else:
             effects.append(Dropped("unexpected", f"a node does not take {message.kind!r}"))
-        self._sync_buckets(effects)
+        self._sync_lookups(effects)
         self._retier(effects)
         self._schedule_expiry(effects)
         return effects
@@ -321,7 +322,7 @@ class NodeMachine:
         if key == EXPIRY_TIMER:
             self._expiry_at = None
         self._expire(now, effects)
-        self._sync_buckets(effects)
+        self._sync_lookups(effects)
         self._retier(effects)
         self._schedule_expiry(effects)
         return effects
@@ -333,7 +334,7 @@ class NodeMachine:
             if self.ledger.remove_allocation(allocation_id) is not None:
                 effects.append(DeleteAllocation(allocation_id))
                 self._stop_task(allocation_id, "freed by the operator", effects)
-        self._sync_buckets(effects)
+        self._sync_lookups(effects)
         self._retier(effects)
         return effects
 
@@ -372,7 +373,7 @@ class NodeMachine:
             effects.append(DeleteAllocation(allocation_id))
         if task.reply_to is not None:
             effects.append(Send(task.reply_to, self._task_message(report)))
-        self._sync_buckets(effects)
+        self._sync_lookups(effects)
         self._retier(effects)
         return effects
 
@@ -509,15 +510,30 @@ class NodeMachine:
     # -- messages ----------------------------------------------------------------------
 
     def _on_lookup(self, lookup: Lookup, effects: list[Effect]) -> None:
-        placed = self._already_placed(lookup.request_id, lookup.reply_to, effects)
-        if not placed and not lookup.following:
-            held = self.ledger.reservation_for(lookup.request_id)
-            if held is not None and held.owner != lookup.sender:
-                effects.extend(self._contended(held, lookup.sender, lookup.reply_to, 1))
-
-    def _already_placed(self, request_id: str, reply_to: str, effects: list[Effect]) -> bool:
-        placed = self.ledger.allocations_for(request_id)
+        placed = self._already_placed(
+            lookup.request_id, lookup.reply_to, effects, with_tasks=lookup.following
+        )
         if placed:
+            return
+        held = self.ledger.reservation_for(lookup.request_id)
+        if held is None or held.owner == lookup.sender:
+            return
+        if lookup.following:
+            # It contends for nothing: it is only told that the id is being placed.
+            effects.append(
+                self._in_flight_elsewhere(held.request_id, held.owner, lookup.reply_to, 1)
+            )
+        else:
+            effects.extend(self._contended(held, lookup.sender, lookup.reply_to, 1))
+
+    def _already_placed(
+        self, request_id: str, reply_to: str, effects: list[Effect], *, with_tasks: bool = False
+    ) -> bool:
+        """Answer ``AlreadyPlaced`` when allocations of ``request_id`` are held here (or,
+        ``with_tasks``, when tasks of it are remembered); whether it did."""
+        placed = self.ledger.allocations_for(request_id)
+        tasks = self.tasks.of_request(request_id) if with_tasks else []
+        if placed or tasks:
             effects.append(
                 Send(
                     reply_to,
@@ -526,12 +542,19 @@ class NodeMachine:
                         sender=self.name,
                         reply_to=self.config.address,
                         allocations=tuple(a.info() for a in placed),
-                        owner=placed[0].owner,
-                        requested_at_s=placed[0].requested_at_s,
+                        owner=placed[0].owner if placed else None,
+                        requested_at_s=placed[0].requested_at_s if placed else 0.0,
+                        # the allocations of one placement agree; an award of a smaller
+                        # remainder (min_count) carries the smaller, final figure
+                        instances=min(
+                            [a.request_count for a in placed] + [t.instances for t in tasks],
+                            default=0,
+                        ),
+                        tasks=tuple(task.summary() for task in tasks),
                     ),
                 )
             )
-        return bool(placed)
+        return bool(placed or tasks)
 
     def _contended(
         self, held: Reservation, newcomer: str, newcomer_reply_to: str, attempt: int
@@ -683,7 +706,7 @@ class NodeMachine:
         self.counters["reserved"] += 1
         self._expire_by(reservation.deadline, effects)
         # Findable by a Lookup for the id before anyone hears of the offer.
-        self._sync_buckets(effects)
+        self._sync_lookups(effects)
         effects.append(
             Send(
                 request.reply_to,
@@ -779,7 +802,9 @@ class NodeMachine:
                 reservation_id=reservation.reservation_id,
                 owner=reservation.owner,
                 resources=dict(reservation.per_instance),
-                request_count=reservation.request_count,
+                # the placement's instances when the award says (a min_count placement
+                # may have fewer than the request's count), else the request's count
+                request_count=award.instances or reservation.request_count,
                 group=reservation.group,
                 numa=reservation.numa[index] if index < len(reservation.numa) else None,
                 findable=reservation.findable,
@@ -942,27 +967,26 @@ class NodeMachine:
     def _in_last_tier(self) -> bool:
         return self.tier() == self.config.tiers.percents[-1]
 
-    def _sync_buckets(self, effects: list[Effect]) -> None:
-        """Bind the lookup bucket of every request id held here, unbind emptied ones."""
+    def _sync_lookups(self, effects: list[Effect]) -> None:
+        """Bind the lookup topic of every findable request id something of which is held
+        here (a reservation, an allocation, a task remembered), unbind the others."""
         touched = self.ledger.drain_touched()
+        forgotten = self.tasks.drain_forgotten()
+        if forgotten:
+            touched = touched | forgotten
         if not touched or self.stopping:
             return
         for request_id in sorted(touched) if len(touched) > 1 else touched:
-            held = self.ledger.holds_findable(request_id)
-            bucket = self._bucket_of.get(request_id)
-            if held and bucket is None:
-                bucket = self._bucket_of[request_id] = lookup_topic(request_id)
-                holders = self._bucket_holds.setdefault(bucket, set())
-                if not holders:
-                    effects.append(Bind(bucket))
-                holders.add(request_id)
-            elif not held and bucket is not None:
-                del self._bucket_of[request_id]
-                holders = self._bucket_holds[bucket]
-                holders.discard(request_id)
-                if not holders:
-                    del self._bucket_holds[bucket]
-                    effects.append(Unbind(bucket))
+            held = self.ledger.holds_findable(request_id) or self.tasks.remembers_findable(
+                request_id
+            )
+            topic = self._lookup_topics.get(request_id)
+            if held and topic is None:
+                topic = self._lookup_topics[request_id] = lookup_topic(request_id)
+                effects.append(Bind(topic))
+            elif not held and topic is not None:
+                del self._lookup_topics[request_id]
+                effects.append(Unbind(topic))
 
     def _schedule_expiry(self, effects: list[Effect]) -> None:
         """Have the expiry timer due no later than the earliest reservation deadline.

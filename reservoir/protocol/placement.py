@@ -17,6 +17,7 @@ from reservoir.protocol.messages import (
     InvalidField,
     NumaPlacement,
     Reason,
+    TaskState,
     check_ids,
     validation_error_at,
 )
@@ -24,6 +25,7 @@ from reservoir.protocol.messages import (
 __all__ = [
     "SHORTHAND_CLASSES",
     "Explanation",
+    "Holdings",
     "InvalidRequest",
     "PlacedAllocation",
     "Placement",
@@ -161,6 +163,27 @@ _LABELS: Mapping[str, str] = {
     "pci": "no free {subject} where its NUMA policy allows",
     "overcommitted": "node holds more than its inventory",
 }
+
+
+@dataclass(frozen=True)
+class Holdings:
+    """What the nodes hold of one request id, as a find heard it."""
+
+    request_id: str
+    #: the allocations heard, as a placement (None: no allocation heard)
+    placement: Placement | None
+    #: the tasks of the id's instances the holders reported, by node and allocation
+    tasks: tuple[TaskState, ...] = ()
+    #: every holder answered (or no node holds anything of the id): the answer is exact.
+    #: False when the deadline came first: then nothing is known of what was not heard
+    settled: bool = True
+    #: a requestor a node holds a reservation of the id for: it is being placed
+    placing: str | None = None
+
+    @property
+    def held(self) -> bool:
+        """Something of the id is held: an allocation, or a task remembered."""
+        return self.placement is not None or bool(self.tasks)
 
 
 def reason_label(reason: Reason) -> str:

@@ -270,10 +270,6 @@ class RequestorMachine:
         """Offers held (not yet awarded or released) across every conversation."""
         return sum(len(c.pool) for c in self._active.values())
 
-    def lookup_wait_s(self) -> float:
-        """How long holders of an id get to answer a ``Lookup`` (the adaptive wait)."""
-        return self._lookup_wait_s()
-
     def forget(self, request_id: str) -> None:
         """Forget the placement remembered under ``request_id`` (the nodes no longer hold
         it: it was freed through another requestor), so that placing the id again asks
@@ -998,6 +994,9 @@ class RequestorMachine:
                 slots=slots,
                 traceparent=c.traceparent,
                 requested_at_s=c.requested_at_s,
+                # the placement's size, so that whoever finds the id knows when every
+                # holder has answered (it only shrinks: min_count lowers it at the end)
+                instances=c.target,
             ),
         )
 

@@ -13,7 +13,7 @@ from typing import Final, cast
 import msgspec.structs
 
 from reservoir.protocol.ledger import Allocation
-from reservoir.protocol.messages import TaskState, TaskStateName
+from reservoir.protocol.messages import TaskReport, TaskState, TaskStateName
 
 __all__ = ["ENDED_KEPT", "ENDED_STATES", "NodeTask", "TaskBook"]
 
@@ -34,6 +34,10 @@ class NodeTask:
     reply_to: str | None
     keep_allocation: bool
     stop_grace_s: float
+    #: its allocation could be found by id (a Lookup): its state can be, too
+    findable: bool = True
+    #: how many instances its placement has in all (its allocation's ``request_count``)
+    instances: int = 1
     state: str = "starting"
     exit_code: int | None = None
     reason: str = ""
@@ -62,6 +66,18 @@ class NodeTask:
             kept=self.keep_allocation,
         )
 
+    def summary(self) -> TaskReport:
+        """The task's state as a part of another answer (``AlreadyPlaced.tasks``)."""
+        return TaskReport(
+            allocation_id=self.allocation_id,
+            state=cast(TaskStateName, "running" if self.state == "started" else self.state),
+            driver=self.driver,
+            exit_code=self.exit_code,
+            reason=self.reason,
+            limits=self.limits,
+            kept=self.keep_allocation,
+        )
+
 
 class TaskBook:
     """Live tasks by allocation id, and the lately ended ones."""
@@ -69,6 +85,10 @@ class TaskBook:
     def __init__(self) -> None:
         self._live: dict[str, NodeTask] = {}
         self._ended: OrderedDict[str, NodeTask] = OrderedDict()
+        #: request id -> the allocation ids of its tasks booked here (live or ended)
+        self._by_request: dict[str, set[str]] = {}
+        #: request ids whose last task was forgotten since :meth:`drain_forgotten`
+        self._forgotten: set[str] = set()
 
     def starting(self, allocation: Allocation) -> NodeTask:
         """Book the task of ``allocation`` (which carries one), not yet started."""
@@ -81,8 +101,11 @@ class TaskBook:
             reply_to=allocation.reply_to,
             keep_allocation=spec.keep_allocation,
             stop_grace_s=spec.stop_grace_s,
+            findable=allocation.findable,
+            instances=allocation.request_count,
         )
         self._live[task.allocation_id] = task
+        self._by_request.setdefault(task.request_id, set()).add(task.allocation_id)
         return task
 
     def get(self, allocation_id: str) -> NodeTask | None:
@@ -111,8 +134,27 @@ class TaskBook:
         if task.ended and self._live.pop(task.allocation_id, None) is not None:
             self._ended[task.allocation_id] = task
             while len(self._ended) > ENDED_KEPT:
-                self._ended.popitem(last=False)
+                _, forgotten = self._ended.popitem(last=False)
+                self._forget(forgotten)
         return report
+
+    def _forget(self, task: NodeTask) -> None:
+        booked = self._by_request.get(task.request_id)
+        if booked is not None:
+            booked.discard(task.allocation_id)
+            if not booked:
+                del self._by_request[task.request_id]
+                self._forgotten.add(task.request_id)
+
+    def drain_forgotten(self) -> set[str]:
+        """The request ids of which no task is booked any more since the last call (the
+        last one ended long enough ago to be forgotten)."""
+        forgotten, self._forgotten = self._forgotten, set()
+        return forgotten
+
+    def remembers_findable(self, request_id: str) -> bool:
+        """Whether a task of ``request_id`` whose allocation was findable is booked."""
+        return any(task.findable for task in self.of_request(request_id))
 
     def live(self) -> Iterator[NodeTask]:
         return iter(list(self._live.values()))
@@ -124,4 +166,6 @@ class TaskBook:
         return [*self._live.values(), *self._ended.values()]
 
     def of_request(self, request_id: str) -> list[NodeTask]:
-        return [t for t in self.all() if t.request_id == request_id]
+        """The tasks of ``request_id`` booked here, by allocation id."""
+        booked = sorted(self._by_request.get(request_id, ()))
+        return [task for task in map(self.get, booked) if task is not None]

@@ -23,7 +23,7 @@ from reservoir.protocol.addresses import requestor_address
 from reservoir.protocol.effects import Effect, Found
 from reservoir.protocol.finding import Finding, FindTimer
 from reservoir.protocol.messages import Message
-from reservoir.protocol.placement import Placement
+from reservoir.protocol.placement import Holdings, Placement
 from reservoir.runtime.driver import Driver, Outcome
 from reservoir.runtime.settings import Settings
 
@@ -45,7 +45,7 @@ class Finder(Driver):
     ) -> None:
         address = requestor_address(name)
         self.machine = Finding(sender=name, reply_to=address)
-        self._waiting: dict[str, list[concurrent.futures.Future[Placement | None]]] = {}
+        self._waiting: dict[str, list[concurrent.futures.Future[Holdings]]] = {}
         super().__init__(
             broker=broker,
             settings=settings,
@@ -56,19 +56,19 @@ class Finder(Driver):
         )
 
     def find_future(
-        self, request_id: str, wait_s: float, *, expected: Placement | None = None
-    ) -> concurrent.futures.Future[Placement | None]:
-        """Ask the nodes; the future resolves to what they hold of ``request_id`` (None:
-        nothing) once ``expected``'s allocations are all reported, the broker says no node
-        binds the id's bucket, or ``wait_s`` is over. Raises ``InvalidField`` for an id no
-        node would accept, ``ValueError`` for a wait that is not positive."""
-        future: concurrent.futures.Future[Placement | None] = concurrent.futures.Future()
+        self, request_id: str, deadline_s: float, *, expected: Placement | None = None
+    ) -> concurrent.futures.Future[Holdings]:
+        """Ask the nodes; the future resolves to what they hold of ``request_id``, settled
+        once every holder has answered or the broker says no node binds the id's topic,
+        not settled when ``deadline_s`` comes first. Raises ``InvalidField`` for an id no
+        node would accept, ``ValueError`` for a deadline that is not positive."""
+        future: concurrent.futures.Future[Holdings] = concurrent.futures.Future()
         outcomes: list[Outcome] = []
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"{self.address} is closed")
             effects = self.machine.find(
-                request_id, self.scheduler.clock.now(), wait_s, expected=expected
+                request_id, self.scheduler.clock.now(), deadline_s, expected=expected
             )
             self._waiting.setdefault(request_id, []).append(future)
             self._execute(effects, outcomes)
@@ -111,4 +111,4 @@ class Finder(Driver):
                     waiting = self._waiting.pop(outcome.request_id, [])
                 for future in waiting:
                     if not future.done():  # a waiter that gave up is skipped
-                        future.set_result(outcome.placement)
+                        future.set_result(outcome.holdings)

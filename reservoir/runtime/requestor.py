@@ -40,6 +40,7 @@ from reservoir.protocol.effects import Effect, Failed, FreeCompleted, Placed, Se
 from reservoir.protocol.messages import Message, TaskQuery, TaskSpec, TaskState
 from reservoir.protocol.placement import (
     Explanation,
+    Holdings,
     Placement,
     PlacementError,
     PlacementRequest,
@@ -59,7 +60,7 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
     from prometheus_client.core import Metric
 
-__all__ = ["FreeIncomplete", "Requestor", "RequestorClosed"]
+__all__ = ["FindIncomplete", "FreeIncomplete", "Requestor", "RequestorClosed"]
 
 # the logger's name predates the runtime package: operators' logging configs name it
 log = logging.getLogger("reservoir.requestor")
@@ -80,6 +81,28 @@ class FreeIncomplete(RuntimeError):
         super().__init__(f"request {request_id}: no confirmation from {', '.join(missing)}")
         self.request_id = request_id
         self.missing = missing
+
+
+class FindIncomplete(RuntimeError):
+    """Not every holder of a request id answered a find before its deadline, so what the
+    nodes hold of it is not known (a holder slow to answer, or the id being placed:
+    ``placing`` names the requestor a node holds a reservation of it for). Asking again
+    later may settle it; it is never an answer of "nothing held"."""
+
+    def __init__(self, holdings: Holdings) -> None:
+        heard = holdings.placement.nodes if holdings.placement is not None else ()
+        why = (
+            f"it is being placed by {holdings.placing}"
+            if holdings.placing is not None
+            else "not every holder answered in time"
+        )
+        super().__init__(
+            f"what the nodes hold of {holdings.request_id} is not known yet: {why}"
+            + (f" (heard from {', '.join(sorted(set(heard)))})" if heard else "")
+        )
+        self.request_id = holdings.request_id
+        self.holdings = holdings
+        self.placing = holdings.placing
 
 
 def _shape(request: PlacementRequest | None, fields: dict[str, Any]) -> PlacementRequest:
@@ -389,39 +412,47 @@ class Requestor(Driver):
 
     # -- finding -----------------------------------------------------------------------
 
-    def find_future(
-        self, request_id: str, *, wait_s: float | None = None
-    ) -> concurrent.futures.Future[Placement | None]:
-        """Ask the nodes what they hold of ``request_id``: the future resolves to it as a
-        :class:`Placement`, or None when no node answers holding any of it. Only findable
+    def holdings_future(
+        self, request_id: str, *, deadline_s: float | None = None
+    ) -> concurrent.futures.Future[Holdings]:
+        """Ask the nodes what they hold of ``request_id`` (its allocations, and the tasks
+        of its instances): the future resolves to :class:`Holdings`, *settled* once every
+        holder has answered (each says how many instances the placement has in all) or
+        at once when no node holds anything of the id (the question comes back
+        unroutable). Not settled when ``deadline_s`` (None: the ``max_widen_s`` setting,
+        2 s) comes first: a holder slow to answer, or the id being placed. Only findable
         placements are found: those of caller-chosen ids, and every one a requestor made
-        ``findable=True``. ``wait_s``: how long holders get to answer (None: the wait this
-        requestor's own lookups use, learnt from the network, at most 0.5 s). It is over
-        sooner when no node binds the id's bucket, or, for a placement this requestor made
-        and remembers, once the nodes have reported all of it; that placement is the
-        answer when the nodes hold exactly it (otherwise what they hold, with
-        ``requested`` the instances held: nodes do not say how many were asked for).
-
-        A node that cannot be reached at the moment (down, or reconnecting) is not
-        heard. Raises ``InvalidField`` for an id no node would accept."""
+        ``findable=True``. A node that cannot be reached at the moment (down, or
+        reconnecting) is not heard. Raises ``InvalidField`` for an id no node would
+        accept."""
         with self._lock:
             if self._closed:
                 raise RequestorClosed(f"{self.name} is closed")
             expected = self.machine.placement_of(request_id)
-            if wait_s is None:
-                wait_s = self.machine.lookup_wait_s()
-        return self._open_finder().find_future(request_id, wait_s, expected=expected)
+        deadline_s = self.settings.max_widen_s if deadline_s is None else deadline_s
+        return self._open_finder().find_future(request_id, deadline_s, expected=expected)
 
-    def find(self, request_id: str, *, wait_s: float | None = None) -> Placement | None:
-        """:meth:`find_future`, waited for (blocking; thread-safe)."""
-        future = self.find_future(request_id, wait_s=wait_s)
-        return future.result(timeout=(wait_s or self.settings.max_widen_s) + _VERDICT_GRACE_S)
-
-    async def find_async(self, request_id: str, *, wait_s: float | None = None) -> Placement | None:
-        """:meth:`find_future` without blocking the running event loop."""
+    async def holdings_async(self, request_id: str, *, deadline_s: float | None = None) -> Holdings:
+        """:meth:`holdings_future` without blocking the running event loop."""
         if self._finder is None:
             await asyncio.to_thread(self._open_finder)  # opening an inbox waits for the broker
-        return await asyncio.wrap_future(self.find_future(request_id, wait_s=wait_s))
+        return await asyncio.wrap_future(self.holdings_future(request_id, deadline_s=deadline_s))
+
+    def find(self, request_id: str, *, deadline_s: float | None = None) -> Placement | None:
+        """The allocations the nodes hold of ``request_id``, as a :class:`Placement`
+        (the placement this requestor answered with, when the nodes hold exactly it;
+        otherwise what they hold, ``requested`` being the instances held), or None when
+        they hold none (blocking; thread-safe). Raises :class:`FindIncomplete` when not
+        every holder answered before the deadline: see :meth:`holdings_future`."""
+        future = self.holdings_future(request_id, deadline_s=deadline_s)
+        wait_s = self.settings.max_widen_s if deadline_s is None else deadline_s
+        return _found(future.result(timeout=wait_s + _VERDICT_GRACE_S))
+
+    async def find_async(
+        self, request_id: str, *, deadline_s: float | None = None
+    ) -> Placement | None:
+        """:meth:`find` without blocking the running event loop."""
+        return _found(await self.holdings_async(request_id, deadline_s=deadline_s))
 
     def forget(self, request_id: str) -> None:
         """Forget a placement this requestor remembers under ``request_id``: the nodes no
@@ -647,3 +678,9 @@ class Requestor(Driver):
 
 # Re-exported for callers that catch errors from this module.
 __all__ += ["Explanation", "PlacementError"]
+
+
+def _found(holdings: Holdings) -> Placement | None:
+    if not holdings.settled:
+        raise FindIncomplete(holdings)
+    return holdings.placement

@@ -26,8 +26,8 @@ from brokers import BrokerUrl
 from reservoir.broker import Broker, BrokerError
 from reservoir.observe.metrics import default_participant
 from reservoir.protocol.audit import NodeSnapshot
-from reservoir.protocol.messages import TaskState
 from reservoir.protocol.placement import (
+    Holdings,
     Placement,
     PlacementError,
     PlacementRequest,
@@ -36,7 +36,6 @@ from reservoir.protocol.placement import (
 from reservoir.runtime.auditor import LedgerCollector
 from reservoir.runtime.requestor import Requestor, RequestorClosed
 from reservoir.runtime.settings import Settings
-from reservoir.runtime.task_query import ask_tasks
 from reservoir.service.activity import Activity
 from reservoir.service.shapes import Problem
 
@@ -54,9 +53,6 @@ DEFAULT_DRAIN_TIMEOUT_S = 10.0
 #: after the drain, how long the placements the closing requestor failed get to end
 AFTER_CLOSE_S = 0.5
 #: placements (with their keys' body hashes) a service process keeps in its cache, the
-#: how long a GET gathers the nodes' answers about the request's tasks (while it looks
-#: the placement up: the two run side by side)
-TASK_QUERY_WAIT_S = 0.3
 #: least recently used forgotten first: as many as its requestor remembers
 CACHE_ENTRIES = 100_000
 
@@ -138,29 +134,25 @@ class ReservoirService:
             raise
         return await self._to_the_end(self._place(spec, timeout_s))
 
-    async def find(self, request_id: str) -> Placement | None:
-        """What the nodes hold of ``request_id``, whichever process placed it (None:
-        nothing). Raises ``InvalidField`` for an id no node would accept."""
+    async def find(self, request_id: str) -> Holdings:
+        """What the nodes hold of ``request_id`` (its allocations and its tasks),
+        whichever process placed it, once every holder has answered: a 503 problem (with
+        Retry-After) when that is not known in time, never a "nothing" it does not know.
+        Raises ``InvalidField`` for an id no node would accept."""
         self.check_ready()
-        found = await self.requestor.find_async(request_id)
+        holdings = await self.requestor.holdings_async(request_id)
+        if not holdings.settled:
+            raise _not_known(holdings)
         cached = self.placements.get(request_id)
         if cached is not None and request_id not in self.freeing:
+            found = holdings.placement
             if found is not None and _same_allocations(found, cached):
                 self.placements.move_to_end(request_id)
             else:
                 # released (or placed again) through another process: what is cached is
                 # out of date, and the key free again here
                 self._evict(request_id)
-        return found
-
-    async def tasks(self, request_id: str, wait_s: float = TASK_QUERY_WAIT_S) -> list[TaskState]:
-        """What the nodes say of the tasks of ``request_id`` (empty: no task, or none
-        known any more), gathered for ``wait_s``."""
-        self.check_ready()
-        requestor = self.requestor
-        return await asyncio.to_thread(
-            ask_tasks, requestor.broker, request_id, wait_s=wait_s, settings=requestor.settings
-        )
+        return holdings
 
     async def release(self, request_id: str) -> None:
         """Free what the nodes hold of ``request_id``, whichever process placed it; 404
@@ -284,9 +276,13 @@ class ReservoirService:
 
     async def _release(self, request_id: str) -> None:
         try:
-            found = await self.requestor.find_async(request_id)
+            holdings = await self.requestor.holdings_async(request_id)
+            if not holdings.settled:
+                raise _not_known(holdings)
+            found = holdings.placement
             if found is None:
-                raise Problem(404, "no such reservation", f"no node holds {request_id!r}")
+                ended = " (its tasks ended and freed it)" if holdings.tasks else ""
+                raise Problem(404, "no such reservation", f"no node holds {request_id!r}{ended}")
             # FreeIncomplete: the requestor goes on freeing there; a retried DELETE frees
             # what the nodes still show
             await self.requestor.release_async(found)
@@ -333,6 +329,21 @@ def _main_reason(error: PlacementError) -> str:
         label, _count = min(explanation.reasons.items(), key=lambda item: (-item[1], item[0]))
         return f"not placed: {label}"
     return f"not placed: {explanation.note}" if explanation.note else "not_placed"
+
+
+def _not_known(holdings: Holdings) -> Problem:
+    """The 503 of a find the nodes did not settle in time: not a "not found"."""
+    why = (
+        f"it is being placed by {holdings.placing}"
+        if holdings.placing is not None
+        else "not every node holding it answered in time"
+    )
+    return Problem(
+        503,
+        "not known yet",
+        f"what the nodes hold of {holdings.request_id!r} is not known yet: {why}; ask again",
+        request_id=holdings.request_id,
+    )
 
 
 def _same_allocations(one: Placement, other: Placement) -> bool:

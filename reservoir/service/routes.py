@@ -10,14 +10,13 @@ are raised as :class:`~reservoir.service.shapes.Problem` (or the library's own e
 (No ``from __future__ import annotations``: FastAPI reads the endpoints' annotations.)
 """
 
-import asyncio
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query, Request, Response
 
 from reservoir.broker import BrokerError
 from reservoir.protocol.messages import InvalidField
-from reservoir.protocol.placement import Placement, PlacementError, PlacementRequest
+from reservoir.protocol.placement import Holdings, Placement, PlacementError, PlacementRequest
 from reservoir.runtime.requestor import RequestorClosed
 from reservoir.service.lifespan import ReservoirService
 from reservoir.service.shapes import (
@@ -159,12 +158,16 @@ RESERVATION_PROBLEMS: dict[int | str, dict[str, Any]] = {
     for code, text in (
         (404, "no node holds anything of the id"),
         (422, "an id no node would accept"),
-        (503, "the broker connection is down, or the service is shutting down"),
+        (
+            503,
+            "the broker connection is down, the service is shutting down, or what the "
+            "nodes hold of the id is not known yet (Retry-After)",
+        ),
     )
 }
 
 
-async def _find(service: ReservoirService, request_id: str, where: str) -> Placement | None:
+async def _find(service: ReservoirService, request_id: str, where: str) -> Holdings:
     """What the nodes hold of ``request_id``, or a 422 naming ``where`` the id came from."""
     try:
         return await service.find(request_id)
@@ -177,16 +180,15 @@ async def _find(service: ReservoirService, request_id: str, where: str) -> Place
 @router.get("/v1/reservations/{request_id}", responses=RESERVATION_PROBLEMS)
 async def get_reservation(request_id: str, request: Request) -> PlacementOut:
     """The placement the nodes hold under ``request_id``, whichever replica placed it
-    (asked of the nodes: one lookup on the id's bucket), with the state of its tasks if
-    it carried one (``tasks``; a task that ended freed its allocation, so a request
-    whose tasks all ended shows them and no allocation)."""
-    service = service_of(request)
-    placement, tasks = await asyncio.gather(
-        _find(service, request_id, "path.request_id"), service.tasks(request_id)
-    )
-    if placement is None and not tasks:
+    (asked of the nodes: one lookup on the id's topic, answered by each holder), with
+    the state of its tasks if it carried one (``tasks``; a task that ended freed its
+    allocation, so a request whose tasks all ended shows them and no allocation). 503
+    with Retry-After while that is not known (a holder slow to answer, or the id still
+    being placed), never a 404 for an id a node holds."""
+    holdings = await _find(service_of(request), request_id, "path.request_id")
+    if not holdings.held:
         raise Problem(404, "no such reservation", f"no node holds {request_id!r}")
-    return PlacementOut.of(placement, tasks, request_id=request_id)
+    return PlacementOut.of(holdings.placement, list(holdings.tasks), request_id=request_id)
 
 
 @router.delete(

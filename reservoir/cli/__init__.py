@@ -13,6 +13,7 @@ from __future__ import annotations
 from reservoir.cli import (
     audit,
     bench,
+    bench_service,
     chaos,
     demo,
     free,
@@ -44,6 +45,7 @@ for command in (
     audit.audit_command,
     simulate.simulate,
     bench.bench,
+    bench_service.bench_service,
     chaos.chaos,
     serve.serve,
     keys.keys,

@@ -1,0 +1,594 @@
+"""``reservoir bench-service``: the HTTP service as its users meet it, beside the library,
+on the same nodes in the same run.
+
+This module owns one run, in order:
+
+1. **nodes**: ``--nodes`` node agents in ``--node-processes`` processes of their own, on
+   exchanges of the run's own (removed at the end), as ``reservoir bench`` starts them;
+2. **the library**: one :class:`~reservoir.Requestor` in this process places and releases
+   one request at a time (unkeyed, then keyed), then ``--clients`` threads place on it at
+   once: the latencies, the placements per second, and this process's CPU per placement
+   and release;
+3. **the service**: ``--replicas`` ``reservoir serve`` processes on the same nodes, driven
+   over real HTTP (httpx, one connection per client) from this process, after the
+   library's requestor is closed:
+   - one client at a time: POST then DELETE, unkeyed and keyed (the p50s set against the
+     library's, and the replicas' CPU per POST and DELETE against the library's per
+     placement and release); GET of a placement on the replica that placed it, on
+     another, and of ids nobody holds;
+   - ``--clients`` clients at once POSTing on one replica (placements per second against
+     the library's), then on every replica;
+   - ``--clients`` clients at once, each POST then GET (on the next replica) then DELETE,
+     ``--cycles`` times, unkeyed and keyed: every answer counted by status, and any 404
+     for an id that was just placed is a failure of the run;
+4. **the audit** of every node's ledger: nothing held at the end, no reservation past its
+   time, no overcommit, no id placed twice.
+
+Progress goes to stderr; stdout gets the table, or with ``--json`` one JSON object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Final
+
+from brokers import BrokerUrl
+from reservoir.runtime.requestor import Requestor
+from reservoir.runtime.settings import Settings
+from reservoir.tools.bench.children import ProcessNodes, child_env
+from reservoir.tools.bench.errors import BenchError
+from reservoir.tools.bench.runner import audit_ledgers, bench_url, percentile, run_exchanges
+
+__all__ = ["ServiceBenchResult", "run_service_bench"]
+
+#: every request of the run asks for this much, so that nodes fill slowly
+VCPUS: Final = 1
+MEMORY_MB: Final = 64
+#: how long a replica may take to say it is ready, and a request to be answered
+READY_TIMEOUT_S: Final = 60.0
+HTTP_TIMEOUT_S: Final = 30.0
+#: requests before the timed ones, on each path
+WARMUP: Final = 20
+#: unknown ids a GET asks for
+UNKNOWN_GETS: Final = 100
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Target:
+    """A figure the project wants, and the bound (``at_most`` or at least)."""
+
+    figure: str
+    bound: float
+    at_most: bool
+
+    def met_by(self, value: float) -> bool:
+        return value <= self.bound if self.at_most else value >= self.bound
+
+
+TARGETS: Final = (
+    Target("get_p50_placing_ms", 10, True),
+    Target("get_p50_other_ms", 20, True),
+    Target("get_unknown_p50_ms", 10, True),
+    Target("post_p50_over_library", 2, True),
+    Target("keyed_post_p50_over_library", 2, True),
+    Target("cpu_per_cycle_over_library", 2, True),
+    Target("post_per_s_over_library", 0.5, False),
+    Target("not_found_for_held", 0, True),
+    Target("held_at_end", 0, True),
+)
+
+
+@dataclass
+class ServiceBenchResult:
+    """What one run measured. Times in milliseconds unless the name says otherwise."""
+
+    broker: str
+    nodes: int
+    node_processes: int
+    replicas: int
+    clients: int
+    sequential: int
+    cycles: int
+    #: the library, one request at a time: reserve and release p50/p99, unkeyed and keyed
+    library: dict[str, float]
+    #: the service, one request at a time (the replica that placed, and another)
+    http: dict[str, float]
+    #: placements per second with ``clients`` at once: the library's requestor, one
+    #: replica, every replica
+    library_per_s: float
+    post_per_s_one_replica: float
+    post_per_s_every_replica: float
+    #: CPU per placement and release (ms): this process for the library, the replicas'
+    #: processes together for the service
+    library_cpu_ms_per_cycle: float
+    serve_cpu_ms_per_cycle: float
+    serve_cpu_ms_per_post_under_load: float
+    #: the concurrent cycles, unkeyed and keyed: answers by method and status
+    cycle_statuses: dict[str, dict[str, int]]
+    cycle_per_s: dict[str, float]
+    #: a GET or DELETE answered 404 for an id a POST had just placed
+    not_found_for_held: int
+    #: instances the nodes hold at the end (every placement was deleted)
+    held_at_end: int
+    audit: dict[str, int]
+    elapsed_s: float
+    ratios: dict[str, float] = field(default_factory=dict)
+    targets: dict[str, dict[str, Any]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def run_service_bench(
+    *,
+    broker_url: str | BrokerUrl,
+    nodes: int = 10,
+    node_processes: int = 2,
+    replicas: int = 2,
+    clients: int = 16,
+    sequential: int = 300,
+    cycles: int = 1000,
+    progress: Progress = lambda message: None,
+) -> ServiceBenchResult:
+    """One run; see the module docstring. Raises :class:`BenchError` when the run cannot
+    be carried out (a replica that does not start, an answer that is not HTTP)."""
+    url = bench_url(broker_url)
+    if url.adapter == "memory":
+        raise BenchError("the service runs in processes of its own: give a RabbitMQ URL")
+    started = time.perf_counter()
+    run_id = secrets.token_hex(4)
+    exchange, _ = run_exchanges(url, run_id)
+    run_url = url.with_exchange(exchange)
+    slots = 4 * (sequential * 6 + cycles * 2 + clients * 200) // nodes + 64
+    with contextlib.ExitStack() as stack:
+        stack.callback(_delete_exchanges, run_url)
+        progress(f"starting {nodes} node agents in {node_processes} processes")
+        host = ProcessNodes(
+            run_url,
+            [f"svc-{run_id}-node-{i:03d}" for i in range(nodes)],
+            node_processes,
+            vcpus=slots,
+            memory_mb=slots * MEMORY_MB * 4,
+            vcpu_ratio=4.0,
+        )
+        stack.callback(host.stop)
+        host.wait_ready(READY_TIMEOUT_S)
+        progress("the library: one request at a time, then concurrently")
+        library = _library(run_url, sequential, clients)
+        progress(f"starting {replicas} reservoir serve replica(s)")
+        bases = [stack.enter_context(_replica(run_url, index)) for index in range(replicas)]
+        progress("the service over HTTP")
+        service = asyncio.run(_service(bases, sequential, cycles, clients, progress))
+        ledgers = host.ledgers()
+    audit = audit_ledgers(ledgers)
+    held = sum(count for s in ledgers for count, _asked in s["instances"].values())
+    result = ServiceBenchResult(
+        broker=url.display,
+        nodes=nodes,
+        node_processes=node_processes,
+        replicas=replicas,
+        clients=clients,
+        sequential=sequential,
+        cycles=cycles,
+        library=library.latencies,
+        http=service.latencies,
+        library_per_s=library.per_s,
+        post_per_s_one_replica=service.per_s_one,
+        post_per_s_every_replica=service.per_s_every,
+        library_cpu_ms_per_cycle=library.cpu_ms_per_cycle,
+        serve_cpu_ms_per_cycle=service.cpu_ms_per_cycle,
+        serve_cpu_ms_per_post_under_load=service.cpu_ms_per_post,
+        cycle_statuses=service.statuses,
+        cycle_per_s=service.cycle_per_s,
+        not_found_for_held=service.not_found_for_held,
+        held_at_end=held,
+        audit=audit,
+        elapsed_s=round(time.perf_counter() - started, 1),
+        notes=service.notes,
+    )
+    result.ratios = _ratios(result)
+    figures = {
+        **result.ratios,
+        **result.http,
+        "not_found_for_held": float(service.not_found_for_held),
+        "held_at_end": float(held),
+    }
+    result.targets = {
+        t.figure: {"value": figures[t.figure], "bound": t.bound, "at_most": t.at_most,
+                   "met": t.met_by(figures[t.figure])}
+        for t in TARGETS if t.figure in figures
+    }  # fmt: skip
+    return result
+
+
+def _ratios(result: ServiceBenchResult) -> dict[str, float]:
+    def ratio(numerator: float, denominator: float) -> float:
+        return round(numerator / denominator, 2) if denominator > 0 else 0.0
+
+    reserve = result.library["reserve_p50_ms"]
+    return {
+        "post_p50_over_library": ratio(result.http["post_p50_ms"], reserve),
+        "keyed_post_p50_over_library": ratio(result.http["keyed_post_p50_ms"], reserve),
+        "keyed_post_p50_over_library_keyed": ratio(
+            result.http["keyed_post_p50_ms"], result.library["keyed_reserve_p50_ms"]
+        ),
+        "cpu_per_cycle_over_library": ratio(
+            result.serve_cpu_ms_per_cycle, result.library_cpu_ms_per_cycle
+        ),
+        "post_per_s_over_library": ratio(result.post_per_s_one_replica, result.library_per_s),
+    }
+
+
+# -- the library ------------------------------------------------------------------------
+
+
+@dataclass
+class _Library:
+    latencies: dict[str, float]
+    per_s: float
+    cpu_ms_per_cycle: float
+
+
+def _library(url: BrokerUrl, sequential: int, clients: int) -> _Library:
+    """One requestor of this process, as an API worker embeds it."""
+    with Requestor(url, settings=Settings(broker_url=url)) as requestor:
+        for _ in range(WARMUP):
+            requestor.release(requestor.reserve(vcpus=VCPUS, memory_mb=MEMORY_MB))
+        reserve, release = [], []
+        cpu_before = time.process_time()
+        for _ in range(sequential):
+            began = time.perf_counter()
+            placement = requestor.reserve(vcpus=VCPUS, memory_mb=MEMORY_MB)
+            placed = time.perf_counter()
+            requestor.release(placement)
+            reserve.append(placed - began)
+            release.append(time.perf_counter() - placed)
+        cpu_ms = (time.process_time() - cpu_before) / sequential * 1000
+        keyed = []
+        for _ in range(sequential):
+            began = time.perf_counter()
+            placement = requestor.reserve(
+                vcpus=VCPUS, memory_mb=MEMORY_MB, request_id=f"lib-{secrets.token_hex(8)}"
+            )
+            keyed.append(time.perf_counter() - began)
+            requestor.release(placement)
+        per_s = _library_throughput(requestor, clients, sequential * 2)
+    return _Library(
+        latencies={
+            **_summary("reserve", reserve),
+            **_summary("release", release),
+            **_summary("keyed_reserve", keyed),
+        },
+        per_s=per_s,
+        cpu_ms_per_cycle=round(cpu_ms, 3),
+    )
+
+
+def _library_throughput(requestor: Requestor, threads: int, placements: int) -> float:
+    """``threads`` threads place ``placements`` between them at once, then release them."""
+    placed: list[Any] = []
+    lock = threading.Lock()
+    left = [placements]
+    start = threading.Barrier(threads + 1)
+
+    def place() -> None:
+        start.wait()
+        while True:
+            with lock:
+                if left[0] <= 0:
+                    return
+                left[0] -= 1
+            placement = requestor.reserve(vcpus=VCPUS, memory_mb=MEMORY_MB)
+            with lock:
+                placed.append(placement)
+
+    workers = [threading.Thread(target=place) for _ in range(threads)]
+    for worker in workers:
+        worker.start()
+    start.wait()
+    began = time.perf_counter()
+    for worker in workers:
+        worker.join()
+    per_s = len(placed) / (time.perf_counter() - began)
+    for placement in placed:
+        requestor.release(placement)
+    return round(per_s, 1)
+
+
+# -- the service ------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _replica(url: BrokerUrl, index: int) -> Iterator[str]:
+    """A ``reservoir serve`` process on a free port of the loopback; its base URL."""
+    import httpx
+
+    port = _free_port()
+    env = child_env()
+    env["RESERVOIR_BROKER_URL"] = url.given
+    env["RESERVOIR_REQUESTOR_NAME"] = f"bench-serve-{index}"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "reservoir.cli", "serve", "--host", "127.0.0.1",
+         "--port", str(port)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while True:
+            if process.poll() is not None:
+                tail = (process.stderr.read() if process.stderr else "").strip()[-500:]
+                raise BenchError(f"reservoir serve exited with {process.returncode}: {tail}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{base}/readyz", timeout=1).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise BenchError(f"reservoir serve on port {port} was not ready in time")
+            time.sleep(0.1)
+        _REPLICA_PIDS[base] = process.pid
+        yield base
+    finally:
+        _REPLICA_PIDS.pop(base, None)
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+#: base URL -> the pid of the replica serving it, for its CPU
+_REPLICA_PIDS: dict[str, int] = {}
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _cpu_s(pids: Sequence[int]) -> float:
+    """The CPU (user and system) these processes have used, in seconds."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / ticks
+    return total
+
+
+@dataclass
+class _Service:
+    latencies: dict[str, float] = field(default_factory=dict)
+    per_s_one: float = 0.0
+    per_s_every: float = 0.0
+    cpu_ms_per_cycle: float = 0.0
+    cpu_ms_per_post: float = 0.0
+    statuses: dict[str, dict[str, int]] = field(default_factory=dict)
+    cycle_per_s: dict[str, float] = field(default_factory=dict)
+    not_found_for_held: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+BODY: Final = {"vcpus": VCPUS, "memory_mb": MEMORY_MB}
+
+
+async def _service(
+    bases: list[str], sequential: int, cycles: int, clients: int, progress: Progress
+) -> _Service:
+    measured = _Service()
+    pids = [_REPLICA_PIDS[base] for base in bases]
+    opened = [_client(base) for base in bases]
+    try:
+        first, other = opened[0], opened[-1]
+        for _ in range(WARMUP):
+            await _delete(first, await _post(first))
+        # one at a time: POST then DELETE, unkeyed, then keyed
+        posts, deletes = [], []
+        cpu_before = _cpu_s(pids)
+        for _ in range(sequential):
+            request_id, took = await _timed_post(first)
+            posts.append(took)
+            deletes.append(await _timed_delete(first, request_id))
+        measured.cpu_ms_per_cycle = round((_cpu_s(pids) - cpu_before) / sequential * 1000, 3)
+        keyed = []
+        for _ in range(sequential):
+            request_id, took = await _timed_post(first, key=f"svc-{secrets.token_hex(8)}")
+            keyed.append(took)
+            await _delete(first, request_id)
+        # GETs: on the replica that placed, on another, and of ids nobody holds
+        placing, elsewhere, unknown = [], [], []
+        for _ in range(sequential):
+            request_id = await _post(first)
+            placing.append(await _timed_get(first, request_id, 200))
+            elsewhere.append(await _timed_get(other, request_id, 200))
+            await _delete(first, request_id)
+        for _ in range(UNKNOWN_GETS):
+            unknown.append(await _timed_get(other, f"nobody-{secrets.token_hex(8)}", 404))
+        measured.latencies = {
+            **_summary("post", posts),
+            **_summary("keyed_post", keyed),
+            **_summary("delete", deletes),
+            **_summary("get", placing, suffix="_placing"),
+            **_summary("get", elsewhere, suffix="_other"),
+            **_summary("get_unknown", unknown),
+        }
+        progress(f"{clients} clients at once on one replica, then on every replica")
+        alone = [_client(bases[0]) for _ in range(clients)]
+        spread = [_client(bases[i % len(bases)]) for i in range(clients)]
+        opened.extend(alone + spread)
+        measured.per_s_one, measured.cpu_ms_per_post = await _throughput(
+            alone, sequential * 2, pids
+        )
+        measured.per_s_every, _ = await _throughput(spread, sequential * 2, pids)
+        for keyed_cycles in (False, True):
+            label = "keyed" if keyed_cycles else "unkeyed"
+            progress(f"{clients} clients at once: POST, GET, DELETE, {cycles} cycles, {label}")
+            counted, per_s, not_found = await _cycles(bases, clients, cycles, keyed_cycles)
+            measured.statuses[label] = dict(sorted(counted.items()))
+            measured.cycle_per_s[label] = per_s
+            measured.not_found_for_held += not_found
+    finally:
+        for client in opened:
+            await client.aclose()
+    return measured
+
+
+def _client(base: str) -> Any:
+    """An HTTP client of one connection to ``base``, as one user of the service has."""
+    import httpx
+
+    return httpx.AsyncClient(
+        base_url=base, timeout=HTTP_TIMEOUT_S, limits=httpx.Limits(max_connections=1)
+    )
+
+
+async def _post(client: Any, key: str | None = None) -> str:
+    request_id, _took = await _timed_post(client, key=key)
+    return request_id
+
+
+async def _timed_post(client: Any, key: str | None = None) -> tuple[str, float]:
+    headers = {"Idempotency-Key": key} if key is not None else {}
+    began = time.perf_counter()
+    response = await client.post("/v1/reservations", json=BODY, headers=headers)
+    took = time.perf_counter() - began
+    if response.status_code != 201:
+        raise BenchError(f"POST answered {response.status_code}: {response.text[:300]}")
+    return str(response.json()["request_id"]), took
+
+
+async def _delete(client: Any, request_id: str) -> None:
+    await _timed_delete(client, request_id)
+
+
+async def _timed_delete(client: Any, request_id: str) -> float:
+    began = time.perf_counter()
+    response = await client.delete(f"/v1/reservations/{request_id}")
+    took = time.perf_counter() - began
+    if response.status_code != 204:
+        raise BenchError(
+            f"DELETE {request_id} answered {response.status_code}: {response.text[:300]}"
+        )
+    return took
+
+
+async def _timed_get(client: Any, request_id: str, expected: int) -> float:
+    began = time.perf_counter()
+    response = await client.get(f"/v1/reservations/{request_id}")
+    took = time.perf_counter() - began
+    if response.status_code != expected:
+        raise BenchError(
+            f"GET {request_id} answered {response.status_code} where {expected} was due: "
+            f"{response.text[:300]}"
+        )
+    return took
+
+
+async def _throughput(clients: list[Any], posts: int, pids: list[int]) -> tuple[float, float]:
+    """The ``clients`` POST ``posts`` requests between them at once (placements per
+    second, the replicas' CPU per POST), then DELETE them all."""
+    placed: list[tuple[Any, str]] = []
+    left = [posts]
+
+    async def one(client: Any) -> None:
+        while left[0] > 0:
+            left[0] -= 1
+            placed.append((client, await _post(client)))
+
+    cpu_before = _cpu_s(pids)
+    began = time.perf_counter()
+    await asyncio.gather(*(one(client) for client in clients))
+    elapsed = time.perf_counter() - began
+    cpu_ms = (_cpu_s(pids) - cpu_before) / len(placed) * 1000
+
+    async def free(client: Any, ids: list[str]) -> None:
+        for request_id in ids:
+            await _delete(client, request_id)
+
+    by_client: dict[int, tuple[Any, list[str]]] = {}
+    for client, request_id in placed:
+        by_client.setdefault(id(client), (client, []))[1].append(request_id)
+    await asyncio.gather(*(free(client, ids) for client, ids in by_client.values()))
+    return round(len(placed) / elapsed, 1), round(cpu_ms, 3)
+
+
+async def _cycles(
+    bases: list[str], clients: int, cycles: int, keyed: bool
+) -> tuple[Counter[str], float, int]:
+    """Each client POSTs on its replica, GETs on the next, DELETEs on its own, until
+    ``cycles`` are done between them: the answers by method and status, the cycles per
+    second, and the 404s for ids just placed."""
+    counted: Counter[str] = Counter()
+    not_found = [0]
+    left = [cycles]
+
+    async def one(index: int) -> None:
+        own = bases[index % len(bases)]
+        next_one = bases[(index + 1) % len(bases)]
+        async with _client(own) as mine, _client(next_one) as nxt:
+            while left[0] > 0:
+                left[0] -= 1
+                key = f"cycle-{secrets.token_hex(8)}" if keyed else None
+                headers = {"Idempotency-Key": key} if key else {}
+                posted = await mine.post("/v1/reservations", json=BODY, headers=headers)
+                counted[f"POST {posted.status_code}"] += 1
+                if posted.status_code != 201:
+                    continue
+                request_id = posted.json()["request_id"]
+                got = await nxt.get(f"/v1/reservations/{request_id}")
+                counted[f"GET {got.status_code}"] += 1
+                deleted = await mine.delete(f"/v1/reservations/{request_id}")
+                counted[f"DELETE {deleted.status_code}"] += 1
+                not_found[0] += (got.status_code == 404) + (deleted.status_code == 404)
+                if deleted.status_code != 204:
+                    # not freed: free it now, or the audit finds it held
+                    await _free_for_sure(mine, request_id)
+
+    began = time.perf_counter()
+    await asyncio.gather(*(one(index) for index in range(clients)))
+    per_s = round(cycles / (time.perf_counter() - began), 1)
+    return counted, per_s, not_found[0]
+
+
+async def _free_for_sure(client: Any, request_id: str) -> None:
+    """DELETE until the service says it is gone (204, or 404 once a 204 was had)."""
+    for _ in range(50):
+        response = await client.delete(f"/v1/reservations/{request_id}")
+        if response.status_code in (204, 404):
+            return
+        await asyncio.sleep(0.1)
+
+
+# -- helpers ----------------------------------------------------------------------------
+
+
+def _summary(name: str, samples: Sequence[float], *, suffix: str = "") -> dict[str, float]:
+    return {
+        f"{name}_p50{suffix}_ms": round(statistics.median(samples) * 1000, 3),
+        f"{name}_p99{suffix}_ms": round(percentile(samples, 0.99) * 1000, 3),
+    }
+
+
+def _delete_exchanges(url: BrokerUrl) -> None:
+    from brokers import admin
+
+    topology = admin(url)
+    if topology is not None:
+        topology.delete_reservoir_exchanges()

@@ -113,6 +113,12 @@ class InProcessEndpoint(Endpoint):
     def publish(self, topic: str, body: bytes) -> None:
         self._broker._publish(self, check_key(topic, "topic"), check_body(body))
 
+    def claim(self, key: str) -> bool:
+        return self._broker._claim(self, check_key(key, "claim"))
+
+    def unclaim(self, key: str) -> None:
+        self._broker._unclaim(self, check_key(key, "claim"))
+
     def send(self, address: str, body: bytes) -> None:
         self._broker._send(self, check_key(address, "address"), check_body(body))
 
@@ -155,6 +161,8 @@ class InProcessBroker(Broker):
         self._lock = threading.Lock()
         self._endpoints: dict[str, InProcessEndpoint] = {}
         self._table = BindingTable()
+        #: claimed key -> the address of the endpoint holding it
+        self._claims: dict[str, str] = {}
         self._inbox_numbers = itertools.count(1)
         self._stats = BrokerStats()
         self._faults = faults
@@ -226,6 +234,7 @@ class InProcessBroker(Broker):
                 endpoint._closed = True
             self._endpoints.clear()
             self._table = BindingTable()
+            self._claims.clear()
         if self._owns_scheduler:
             self._scheduler.close()
 
@@ -255,6 +264,17 @@ class InProcessBroker(Broker):
             self._check_open(endpoint)
             self._table.unbind(endpoint.address, pattern)
 
+    def _claim(self, endpoint: InProcessEndpoint, key: str) -> bool:
+        with self._lock:
+            self._check_open(endpoint)
+            return self._claims.setdefault(key, endpoint.address) == endpoint.address
+
+    def _unclaim(self, endpoint: InProcessEndpoint, key: str) -> None:
+        with self._lock:
+            self._check_open(endpoint)
+            if self._claims.get(key) == endpoint.address:
+                del self._claims[key]
+
     def _close_endpoint(self, endpoint: InProcessEndpoint) -> None:
         with self._lock:
             if endpoint._closed:
@@ -263,6 +283,8 @@ class InProcessBroker(Broker):
             if self._endpoints.get(endpoint.address) is endpoint:
                 del self._endpoints[endpoint.address]
             self._table.unbind_all(endpoint.address)
+            for key in [k for k, holder in self._claims.items() if holder == endpoint.address]:
+                del self._claims[key]
 
     def _publish(self, sender: InProcessEndpoint, topic: str, body: bytes) -> None:
         with self._lock:

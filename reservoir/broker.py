@@ -105,6 +105,20 @@ class Endpoint(ABC):
     def close(self) -> None:
         """Delete the inbox and its bindings. Idempotent."""
 
+    def claim(self, key: str) -> bool | None:
+        """Hold ``key`` for this endpoint alone, for as long as its broker connection lasts
+        or until :meth:`unclaim`: True once it is held (or was already held here), False
+        while another endpoint holds it, on any connection to the same broker. None: this
+        broker cannot say (callers then do without). Waits for the broker, as ``bind``
+        does. A claim is not restored after a reconnect: one made before
+        :attr:`Broker.connections` last grew may be gone. Keys are scoped to the broker's
+        exchange, so deployments sharing a RabbitMQ never claim each other's."""
+        return None
+
+    def unclaim(self, key: str) -> None:  # noqa: B027 (a broker that cannot claim holds none)
+        """Let go of ``key``, so that another endpoint may claim it. Waits for the broker;
+        letting go of a key not held here is a no-op."""
+
     def batch(self) -> AbstractContextManager[None]:
         """A block whose sends and publishes, made on this thread, leave together: a
         broker with an IO thread is woken once, as the block ends, and writes them in one
@@ -115,7 +129,8 @@ class Endpoint(ABC):
 
     def blocking_allowed(self) -> bool:
         """Whether the calling thread may make the calls that wait for the broker (``bind``,
-        ``unbind``): False on a broker's IO thread, where an ``inline`` handler runs."""
+        ``unbind``, ``claim``, ``unclaim``): False on a broker's IO thread, where an
+        ``inline`` handler runs."""
         return True
 
     def __enter__(self) -> Endpoint:

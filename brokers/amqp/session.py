@@ -21,6 +21,12 @@ This module owns, for both RabbitMQ drivers (:mod:`brokers.pika_broker`,
   for ever) and the rest are published again, in order, on a new publish channel;
 - a **403 on an active exchange declare** (a user without configure permission): declared
   passively from then on, which only checks it exists;
+- **claims**: a key held by one endpoint across every connection to the broker, as an
+  exclusive queue named after it (:func:`claim_queue`), declared on the control channel:
+  RabbitMQ refuses a second connection's declare with 405 ``RESOURCE_LOCKED``, and this
+  session refuses a second endpoint of its own connection. A claim dies with its
+  connection and is never restored (whoever holds one learns of the reconnect from
+  ``stats.reconnects`` and does without it);
 - **reconnect with backoff** (doubling from ``reconnect_initial_s`` to ``reconnect_max_s``,
   plus jitter), the first connection's attempts, and what is fatal on it;
 - the **stats** both drivers report, and readiness.
@@ -67,6 +73,7 @@ Publishing and consuming
 from __future__ import annotations
 
 import enum
+import hashlib
 import logging
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -83,6 +90,7 @@ __all__ = [
     "Action",
     "AmqpStats",
     "BindQueue",
+    "ClaimedElsewhere",
     "CloseConnection",
     "Connect",
     "Consume",
@@ -100,6 +108,7 @@ __all__ = [
     "State",
     "Stop",
     "UnbindQueue",
+    "claim_queue",
 ]
 
 log = logging.getLogger("brokers.amqp")
@@ -187,6 +196,20 @@ class Message(msgspec.Struct, frozen=True):
     exchange: str
     routing_key: str
     body: bytes
+
+
+class ClaimedElsewhere(BrokerError):
+    """Another endpoint holds the key a claim asked for (a waiter's answer, which an
+    endpoint's ``claim`` turns into False)."""
+
+
+def claim_queue(exchange: str, key: str) -> str:
+    """The exclusive queue that stands for a claim of ``key`` on ``exchange``'s broker.
+    Queue names are the virtual host's, so the exchange is in the hash: deployments (and
+    test runs) sharing a RabbitMQ never claim each other's keys. It starts like a
+    requestor's inbox, which the requestor's user of ``deploy/rabbitmq/`` may declare."""
+    digest = hashlib.blake2b(f"{exchange}\0{key}".encode(), digest_size=16).hexdigest()
+    return f"reservoir.requestor.claim.{digest}"
 
 
 # -- actions: what the driver carries out --------------------------------------------------
@@ -390,6 +413,8 @@ class Session(Generic[W]):
         self._issued = False
         #: callers' calls that the restore after the reconnect carries out
         self._after_ready: list[W] = []
+        #: claim queue -> the token of the endpoint holding it, on this connection
+        self._claims: dict[str, str] = {}
 
         self._outbox: deque[Message] = deque()
         self._tag = 0
@@ -484,6 +509,67 @@ class Session(Generic[W]):
             UnbindQueue(endpoint.address, self.exchange, pattern), waiter, refused, endpoint
         )
 
+    def claim(self, token: str, key: str, waiter: W) -> None:
+        """Hold ``key`` for the endpoint ``token``: the waiter is resolved once its queue is
+        declared on this connection (or at once when the endpoint holds it already), with
+        :class:`ClaimedElsewhere` when another endpoint holds it, here or on another
+        connection (405), and with a :class:`BrokerError` when no connection is up: a claim
+        belongs to one connection, so it is never deferred to the next."""
+        endpoint = self._endpoint(token)
+        name = claim_queue(self.exchange, key)
+        holder = self._claims.get(name)
+        if holder is not None:
+            error = None if holder == token else ClaimedElsewhere(f"{key!r} is claimed here")
+            self._resolve(waiter, error)
+            return
+        if not (self._live() and endpoint.live):
+            self._resolve(waiter, BrokerError(f"not connected: {key!r} cannot be claimed now"))
+            return
+        self._claims[name] = token  # held here while the declare is out
+
+        def refused(code: int, text: str) -> None:
+            self._claims.pop(name, None)
+            if code == 405:
+                self._resolve(waiter, ClaimedElsewhere(f"{key!r} is claimed elsewhere"))
+            else:
+                self._resolve(waiter, BrokerError(f"RabbitMQ refused the claim: {code} {text}"))
+
+        def lost() -> None:
+            # the claims went with the connection (_drop_connection); so did this one
+            self._resolve(waiter, BrokerError(f"the connection went while claiming {key!r}"))
+
+        def declared() -> None:
+            if self._claims.get(name) == token:
+                self._resolve(waiter)
+            else:  # its endpoint closed meanwhile: nobody holds it
+                self._delete_claim(name, None)
+                self._resolve(waiter, BrokerClosed(f"endpoint {endpoint.address!r} closed"))
+
+        self._calls.append(_Call(DeclareQueue(name), ok=declared, refused=refused, lost=lost))
+        self._issue()
+
+    def unclaim(self, token: str, key: str, waiter: W | None) -> None:
+        """Let go of ``key`` if the endpoint ``token`` holds it: its queue is deleted."""
+        name = claim_queue(self.exchange, key)
+        if self._claims.get(name) != token:
+            if waiter is not None:
+                self._resolve(waiter)
+            return
+        del self._claims[name]
+        self._delete_claim(name, waiter)
+
+    def _delete_claim(self, name: str, waiter: W | None) -> None:
+        done = (lambda: self._resolve(waiter)) if waiter is not None else None
+        self._calls.append(
+            _Call(
+                DeleteQueue(name),
+                ok=done,
+                refused=(lambda _c, _t: done()) if done is not None else None,
+                lost=done,  # an exclusive queue dies with its connection
+            )
+        )
+        self._issue()
+
     def close_endpoint(self, token: str, waiter: W | None) -> None:
         """Forget the endpoint and delete its queue. Its name is free at once: a reopen's
         declare goes out after this delete."""
@@ -495,6 +581,10 @@ class Session(Generic[W]):
         if endpoint.waiter is not None:
             self._resolve(endpoint.waiter, BrokerClosed(f"endpoint {endpoint.address!r} closed"))
             endpoint.waiter = None
+        for name in [n for n, holder in self._claims.items() if holder == token]:
+            del self._claims[name]
+            if self._live():
+                self._delete_claim(name, None)
         out = self._prune(endpoint.address)
         if not (self._live() and (endpoint.gen == self._gen or out)):
             # Its queue went with an earlier connection, or was never declared.
@@ -962,6 +1052,8 @@ class Session(Generic[W]):
         self.publish_channel += 1
         self._blocked = False
         self._issued = False
+        # exclusive queues die with their connection: every claim with them
+        self._claims.clear()
         calls, self._calls = self._calls, deque()
         for call in calls:
             if call.lost is not None:

@@ -55,6 +55,7 @@ from brokers.admin import RabbitAdmin
 from brokers.amqp.session import (
     Action,
     AmqpStats,
+    ClaimedElsewhere,
     Deliver,
     Message,
     Publish,
@@ -125,6 +126,18 @@ class AmqpEndpoint(Endpoint):
     def unbind(self, pattern: str) -> None:
         pattern = check_key(pattern, "binding pattern")
         self._broker._wait(self, f"unbind {pattern!r}", Session.unbind, self._token, pattern)
+
+    def claim(self, key: str) -> bool:
+        key = check_key(key, "claim")
+        try:
+            self._broker._wait(self, f"claim {key!r}", Session.claim, self._token, key)
+        except ClaimedElsewhere:
+            return False
+        return True
+
+    def unclaim(self, key: str) -> None:
+        key = check_key(key, "claim")
+        self._broker._wait(self, f"unclaim {key!r}", Session.unclaim, self._token, key)
 
     def publish(self, topic: str, body: bytes) -> None:
         topic = check_key(topic, "topic")

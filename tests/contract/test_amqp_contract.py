@@ -579,3 +579,42 @@ def test_a_run_of_its_own_makes_and_deletes_a_private_exchange(
         assert topology.exchange_exists(name)
     assert not topology.exchange_exists(name)
     assert not topology.exchange_exists(f"{name}.inbox")
+
+
+# -- claims across connections ----------------------------------------------------------------
+
+
+def test_a_claim_held_on_one_connection_is_refused_on_another_until_let_go(
+    open_amqp: OpenAmqp, ns: str
+) -> None:
+    """RabbitMQ's exclusive queues: a second connection's declare is refused (405)."""
+    first, second = open_amqp(), open_amqp()
+    holder = first.open_endpoint(lambda delivery: None)
+    other = second.open_endpoint(lambda delivery: None)
+    assert holder.claim(f"{ns}-order-1") is True
+    assert other.claim(f"{ns}-order-1") is False
+    # the refusal cost the control channel, which is reopened: the connection carries on
+    other.bind(f"{ns}.after.refusal")
+    holder.unclaim(f"{ns}-order-1")
+    assert other.claim(f"{ns}-order-1") is True
+    # a connection that closes lets go of what it held
+    second.close()
+    assert holder.claim(f"{ns}-order-1") is True
+
+
+def test_claims_are_scoped_to_the_exchange(
+    open_amqp: OpenAmqp, reservoir_amqp_url: str, driver: str, ns: str
+) -> None:
+    """Two deployments (two exchanges) sharing a RabbitMQ claim their keys apart."""
+    here = open_amqp().open_endpoint(lambda delivery: None)
+    base = BrokerUrl.parse(driver_url_of(driver, reservoir_amqp_url))
+    elsewhere = DRIVERS[driver](base.with_exchange(f"{ns}-elsewhere"))
+    try:
+        there = elsewhere.open_endpoint(lambda delivery: None)
+        assert here.claim(f"{ns}-order-1") is True
+        assert there.claim(f"{ns}-order-1") is True
+    finally:
+        elsewhere.close()
+        topology = admin(base.with_exchange(f"{ns}-elsewhere"))
+        assert topology is not None
+        topology.delete_reservoir_exchanges()

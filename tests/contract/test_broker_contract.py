@@ -32,6 +32,28 @@ def assert_only_marker_arrived(receiver: Collector, marker: bytes) -> None:
     assert receiver.bodies == [marker]
 
 
+# -- claims -------------------------------------------------------------------------------------
+
+
+def test_a_claim_is_held_by_one_endpoint_until_it_lets_go(inbox: Inbox, ns: str) -> None:
+    holder, other = inbox(), inbox()
+    assert holder.ep.claim(f"{ns}-key") is True
+    assert holder.ep.claim(f"{ns}-key") is True  # held here already
+    assert other.ep.claim(f"{ns}-key") is False
+    assert other.ep.claim(f"{ns}-another") is True  # keys are claimed one by one
+    holder.ep.unclaim(f"{ns}-key")
+    assert other.ep.claim(f"{ns}-key") is True
+    holder.ep.unclaim(f"{ns}-key")  # not held there: nothing happens
+    assert holder.ep.claim(f"{ns}-key") is False
+
+
+def test_closing_an_endpoint_lets_go_of_its_claims(inbox: Inbox, ns: str) -> None:
+    holder, other = inbox(), inbox()
+    assert holder.ep.claim(f"{ns}-key") is True
+    holder.ep.close()
+    assert other.ep.claim(f"{ns}-key") is True
+
+
 # -- topic routing ----------------------------------------------------------------------------
 
 

@@ -16,6 +16,7 @@ from brokers.amqp.session import (
     TRANSITIONS,
     Action,
     BindQueue,
+    ClaimedElsewhere,
     CloseConnection,
     Connect,
     Consume,
@@ -32,6 +33,7 @@ from brokers.amqp.session import (
     State,
     Stop,
     UnbindQueue,
+    claim_queue,
 )
 from reservoir.broker import BrokerClosed, BrokerError
 
@@ -678,3 +680,73 @@ def test_closing_an_endpoint_fails_its_binds_still_queued_as_closed() -> None:
     link.settle()
     assert link.resolved()["bind out"] is None
     assert BindQueue("node-a", EXCHANGE, "tier.10") not in link.log
+
+
+# -- claims -------------------------------------------------------------------------------
+
+
+def test_a_claim_is_an_exclusive_queue_refused_when_another_connection_holds_it() -> None:
+    link = ready_link()
+    open_endpoint(link, "1", "requestor-a")
+    link.session.claim("1", "order-1", "claimed")
+    link.settle(refuse=lambda a: (405, "RESOURCE_LOCKED") if isinstance(a, DeclareQueue) else None)
+    assert DeclareQueue(claim_queue(EXCHANGE, "order-1")) in link.log
+    assert isinstance(link.resolved()["claimed"], ClaimedElsewhere)
+    link.session.claim("1", "order-1", "again")
+    link.settle()
+    assert link.resolved()["again"] is None  # not held here after the refusal: asked again
+
+
+def test_a_second_endpoint_of_the_connection_is_refused_without_asking_rabbitmq() -> None:
+    link = ready_link()
+    open_endpoint(link, "1", "requestor-a")
+    open_endpoint(link, "2", "requestor-b")
+    link.session.claim("1", "order-1", "first")
+    link.settle()
+    declared = len([a for a in link.log if isinstance(a, DeclareQueue)])
+    link.session.claim("2", "order-1", "second")
+    link.settle()
+    assert link.resolved()["first"] is None
+    assert isinstance(link.resolved()["second"], ClaimedElsewhere)
+    assert len([a for a in link.log if isinstance(a, DeclareQueue)]) == declared
+
+
+def test_claims_die_with_their_connection_and_are_not_restored() -> None:
+    link = ready_link()
+    open_endpoint(link, "1", "requestor-a")
+    link.session.claim("1", "order-1", "claimed")
+    link.settle()
+    link.session.lost(link.gen, link.now_s, "reset")
+    link.session.claim("1", "order-2", "while down")
+    link.actions()
+    assert isinstance(link.resolved()["while down"], BrokerError)
+    link.now_s += 60
+    link.session.tick(link.now_s)
+    link.connect()
+    queue = claim_queue(EXCHANGE, "order-1")
+    assert link.log.count(DeclareQueue(queue)) == 1  # the restore did not declare it again
+    # gone with the connection: claiming it again declares it anew
+    link.session.claim("1", "order-1", "anew")
+    link.settle()
+    assert link.resolved()["anew"] is None
+    assert link.log.count(DeclareQueue(queue)) == 2
+
+
+def test_unclaiming_deletes_the_queue_and_closing_the_endpoint_does_too() -> None:
+    link = ready_link()
+    open_endpoint(link, "1", "requestor-a")
+    for key in ("order-1", "order-2"):
+        link.session.claim("1", key, f"claimed {key}")
+    link.settle()
+    link.session.unclaim("1", "order-1", "let go")
+    link.settle()
+    assert DeleteQueue(claim_queue(EXCHANGE, "order-1")) in link.log
+    link.session.close_endpoint("1", "closed")
+    link.settle()
+    assert DeleteQueue(claim_queue(EXCHANGE, "order-2")) in link.log
+
+
+def test_claim_queues_are_named_per_exchange_and_a_requestors_user_may_declare_them() -> None:
+    here, there = claim_queue("reservoir", "order-1"), claim_queue("other", "order-1")
+    assert here != there
+    assert here.startswith("reservoir.requestor.")

@@ -2,11 +2,23 @@
 placed, by someone else?".
 
 A caller-chosen request id may have been placed before (a retry, a restarted requestor) or
-be in flight at another requestor right now. The conversation looks the id up before it
-decides (``Lookup`` on the id's bucket), and learns of other requestors from nodes:
+be in flight at another requestor right now. The conversation claims the id first (a key
+the broker lets one requestor hold at a time), then looks it up (``Lookup`` on the id's
+topic) before it asks any node; while the claim holds and that lookup found nobody, no
+other requestor can be placing the id, nor have placed it, so it decides without looking
+up again. Otherwise it looks the id up before every decision, and learns of other
+requestors from nodes:
 
     event                                    -> what this machine does
-    the caller chose the id                  -> looks up before every decision
+    the caller chose the id                  -> claims it, or looks up before every decision
+    the claim is held, and the lookup after  -> exclusive: no lookup before deciding, as
+    it came back unroutable                     long as the claim holds (and no node tells
+                                                of another requestor)
+    the claim is refused                     -> another requestor is placing it: claim
+                                                again after a pause (its placement is then
+                                                found by the lookup, and adopted)
+    the claim is lost (the connection went), -> looks up before every decision
+    or the broker cannot claim
     node: in_flight_elsewhere from X         -> looks up from now on; X sorts before us:
                                                 X has precedence (stand back while we own
                                                 nothing of the id); either way the id is
@@ -27,7 +39,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-__all__ = ["IdContention", "LookupOutcome"]
+__all__ = ["ClaimState", "IdContention", "LookupOutcome"]
+
+
+class ClaimState(Enum):
+    #: not claimed: a generated id, a broker that cannot claim, or a claim lost
+    NONE = "none"
+    #: the broker is asked
+    ASKED = "asked"
+    #: held: no other requestor can hold it until we let go or our connection goes
+    HELD = "held"
+    #: another requestor holds it: asked again after a pause
+    REFUSED = "refused"
 
 
 class LookupOutcome(Enum):
@@ -63,12 +86,32 @@ class IdContention:
     #: until when another requestor's reservation of the id may still be alive: it may
     #: yet become an allocation we must adopt, or expire and leave the room to us
     contended_until: float | None = None
+    #: the id's claim (see the module docstring)
+    claim: ClaimState = ClaimState.NONE
+    #: the lookup sent once the claim was held came back unroutable, and no node has told
+    #: of another requestor since: nobody holds anything of the id but us
+    clear: bool = False
+
+    # -- the claim ---------------------------------------------------------------------
+
+    def exclusive(self) -> bool:
+        """Whether no other requestor can be placing the id, nor have placed it: the
+        claim holds, and nobody held anything of it when it was looked up under it."""
+        return self.claim is ClaimState.HELD and self.clear
+
+    def claim_lost(self) -> None:
+        """The connection the claim was held on went (and the claim with it): another
+        requestor may claim the id now, so look up before every decision again."""
+        if self.claim is ClaimState.HELD:
+            self.claim = ClaimState.NONE
+            self.clear = False
 
     # -- lookups -----------------------------------------------------------------------
 
     def must_look_up(self, attempt: int) -> bool:
-        """Whether a decision on ``attempt`` needs a Lookup sent after its offers."""
-        return self.looks_up and self.confirmed_attempt != attempt
+        """Whether a decision on ``attempt`` needs a Lookup sent after its offers: not
+        while the id is ours alone (:meth:`exclusive`)."""
+        return self.looks_up and self.confirmed_attempt != attempt and not self.exclusive()
 
     def looking_up(self) -> bool:
         return self.lookup_until is not None
@@ -98,6 +141,7 @@ class IdContention:
         """A node holds a reservation of the id for ``other`` too, which may live until
         ``alive_until``."""
         self.looks_up = True
+        self.clear = False
         if other < self.me:
             self.yield_to.add(other)
         if self.contended_until is None or alive_until > self.contended_until:
@@ -113,6 +157,8 @@ class IdContention:
         """A node reports an allocation of the id that we did not award."""
         self.adopted.add(allocation_id)
         self.heard_placed = True
+        if not ours:
+            self.clear = False
         if not ours and owner is not None:
             self.following = owner
 

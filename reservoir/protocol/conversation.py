@@ -8,7 +8,11 @@ the machine and raises :class:`ProtocolBug` (as h11's ``_state.py`` does).
 
     phase          what is going on                          events that leave it
     NEW            nothing sent yet                          PROBE, BROADCAST, BACK_OFF (a
-                                                             keeper's sample is awaited)
+                                                             keeper's sample is awaited),
+                                                             CLAIM (a caller-chosen id)
+    CLAIMING       the id is claimed, then looked up,        PROBE, BROADCAST, BACK_OFF
+                   before any node is asked                  (claimed elsewhere), FOLLOW
+                                                             (another's placement found)
     PROBING        the request is out to sampled nodes,      PROBE (next round), BROADCAST
                    each of which answers                     (the exhaustive step), AWARD,
                                                              BACK_OFF, FOLLOW
@@ -19,9 +23,10 @@ the machine and raises :class:`ProtocolBug` (as h11's ``_state.py`` does).
     AWARDING       awards are out; the pool holds the spares AWARD (a spare fills a gap),
                                                              PROBE, BROADCAST (nothing held
                                                              fills it), BACK_OFF, FOLLOW
-    BACKING_OFF    waiting to ask again: nodes were busy, or PROBE (the busy nodes),
-                   a requestor with precedence goes first    BROADCAST, AWARD (a late offer
-                                                             fills the gap), BACK_OFF, FOLLOW
+    BACKING_OFF    waiting to ask again: nodes were busy, a  PROBE (the busy nodes),
+                   requestor with precedence goes first, or  BROADCAST, AWARD (a late offer
+                   the id is claimed elsewhere               fills the gap), BACK_OFF, FOLLOW,
+                                                             CLAIM (claimed elsewhere: again)
     FOLLOWING      another requestor owns the placement: we  BACK_OFF, PROBE, BROADCAST
                    look the id up until it is whole          (the owner let go), AWARD,
                                                              FOLLOW
@@ -51,6 +56,7 @@ class Phase(Enum):
     __hash__ = object.__hash__
 
     NEW = "new"
+    CLAIMING = "claiming"
     PROBING = "probing"
     BROADCASTING = "broadcasting"
     AWARDING = "awarding"
@@ -71,6 +77,8 @@ class Event(Enum):
     BACK_OFF = "back off"
     #: a Lookup went out to follow another requestor's placement
     FOLLOW = "follow"
+    #: the id's claim was asked for
+    CLAIM = "claim"
 
 
 _TARGET: Final = {
@@ -79,18 +87,22 @@ _TARGET: Final = {
     Event.AWARD: Phase.AWARDING,
     Event.BACK_OFF: Phase.BACKING_OFF,
     Event.FOLLOW: Phase.FOLLOWING,
+    Event.CLAIM: Phase.CLAIMING,
 }
 
-_EVERY_EVENT: Final = frozenset(Event)
+#: every event but a claim, which is asked for only before anything else, or again after
+#: a pause
+_ASKING: Final = frozenset(Event) - {Event.CLAIM}
 
 #: phase -> the events allowed in it; each event leads to one phase (``_TARGET``)
 TRANSITIONS: Final[dict[Phase, frozenset[Event]]] = {
-    Phase.NEW: frozenset({Event.PROBE, Event.BROADCAST, Event.BACK_OFF}),
-    Phase.PROBING: _EVERY_EVENT,
-    Phase.BROADCASTING: _EVERY_EVENT,
-    Phase.AWARDING: _EVERY_EVENT,
-    Phase.BACKING_OFF: _EVERY_EVENT,
-    Phase.FOLLOWING: _EVERY_EVENT,
+    Phase.NEW: frozenset({Event.PROBE, Event.BROADCAST, Event.BACK_OFF, Event.CLAIM}),
+    Phase.CLAIMING: frozenset({Event.PROBE, Event.BROADCAST, Event.BACK_OFF, Event.FOLLOW}),
+    Phase.PROBING: _ASKING,
+    Phase.BROADCASTING: _ASKING,
+    Phase.AWARDING: _ASKING,
+    Phase.BACKING_OFF: frozenset(Event),
+    Phase.FOLLOWING: _ASKING,
 }
 
 #: the phases in which answers to an attempt are being gathered

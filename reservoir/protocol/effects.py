@@ -26,6 +26,7 @@ from reservoir.protocol.placement import Holdings, Placement, PlacementError
 __all__ = [
     "Bind",
     "CancelTimer",
+    "Claim",
     "DeleteAllocation",
     "Dropped",
     "Effect",
@@ -40,6 +41,7 @@ __all__ = [
     "StopTask",
     "StoreAllocation",
     "Unbind",
+    "Unclaim",
 ]
 
 
@@ -71,6 +73,21 @@ class Unbind(msgspec.Struct, frozen=True):
     """Stop hearing a topic."""
 
     topic: str
+
+
+@final
+class Claim(msgspec.Struct, frozen=True):
+    """Hold ``request_id`` against every other requestor (:meth:`Endpoint.claim`): the
+    answer comes back as ``RequestorMachine.on_claim``."""
+
+    request_id: str
+
+
+@final
+class Unclaim(msgspec.Struct, frozen=True):
+    """Let go of the claim of ``request_id``."""
+
+    request_id: str
 
 
 @final
@@ -166,6 +183,8 @@ Effect = (
     | Send
     | Bind
     | Unbind
+    | Claim
+    | Unclaim
     | SetTimer
     | CancelTimer
     | StoreAllocation

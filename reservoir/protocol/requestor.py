@@ -62,11 +62,12 @@ from typing import Final, Literal
 import msgspec.structs
 
 from reservoir.protocol.answers import AnsweredIds
-from reservoir.protocol.contention import IdContention, LookupOutcome
+from reservoir.protocol.contention import ClaimState, IdContention, LookupOutcome
 from reservoir.protocol.conversation import Awarded, Conversation, Event, Held, Phase
 from reservoir.protocol.effects import (
     Bind,
     CancelTimer,
+    Claim,
     Dropped,
     Effect,
     Failed,
@@ -75,6 +76,7 @@ from reservoir.protocol.effects import (
     Publish,
     Send,
     SetTimer,
+    Unclaim,
 )
 from reservoir.protocol.freeing import Freeing, FreeTarget
 from reservoir.protocol.messages import (
@@ -200,6 +202,10 @@ class RequestorConfig:
     #: adds no lookup before placing a generated id; a node binds the id's lookup bucket
     #: before it offers (a broker round trip per reservation, docs/design.md "Lookups")
     findable: bool = False
+    #: claim a caller-chosen id before placing it (:mod:`~reservoir.protocol.contention`):
+    #: while the claim holds, no decision waits for a lookup's answers; False (or a broker
+    #: that cannot claim) looks the id up before every decision instead
+    claims: bool = True
 
 
 class LatencyEstimate:
@@ -243,6 +249,8 @@ class RequestorMachine:
         self._sample_at = -math.inf
         self._sampled: OrderedDict[str, None] = OrderedDict()
         self._active: dict[str, Conversation] = {}
+        #: conversations holding their id's claim (ClaimState.HELD)
+        self._claims_held = 0
         self._finished: OrderedDict[str, Placement | None] = OrderedDict()
         #: the caller-chosen ids placed here, and when their placements were asked for:
         #: what to look up again when a node comes back holding ids of their buckets
@@ -397,8 +405,58 @@ class RequestorMachine:
             stale = now - self._sample_at >= config.keeper_refresh_s
             if stale or self._since_sample >= config.keeper_refresh_every:
                 self._ask_keeper(now, effects)
-        self._broadcast(conversation, now, effects)
+        if conversation.contention.looks_up and self.config.claims:
+            self._claim(conversation, effects)  # then looked up, then asked
+        else:
+            self._broadcast(conversation, now, effects)
         return effects
+
+    def on_claim(self, request_id: str, held: bool | None, now: float) -> list[Effect]:
+        """The broker's answer to a conversation's :class:`Claim`: ``held``, refused
+        (False: another requestor holds it), or None (the broker cannot claim, or the
+        connection went meanwhile). Held, the id is looked up before any node is asked;
+        refused, claimed again after a pause; None, placed as without claims."""
+        effects: list[Effect] = []
+        c = self._active.get(request_id)
+        if c is None or c.contention.claim is not ClaimState.ASKED:
+            if held:
+                effects.append(Unclaim(request_id))  # over meanwhile: nobody needs it
+            return effects
+        if held is None:
+            c.contention.claim = ClaimState.NONE
+            self._broadcast(c, now, effects)
+        elif held:
+            c.contention.claim = ClaimState.HELD
+            self._claims_held += 1
+            # Nobody else can start placing the id now; has anyone placed it before, or
+            # is a requestor that lost its claim still at it? Asked before any node holds
+            # anything of ours, so that an unroutable answer means "nobody".
+            self._send_lookup(c, now, effects, following=False)
+        else:
+            c.contention.claim = ClaimState.REFUSED
+            c.note = "the same request id is being placed by another requestor"
+            self._back_off(c, now, effects)
+        return effects
+
+    def claims_lost(self) -> None:
+        """The broker connection went and came back: every claim held went with it, and
+        another requestor may hold one now. The conversations go on looking their ids up
+        before every decision."""
+        for c in self._active.values():
+            if c.contention.claim is ClaimState.HELD:
+                c.contention.claim_lost()
+        self._claims_held = 0
+
+    @property
+    def claims_held(self) -> int:
+        """Conversations holding their id's claim: while there are some, the driver tells
+        the machine when the broker connection was renewed (:meth:`claims_lost`)."""
+        return self._claims_held
+
+    def _claim(self, c: Conversation, effects: list[Effect]) -> None:
+        c.contention.claim = ClaimState.ASKED
+        c.enter(Event.CLAIM)
+        effects.append(Claim(c.request_id))
 
     def free(self, placement: Placement, now: float) -> list[Effect]:
         """Free every allocation of ``placement`` (its instances were deleted)."""
@@ -555,6 +613,9 @@ class RequestorMachine:
         effects: list[Effect] = []
         conversation = self._active.get(message.request_id)
         if isinstance(message, Lookup) and conversation is not None:
+            if conversation.phase is Phase.CLAIMING:
+                # asked under the claim, before any node held anything of ours
+                conversation.contention.clear = conversation.contention.claim is ClaimState.HELD
             self._lookup_over(conversation, now, effects)  # no node at all: nobody holds it
             return effects
         if isinstance(message, RollCall):
@@ -610,6 +671,9 @@ class RequestorMachine:
         elif kind is TimerKind.LOOKUP:
             self._lookup_over(c, now, effects)
         elif kind is TimerKind.RETRY and c.phase is Phase.BACKING_OFF:
+            if c.contention.claim is ClaimState.REFUSED:
+                self._claim(c, effects)
+                return effects
             c.start_pass()
             busy = list(c.busy_nodes.items())
             c.busy_nodes.clear()
@@ -792,6 +856,11 @@ class RequestorMachine:
 
     def _lookup_over(self, c: Conversation, now: float, effects: list[Effect]) -> None:
         outcome = c.contention.lookup_over()
+        if c.phase is Phase.CLAIMING:
+            # The lookup under the claim is over: ask the nodes (or follow the placement
+            # it found, whose holders answered "already placed").
+            self._broadcast(c, now, effects)
+            return
         if outcome is LookupOutcome.OWNER_GONE:
             # Nobody holds any of it any more: the owner failed and let go. Place it
             # ourselves, from scratch.
@@ -912,6 +981,8 @@ class RequestorMachine:
     # -- deciding ----------------------------------------------------------------------
 
     def _decide(self, c: Conversation, now: float, effects: list[Effect]) -> None:
+        if c.phase is Phase.CLAIMING:
+            return  # nothing is decided before the lookup under the claim is over
         if c.contention.looking_up():
             c.contention.decision_due = True  # holders of an earlier placement may yet answer
             return
@@ -1315,6 +1386,11 @@ class RequestorMachine:
 
     def _finish(self, c: Conversation, outcome: Placement | None, effects: list[Effect]) -> None:
         del self._active[c.request_id]
+        if c.contention.claim is ClaimState.HELD:
+            # Placed (its allocations bound, so the next claimer's lookup finds them) or
+            # failed (what it held is being freed): the id is free to claim.
+            self._claims_held -= 1
+            effects.append(Unclaim(c.request_id))
         effects.extend(CancelTimer(key) for key in c.armed.values())
         c.armed.clear()
         self._finished[c.request_id] = outcome

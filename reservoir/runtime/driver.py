@@ -17,7 +17,15 @@ Deliveries run on the broker's IO thread where it has one (the endpoint is ``inl
 between threads. That thread must not wait for the broker, so a bind or unbind it finds at
 the head of the outbox goes, with everything queued after it, to a thread of the driver's
 own (``<name>:binds``, started the first time), and the IO thread carries on. Binds are
-rare (a node's tier changes, a lookup bucket for a caller-chosen id); sends are not.
+rare (a node's tier changes, a lookup topic for a findable id); sends are not.
+
+A requestor's claim of a caller-chosen id waits for the broker too, but nothing it sends
+waits for it (the machine sends the id's lookup once it hears the answer): claims are
+asked for apart from the outbox, once the machine's lock is let go, on threads of their
+own (``<name>:claims``) when the broker is remote, so that neither a caller's thread (an
+event loop's, for ``reserve_async``) nor the transmit lock waits out a round trip. The
+answer is fed to the machine as any event (``_handle_claim``); on an in-process broker it
+is scheduled at once, in order with deliveries, so a virtual clock's runs stay exact.
 
 The decode path is here too: a delivery is decoded with the codec of the driver's role,
 checked against where it arrived (its routing key, or our address), and dropped and
@@ -42,6 +50,7 @@ from reservoir.observe.metrics import Metrics
 from reservoir.protocol.effects import (
     Bind,
     CancelTimer,
+    Claim,
     DeleteAllocation,
     Dropped,
     Effect,
@@ -56,6 +65,7 @@ from reservoir.protocol.effects import (
     StopTask,
     StoreAllocation,
     Unbind,
+    Unclaim,
 )
 from reservoir.protocol.messages import AUDIT_ID, REQUESTOR_KINDS, ROSTER_ID, Message
 from reservoir.runtime.keys import Role
@@ -79,6 +89,9 @@ Outcome = Placed | Failed | FreeCompleted | Found | StartTask | StopTask
 # classes one by one, several tests per message on the hot path.
 _TO_TRANSMIT = frozenset({Send, Publish, Bind, Unbind})
 _BINDING = frozenset({Bind, Unbind})
+_CLAIMING = frozenset({Claim, Unclaim})
+#: threads asking a remote broker for claims at once (it answers them one at a time)
+CLAIM_THREADS = 4
 
 
 class Driver:
@@ -121,6 +134,10 @@ class Driver:
         self._transmit_lock = threading.Lock()
         #: where the outbox goes from a bind on, when the thread that met it may not wait
         self._binder: concurrent.futures.ThreadPoolExecutor | None = None
+        #: claims and unclaims the machine asked for, not yet asked of the broker
+        self._claims_due: list[Claim | Unclaim] = []
+        #: where a remote broker's claims wait for their answers
+        self._claimer: concurrent.futures.ThreadPoolExecutor | None = None
         #: key -> (timer, generation); a firing whose generation is stale is ignored
         self._timers: dict[Hashable, tuple[Timer, int]] = {}
         self._timer_generation = 0
@@ -153,9 +170,11 @@ class Driver:
     def _let_go(self) -> None:
         """Close the endpoint, and the scheduler and broker if they are ours."""
         self.endpoint.close()
-        if self._binder is not None:
-            # Not waited for: a bind in progress fails at once on the closed endpoint.
-            self._binder.shutdown(wait=False)
+        for executor in (self._binder, self._claimer):
+            if executor is not None:
+                # Not waited for: a bind or claim in progress fails at once on the closed
+                # endpoint.
+                executor.shutdown(wait=False)
         self._let_go_of_owned()
 
     def _let_go_of_owned(self) -> None:
@@ -298,14 +317,71 @@ class Driver:
                 )
             elif type(effect) is StoreAllocation or type(effect) is DeleteAllocation:
                 self._persist(effect)
+            elif type(effect) in _CLAIMING:
+                self._claims_due.append(effect)  # type: ignore[arg-type]  # the set narrows it
             else:
                 outcomes.append(effect)  # type: ignore[arg-type]  # what is left: outcomes
 
     def _settle(self, outcomes: list[Outcome]) -> None:
-        """After the machine's lock is released: transmit what is queued, then hand the
-        outcomes to whoever waits for them."""
+        """After the machine's lock is released: transmit what is queued, ask for the
+        claims due, then hand the outcomes to whoever waits for them."""
         self._flush_outbox()
+        if self._claims_due:
+            self._ask_for_claims()
         self._deliver(outcomes)
+
+    def _ask_for_claims(self) -> None:
+        with self._lock:
+            due, self._claims_due = self._claims_due, []
+        for effect in due:
+            if not self.broker.reconnects:  # in this process: answered at once
+                self._claim_or_unclaim(effect)
+                continue
+            if self._claimer is None:
+                with self._lock:
+                    if self._claimer is None:
+                        self._claimer = concurrent.futures.ThreadPoolExecutor(
+                            max_workers=CLAIM_THREADS,
+                            thread_name_prefix=f"{self._endpoint_name}:claims",
+                        )
+            try:
+                self._claimer.submit(self._claim_or_unclaim, effect)
+            except RuntimeError:  # shut down: we are closing
+                return
+
+    def _claim_or_unclaim(self, effect: Claim | Unclaim) -> None:
+        request_id = effect.request_id
+        if type(effect) is Unclaim:
+            try:
+                self.endpoint.unclaim(request_id)
+            except BrokerError as error:  # the claim goes with the endpoint or connection
+                log.debug("%s could not let go of %s: %s", self.address, request_id, error)
+            return
+        connections = self.broker.connections
+        held: bool | None
+        try:
+            held = self.endpoint.claim(request_id)
+        except BrokerError as error:
+            log.debug("%s could not claim %s: %s", self.address, request_id, error)
+            held = None
+        if held and self.broker.connections != connections:
+            held = None  # made on a connection that went since: it may be gone
+        if self.broker.reconnects:
+            self._feed_claim(request_id, held)
+        else:
+            self.scheduler.call_at(
+                self.scheduler.clock.now(), partial(self._feed_claim, request_id, held)
+            )
+
+    def _feed_claim(self, request_id: str, held: bool | None) -> None:
+        token = REQUEST_ID.set(request_id)
+        try:
+            with self._lock:
+                closed = self._closed
+            if not closed:
+                self._run(partial(self._handle_claim, request_id, held))
+        finally:
+            REQUEST_ID.reset(token)
 
     def _flush_outbox(self) -> None:
         # Whoever holds the transmit lock drains the queue, ours included, in order. A
@@ -419,6 +495,10 @@ class Driver:
 
     def _handle_timer(self, key: Hashable, now: float) -> list[Effect]:
         raise NotImplementedError
+
+    def _handle_claim(self, request_id: str, held: bool | None, now: float) -> list[Effect]:
+        """The broker's answer to a :class:`Claim` the machine asked for."""
+        return []
 
     def _conversation_of(self, key: Hashable) -> str | None:
         """The request id a timer belongs to, for the logs (None: no conversation's)."""

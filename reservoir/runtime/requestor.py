@@ -182,6 +182,8 @@ class Requestor(Driver):
         self._runs: dict[str, TaskRun] = {}
         #: asks the nodes what they hold of an id; opened by the first find
         self._finder: Finder | None = None
+        #: the broker's connections when the machine's claims were made (see claims_lost)
+        self._connections_seen = 0
         self._finder_lock = threading.Lock()
         super().__init__(
             broker=broker,
@@ -587,13 +589,32 @@ class Requestor(Driver):
             assert isinstance(message, TaskState)
             self._heard_task(message)
             return []
+        if self.machine.claims_held:
+            self._notice_claims_lost()
         return self.machine.handle(message, now)
 
     def _handle_returned(self, message: Message, now: float) -> list[Effect]:
         return self.machine.on_unroutable(message, now)
 
     def _handle_timer(self, key: Hashable, now: float) -> list[Effect]:
+        if self.machine.claims_held:
+            self._notice_claims_lost()
         return self.machine.on_timer(key, now)
+
+    def _handle_claim(self, request_id: str, held: bool | None, now: float) -> list[Effect]:
+        if held:
+            # the claim was made on the connection there is now (the driver checked)
+            self._connections_seen = self.broker.connections
+        return self.machine.on_claim(request_id, held, now)
+
+    def _notice_claims_lost(self) -> None:
+        """Under the machine's lock, before it decides anything: a connection renewed
+        since the claims were made took them with it. (Offers that came after the
+        renewal can only be heard after it, so the machine hears of it first.)"""
+        connections = self.broker.connections
+        if connections != self._connections_seen:
+            self._connections_seen = connections
+            self.machine.claims_lost()
 
     def _deliver(self, outcomes: list[Outcome]) -> None:
         # A waiter may have given up (an asyncio task cancelled, a client gone): its future

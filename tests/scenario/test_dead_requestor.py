@@ -127,6 +127,8 @@ def placed_by_a_requestor_now_dead(sim: Simulation, request_id: str) -> str:
     first.submit(request_id=request_id, vcpus=1, memory_mb=512, timeout_s=30)
     assert sim.scheduler.run_until(held_anywhere(sim, request_id, "allocation"), timeout_s=10)
     kill(first)
+    # the retry comes later (the chaos run's, 1.8 s): what tells the two placements apart
+    sim.advance(1.0)
     (holder,) = [s.name for s in sim.snapshots() for _allocation in s.allocations]
     return holder
 
@@ -199,6 +201,7 @@ def test_a_requestor_whose_placement_was_superseded_answers_a_retry_with_the_lat
     earlier = sim.place(first, request_id="job-7", vcpus=1, memory_mb=512, timeout_s=30)
     (holder,) = earlier.nodes
     away(sim, holder)
+    sim.advance(1.0)  # the retry comes later
     second = sim.add_requestor("worker.2")
     later = sim.place(second, request_id="job-7", vcpus=1, memory_mb=512, timeout_s=30)
     back(sim, holder, stores)

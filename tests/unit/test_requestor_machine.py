@@ -13,12 +13,14 @@ import pytest
 
 from reservoir.protocol.effects import (
     CancelTimer,
+    Claim,
     Effect,
     Failed,
     Placed,
     Publish,
     Send,
     SetTimer,
+    Unclaim,
 )
 from reservoir.protocol.messages import (
     Accepted,
@@ -49,6 +51,11 @@ TIMEOUT_S = 60.0
 
 
 def a_requestor(**config: Any) -> RequestorMachine:
+    """A requestor machine. Unless a test says otherwise, one that does not claim its
+    caller-chosen ids, as on a broker that cannot claim or after a claim was lost: these
+    tests drive the lookups such a requestor makes before every decision; the claim's own
+    tests are below ("claims")."""
+    config.setdefault("claims", False)
     return RequestorMachine(RequestorConfig(requestor_id="req", reply_to="req-inbox", **config))
 
 
@@ -747,3 +754,86 @@ def test_our_own_placement_found_again_is_left_alone() -> None:
     effects = machine.handle(held_by("n2", "job-7", at_s=200.0), T0 + 1)
     assert sent(effects, Free) == []
     assert machine.placement_of("job-7") == ours.placement
+
+
+# -- claims -------------------------------------------------------------------------------
+
+
+def a_claiming_requestor(**config: Any) -> RequestorMachine:
+    return a_requestor(claims=True, **config)
+
+
+def lookups(effects: list[Effect]) -> list[Publish]:
+    return [e for e in effects if isinstance(e, Publish) and isinstance(e.message, Lookup)]
+
+
+def test_a_caller_chosen_id_is_claimed_before_anything_is_sent() -> None:
+    machine = a_claiming_requestor()
+    effects = machine.place(spec(request_id="r1"), "r1", T0, TIMEOUT_S)
+    assert Claim("r1") in effects
+    assert not [e for e in effects if isinstance(e, Publish | Send)]
+    # a generated id is not claimed: nobody else can know it
+    assert Claim("g1") not in machine.place(spec(), "g1", T0, TIMEOUT_S)
+
+
+def test_under_a_claim_and_a_lookup_nobody_answers_the_decision_waits_for_no_lookup() -> None:
+    machine = a_claiming_requestor()
+    machine.place(spec(request_id="r1"), "r1", T0, TIMEOUT_S)
+    (lookup,) = lookups(machine.on_claim("r1", True, T0 + 0.001))
+    assert lookup.topic == lookup_topic("r1")
+    asked = machine.on_unroutable(lookup.message, T0 + 0.002)  # nobody holds anything of it
+    assert [r.tier for r in published(asked) if isinstance(r, ReservationRequest)] == [10]
+    first = machine.handle(offer("n1"), T0 + 0.003)
+    decided = collect(machine, first, T0 + 0.003)
+    # awarded at once: no second lookup, no wait for its answers
+    assert [a.address for a in sent(decided, Award)] == ["addr-n1"]
+    assert lookups(decided) == []
+    done = machine.handle(accepted("n1"), T0 + 0.004)
+    assert isinstance(outcome(done), Placed)
+    assert Unclaim("r1") in done and machine.claims_held == 0
+
+
+def test_a_claim_held_elsewhere_is_asked_again_after_a_pause_and_the_placement_adopted() -> None:
+    machine = a_claiming_requestor()
+    machine.place(spec(request_id="r1"), "r1", T0, TIMEOUT_S)
+    paused = machine.on_claim("r1", False, T0 + 0.001)  # another requestor is placing it
+    assert not [e for e in paused if isinstance(e, Publish | Send)]
+    key, at = timer_at(paused, "retry")
+    assert Claim("r1") in machine.on_timer(key, at)
+    assert len(lookups(machine.on_claim("r1", True, at + 0.001))) == 1
+    # the other placed it: its holder answers, saying the placement has one instance
+    done = machine.handle(held_by("n2", "r1", at_s=5.0), at + 0.002)
+    placed = outcome(done)
+    assert isinstance(placed, Placed) and placed.placement.nodes == ("n2",)
+    assert published(done) == [] and sent(done, Award) == []
+    assert Unclaim("r1") in done
+
+
+def test_a_broker_that_cannot_claim_leaves_the_lookup_before_every_decision() -> None:
+    machine = a_claiming_requestor()
+    machine.place(spec(request_id="r1"), "r1", T0, TIMEOUT_S)
+    asked = machine.on_claim("r1", None, T0 + 0.001)
+    assert [r.tier for r in published(asked)] == [10]
+    decided = collect(machine, machine.handle(offer("n1"), T0 + 0.002), T0 + 0.002)
+    assert sent(decided, Award) == [] and len(lookups(decided)) == 1
+
+
+def test_a_claim_lost_with_the_connection_brings_the_lookup_back() -> None:
+    machine = a_claiming_requestor()
+    machine.place(spec(request_id="r1"), "r1", T0, TIMEOUT_S)
+    (lookup,) = lookups(machine.on_claim("r1", True, T0 + 0.001))
+    machine.on_unroutable(lookup.message, T0 + 0.002)
+    assert machine.claims_held == 1
+    machine.claims_lost()  # the connection went and came back: so did the claim
+    decided = collect(machine, machine.handle(offer("n1"), T0 + 0.003), T0 + 0.003)
+    assert sent(decided, Award) == [] and len(lookups(decided)) == 1
+    assert machine.claims_held == 0
+
+
+def test_a_claim_answered_after_its_conversation_ended_is_let_go() -> None:
+    machine = a_claiming_requestor()
+    started = machine.place(spec(request_id="r1"), "r1", T0, 1.0)
+    key, at = timer_at(started, "deadline")
+    failed = outcome(machine.on_timer(key, at))  # the broker never answered in time
+    assert isinstance(failed, Failed)
+    assert machine.on_claim("r1", True, at + 0.1) == [Unclaim("r1")]

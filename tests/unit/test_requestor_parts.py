@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from reservoir.protocol.answers import AnsweredIds
-from reservoir.protocol.contention import IdContention, LookupOutcome
+from reservoir.protocol.contention import ClaimState, IdContention, LookupOutcome
 from reservoir.protocol.conversation import (
     TRANSITIONS,
     Conversation,
@@ -50,8 +50,8 @@ def test_timer_keys_are_values_that_cannot_change_once_a_timer_is_set_on_them() 
         FreeTimer("r1", True).notify = False  # type: ignore[misc]
 
 
-def test_a_new_conversation_can_only_probe_broadcast_or_wait_for_a_keepers_sample() -> None:
-    assert TRANSITIONS[Phase.NEW] == {Event.PROBE, Event.BROADCAST, Event.BACK_OFF}
+def test_a_new_conversation_can_only_probe_broadcast_claim_or_wait_for_a_keepers_sample() -> None:
+    assert TRANSITIONS[Phase.NEW] == {Event.PROBE, Event.BROADCAST, Event.BACK_OFF, Event.CLAIM}
     conversation = a_conversation()
     with pytest.raises(ProtocolBug):
         conversation.enter(Event.AWARD)
@@ -72,6 +72,35 @@ def test_the_exhaustive_broadcast_may_ask_nodes_alone_again() -> None:
 
 def test_every_phase_is_in_the_table() -> None:
     assert set(TRANSITIONS) == set(Phase)
+
+
+def test_a_claim_is_asked_for_first_or_again_after_a_pause_and_never_mid_conversation() -> None:
+    conversation = a_conversation()
+    conversation.enter(Event.CLAIM)
+    assert conversation.phase is Phase.CLAIMING
+    with pytest.raises(ProtocolBug):
+        conversation.enter(Event.AWARD)  # nothing is held while claiming
+    conversation.enter(Event.BACK_OFF)  # claimed elsewhere
+    conversation.enter(Event.CLAIM)  # again, after the pause
+    conversation.enter(Event.PROBE)
+    with pytest.raises(ProtocolBug):
+        conversation.enter(Event.CLAIM)
+
+
+def test_a_held_claim_with_nobody_found_is_exclusive_until_another_requestor_shows() -> None:
+    contention = IdContention("bob", True)
+    assert not contention.exclusive()
+    contention.claim, contention.clear = ClaimState.HELD, True
+    assert contention.exclusive() and not contention.must_look_up(1)
+    contention.in_flight_elsewhere("carol", alive_until=T0 + 6)
+    assert not contention.exclusive() and contention.must_look_up(1)
+
+
+def test_a_claim_lost_with_its_connection_is_no_longer_exclusive() -> None:
+    contention = IdContention("bob", True)
+    contention.claim, contention.clear = ClaimState.HELD, True
+    contention.claim_lost()
+    assert contention.claim is ClaimState.NONE and contention.must_look_up(1)
 
 
 def test_a_requestor_whose_id_sorts_later_defers_to_the_other() -> None:

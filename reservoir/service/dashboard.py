@@ -17,6 +17,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import RedirectResponse
 
+from reservoir.service.activity import MAX_WINDOW_S, MIN_BUCKET_S, span_problem
 from reservoir.service.routes import service_of
 from reservoir.service.shapes import Problem
 
@@ -67,15 +68,17 @@ def _asset_response(name: str) -> Response:
 @router.get("/v1/activity")
 async def activity(
     request: Request,
-    window_s: Annotated[float, Query(gt=0, le=3600)] = 300.0,
-    bucket_s: Annotated[float, Query(gt=0, le=600)] = 10.0,
+    window_s: Annotated[float, Query(gt=0, le=MAX_WINDOW_S)] = 300.0,
+    bucket_s: Annotated[float, Query(ge=MIN_BUCKET_S, le=MAX_WINDOW_S)] = 10.0,
 ) -> dict[str, Any]:
     """This replica's placements over the last ``window_s``: placements per second (over
-    the last minute), p50/p99 of the placement time, how many per ``bucket_s``, failures by
-    reason and the last few outcomes with the nodes chosen. Per replica: each replica of a
-    service counts only what it answered (Prometheus adds the replicas up)."""
-    if bucket_s > window_s:
-        raise Problem.of_validation_error(
-            [{"loc": ("query", "bucket_s"), "msg": "must not be longer than window_s"}]
-        )
+    the last minute), p50/p99 of the placement time, how many per ``bucket_s`` (at least
+    1 s and no longer than the window: at most 3,600 counts), failures by reason and the
+    last few outcomes with the nodes chosen. Per replica: each replica of a service counts
+    only what it answered (Prometheus adds the replicas up)."""
+    # the schema bounds each parameter; how they fit together is checked here
+    refused = span_problem(window_s, bucket_s)
+    if refused is not None:
+        parameter, problem = refused
+        raise Problem.of_validation_error([{"loc": ("query", parameter), "msg": problem}])
     return service_of(request).activity.summary(window_s, bucket_s)

@@ -5,8 +5,8 @@ this replica's recent placements summarised (:mod:`reservoir.service.activity`).
 
 The page polls ``/v1/activity`` and ``/v1/nodes`` (every node's ledger, asked of the nodes
 over the broker) and draws the nodes by tier, as a heatmap per resource class and a paged
-table of bars, with its own SVG. A user's app mounts it beside the routes with
-``app.include_router(dashboard.router)``.
+table of bars, with its own SVG. It needs the API routes beside it (``/v1/nodes``): a
+user's app includes both as :data:`reservoir.service.router`.
 
 (No ``from __future__ import annotations``: FastAPI reads the endpoints' annotations.)
 """
@@ -18,12 +18,13 @@ from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import RedirectResponse
 
 from reservoir.service.activity import MAX_WINDOW_S, MIN_BUCKET_S, span_problem
+from reservoir.service.problems import ProblemRoute
 from reservoir.service.routes import service_of
 from reservoir.service.shapes import Problem
 
 __all__ = ["ASSETS", "router"]
 
-router = APIRouter()
+router = APIRouter(route_class=ProblemRoute)
 
 #: the page's files, by the name the page asks for, and their media types
 ASSETS = {

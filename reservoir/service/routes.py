@@ -1,11 +1,13 @@
-"""The placement service's routes, as one :class:`~fastapi.APIRouter` a user's own FastAPI
-app can mount (``app.include_router(router)``) beside its own, with
-:func:`~reservoir.service.reservoir_lifespan` in its lifespan.
+"""The placement service's API routes, as one :class:`~fastapi.APIRouter`: the
+reservations, ``/v1/nodes``, the probes and ``/metrics`` (a user's app includes them with
+the dashboard as :data:`reservoir.service.router`, with
+:func:`~reservoir.service.reservoir_lifespan` in its lifespan).
 
 Each route finds the service at ``request.app.state.reservoir`` (the lifespan puts it
 there) and the app's metrics, when it keeps them, at ``request.app.state.metrics``. Errors
-are raised as :class:`~reservoir.service.shapes.Problem` (or the library's own exceptions);
-:func:`reservoir.service.app.add_problem_handlers` turns them into problem+json.
+are raised as :class:`~reservoir.service.shapes.Problem` (or the library's own
+exceptions); the routes' class, :class:`~reservoir.service.problems.ProblemRoute`, turns
+them into problem+json in whichever app includes them.
 
 (No ``from __future__ import annotations``: FastAPI reads the endpoints' annotations.)
 """
@@ -20,6 +22,7 @@ from reservoir.protocol.messages import InvalidField
 from reservoir.protocol.placement import Placement, PlacementError, PlacementRequest
 from reservoir.runtime.requestor import RequestorClosed
 from reservoir.service.lifespan import ReservoirService
+from reservoir.service.problems import ProblemRoute
 from reservoir.service.shapes import (
     PROBLEM_JSON,
     NodeOut,
@@ -33,7 +36,7 @@ __all__ = ["DEFAULT_NODES_WAIT_S", "router", "service_of"]
 
 DEFAULT_NODES_WAIT_S = 1.0
 
-router = APIRouter()
+router = APIRouter(route_class=ProblemRoute)
 
 #: the problems the placement routes answer with, for the OpenAPI document
 PLACEMENT_PROBLEMS: dict[int | str, dict[str, Any]] = {

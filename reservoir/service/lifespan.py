@@ -18,6 +18,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -59,6 +60,9 @@ AFTER_CLOSE_S = 0.5
 TASK_QUERY_WAIT_S = 0.3
 #: least recently used forgotten first: as many as its requestor remembers
 CACHE_ENTRIES = 100_000
+#: node listings (``GET /v1/nodes``) gathering at once, each on a thread of the service's
+#: own that sleeps while the ledgers come in; more wait their turn
+LEDGER_GATHERS = 8
 
 
 class _HasState(Protocol):
@@ -99,6 +103,13 @@ class ReservoirService:
     activity: Activity = field(default_factory=Activity)
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
     _stopping: "asyncio.Task[None] | None" = None
+    #: the threads node listings wait on: their own, so that a listing's wait (up to
+    #: 30 s) never holds a thread of the loop's default pool, which the other routes use
+    _ledger_threads: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(
+            max_workers=LEDGER_GATHERS, thread_name_prefix="reservoir-ledgers"
+        )
+    )
 
     @property
     def ready(self) -> bool:
@@ -187,8 +198,12 @@ class ReservoirService:
             finally:
                 collector.close()
 
+        async def gathered() -> list[NodeSnapshot]:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._ledger_threads, gather)
+
         # a task of the service's own: the drain on shutdown waits for it too
-        return await self._to_the_end(asyncio.to_thread(gather))
+        return await self._to_the_end(gathered())
 
     async def drain(self, timeout_s: float) -> int:
         """Wait up to ``timeout_s`` for the placements and releases in flight; returns how
@@ -222,6 +237,8 @@ class ReservoirService:
         await asyncio.to_thread(self.requestor.close)
         # the failed ones answer (503) now: a moment for their routes to do so
         await self.drain(AFTER_CLOSE_S)
+        # a listing still gathering ends within its wait_s (up to 30 s): not waited for
+        self._ledger_threads.shutdown(wait=False, cancel_futures=True)
 
     async def _place(self, spec: PlacementRequest, timeout_s: float | None) -> Placement:
         metrics = self.metrics

@@ -35,6 +35,9 @@ from reservoir.service.shapes import (
 __all__ = ["DEFAULT_NODES_WAIT_S", "router", "service_of"]
 
 DEFAULT_NODES_WAIT_S = 1.0
+#: the longest a node listing waits for the nodes' ledgers, and the most it waits for
+MAX_NODES_WAIT_S = 30.0
+MAX_EXPECT_NODES = 1_000_000
 
 router = APIRouter(route_class=ProblemRoute)
 
@@ -215,11 +218,13 @@ async def delete_reservation(request_id: str, request: Request) -> Response:
 @router.get("/v1/nodes")
 async def list_nodes(
     request: Request,
-    wait_s: Annotated[float, Query(gt=0, le=30)] = DEFAULT_NODES_WAIT_S,
-    expect_nodes: Annotated[int | None, Query(ge=1)] = None,
+    wait_s: Annotated[float, Query(gt=0, le=MAX_NODES_WAIT_S)] = DEFAULT_NODES_WAIT_S,
+    expect_nodes: Annotated[int | None, Query(ge=1, le=MAX_EXPECT_NODES)] = None,
 ) -> list[NodeOut]:
     """Every live node, its tier and usage, from the ledger reports the nodes send
-    within ``wait_s`` (sooner once ``expect_nodes`` have answered)."""
+    within ``wait_s`` (sooner once ``expect_nodes`` have answered). The wait is on a
+    thread of the listings' own (at most 8 gather at once; more wait their turn), so it
+    holds up no other request."""
     snapshots = await service_of(request).nodes(wait_s, expect_nodes)
     return [NodeOut.of(snapshot) for snapshot in snapshots]
 

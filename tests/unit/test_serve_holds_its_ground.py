@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -153,6 +154,19 @@ def test_no_activity_query_makes_a_500(app: Running, window: str, bucket: str) -
 
 
 @EXAMPLES
+@given(wait=QUERY_VALUES)
+def test_no_node_listing_query_makes_a_500_and_each_is_bounded(app: Running, wait: str) -> None:
+    # both nodes expected: a valid wait ends as soon as they have answered
+    app.ask("GET", "/v1/nodes", params={"wait_s": wait, "expect_nodes": 2})
+    app.ask("GET", "/v1/nodes", params={"wait_s": 0.05, "expect_nodes": wait})
+    for wait_s, expect_nodes in [(30.5, 2), (0.05, 1_000_001), (0.05, 10**20)]:
+        answer = app.ask(
+            "GET", "/v1/nodes", params={"wait_s": wait_s, "expect_nodes": expect_nodes}
+        )
+        assert answer.status_code == 422, answer.text
+
+
+@EXAMPLES
 @given(body=BODIES)
 def test_no_body_makes_a_500(app: Running, body: dict[str, Any]) -> None:
     content = encoded(body)
@@ -251,3 +265,38 @@ def test_an_error_nothing_expected_is_a_500_problem_logged_counted_and_in_the_ac
         ]
         counted = f'route="{path}",status="500"}} 1.0'
         assert f'reservoir_service_http_requests_total{{method="GET",{counted}' in metrics
+
+
+# -- node listings wait on threads of their own -------------------------------------------
+
+
+def test_node_listings_waiting_hold_up_no_other_request(
+    broker: InProcessBroker, nodes: list[NodeAgent]
+) -> None:
+    """More listings than the loop's default thread pool has threads, each waiting its
+    whole wait_s (no expect_nodes): a reservation's GET, which asks the nodes through
+    that pool, answers while every listing is still waiting."""
+    default_pool = min(32, (os.cpu_count() or 1) + 4)  # asyncio's default executor
+    app = create_app(broker)
+
+    async def scenario() -> tuple[httpx.Response, list[bool], list[httpx.Response]]:
+        async with serving(app) as client:
+            placed = await client.post("/v1/reservations", json={"vcpus": 1})
+            assert placed.status_code == 201, placed.text
+            listings = [
+                asyncio.create_task(client.get("/v1/nodes", params={"wait_s": 3}))
+                for _ in range(default_pool + 2)
+            ]
+            await asyncio.sleep(0.2)  # every listing asked and waiting
+            read = await client.get(f"/v1/reservations/{placed.json()['request_id']}")
+            waiting = [not listing.done() for listing in listings]
+            listed = await asyncio.gather(*listings)
+            freed = await client.delete(f"/v1/reservations/{placed.json()['request_id']}")
+            assert freed.status_code == 204
+            return read, waiting, listed
+
+    read, waiting, listed = asyncio.run(scenario())
+    assert read.status_code == 200, read.text
+    assert all(waiting), waiting
+    assert all(len(listing.json()) == len(nodes) for listing in listed)
+    audit([n.snapshot() for n in nodes], []).raise_if_failed()

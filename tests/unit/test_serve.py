@@ -560,6 +560,64 @@ def test_the_serve_command_on_a_port_in_use_says_so_in_one_line_and_exits_2() ->
     assert "in use" in line
 
 
+def unused_port() -> int:
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def test_the_serve_command_gives_up_on_a_broker_after_its_connect_attempts_with_one_line() -> None:
+    import re
+    import subprocess
+    import sys
+
+    broker_port, port = unused_port(), unused_port()
+    done = subprocess.run(
+        [sys.executable, "-m", "reservoir", "serve", "--port", str(port),
+         "--connect-attempts", "2", "--broker", f"amqp://guest:guest@127.0.0.1:{broker_port}/"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 3, done.stderr
+    shown = f"amqp://guest:***@127.0.0.1:{broker_port}/"
+    waited, gave_up = done.stderr.splitlines()
+    assert re.search(
+        rf"reservoir serve: cannot connect to {re.escape(shown)}: connection refused; "
+        r"retrying in \d+\.\d s \(attempt 1\)$",
+        waited,
+    ), waited
+    assert gave_up == f"reservoir serve: cannot connect to {shown}: connection refused"
+
+
+def test_the_serve_command_waits_for_its_broker_until_stopped_and_then_exits_0() -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    broker_port, port = unused_port(), unused_port()
+    waiting = subprocess.Popen(
+        [sys.executable, "-m", "reservoir", "serve", "--port", str(port),
+         "--broker", f"amqp://guest:guest@127.0.0.1:{broker_port}/"],
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    try:
+        assert waiting.stderr is not None
+        lines = [waiting.stderr.readline() for _ in range(2)]  # two attempts retried
+        assert waiting.poll() is None, lines  # it went on waiting: it did not exit 3
+        assert all("retrying in" in line for line in lines), lines
+        assert [line.rsplit("(", 1)[1] for line in lines] == ["attempt 1)\n", "attempt 2)\n"]
+        waiting.send_signal(signal.SIGTERM)
+        _out, rest = waiting.communicate(timeout=30)
+    finally:
+        if waiting.poll() is None:
+            waiting.kill()
+            waiting.wait(timeout=10)
+    assert waiting.returncode == 0, rest
+    assert rest.strip().endswith("reservoir serve: stopped before the broker answered"), rest
+
+
 def test_the_serve_process_takes_its_configuration_from_the_environment_and_exits_0_on_sigterm(
     tmp_path: Any,
 ) -> None:

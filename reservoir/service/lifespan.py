@@ -369,20 +369,39 @@ async def reservoir_lifespan(
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
 ) -> AsyncIterator[ReservoirService]:
     """Open a :class:`ReservoirService` for an ASGI app's lifetime; put it in the app's
-    lifespan::
+    lifespan, and include the service's routes (:data:`reservoir.service.router`) to
+    serve them as ``reservoir serve`` does::
+
+        from collections.abc import AsyncIterator
+        from contextlib import asynccontextmanager
+
+        from fastapi import FastAPI, Request
+
+        from reservoir import PlacementRequest
+        from reservoir.service import (
+            ReservoirService,
+            add_problem_handlers,
+            reservoir_lifespan,
+            router,
+        )
+
 
         @asynccontextmanager
         async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-            async with reservoir_lifespan(app, "amqp://guest:guest@127.0.0.1:5672/"):
+            async with reservoir_lifespan(app):  # the broker of RESERVOIR_BROKER_URL
                 yield
 
-        app = FastAPI(lifespan=lifespan)
 
-        @app.post("/servers")
+        app = FastAPI(lifespan=lifespan)
+        app.include_router(router)  # /v1/reservations, /v1/nodes, /ui: errors as problem+json
+        add_problem_handlers(app)  # this app's own too: a PlacementError is a 409 problem
+
+
+        @app.post("/servers", status_code=201)
         async def create(request: Request) -> dict[str, str]:
             service: ReservoirService = request.app.state.reservoir
             placement = await service.place(PlacementRequest(resources={"VCPU": 2}))
-            ...
+            return {"node": placement.allocations[0].node}
 
     ``broker`` is a shared :class:`~reservoir.Broker` (left open), a URL, or None for
     ``settings.broker_url``; a broker opened here is closed on exit. With ``app``, the

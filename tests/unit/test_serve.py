@@ -675,3 +675,76 @@ def test_the_serve_process_takes_its_configuration_from_the_environment_and_exit
     assert f"reservoir serve: listening on http://127.0.0.1:{port}, broker memory://" in messages
     [unplaced_line] = [line for line in lines if str(line["message"]).startswith("not placed")]
     assert unplaced_line["request_id"] == unplaced.json()["request_id"]
+
+
+def test_the_service_router_gives_a_users_app_the_routes_the_dashboard_and_problem_answers(
+    broker: InProcessBroker, nodes: list[NodeAgent]
+) -> None:
+    """One include: the reservations, the node listing the dashboard polls, the dashboard,
+    and the service's answers as problem+json (415, 413, 422, a logged 500); the app's own
+    routes keep their own error handling."""
+    import logging
+
+    from fastapi import HTTPException
+
+    import reservoir.service
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with reservoir_lifespan(app, broker):
+            yield
+
+    app = FastAPI(lifespan=lifespan)
+    app.include_router(reservoir.service.router)
+
+    @app.get("/mine")
+    async def mine() -> None:
+        raise HTTPException(418, "the app's own")
+
+    def broken(*args: object, **kwargs: object) -> dict[str, Any]:
+        raise RuntimeError("unexpected")
+
+    async def scenario(client: httpx.AsyncClient, service: ReservoirService) -> list[Placement]:
+        page = await client.get("/ui/")
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        listed = await client.get("/v1/nodes", params={"expect_nodes": len(nodes), "wait_s": 10})
+        assert listed.status_code == 200, listed.text
+        assert sorted(n["name"] for n in listed.json()) == sorted(n.name for n in nodes)
+        assert (await client.get("/v1/activity")).status_code == 200
+
+        not_json = await client.post(
+            "/v1/reservations", content=b"vcpus=1", headers={"content-type": "text/plain"}
+        )
+        assert not_json.status_code == 415 and not_json.headers["content-type"] == PROBLEM_JSON
+        too_large = await client.post(
+            "/v1/reservations", json={"vcpus": 1, "hints": {"x": "y" * 2_000_000}}
+        )
+        assert too_large.status_code == 413 and too_large.headers["content-type"] == PROBLEM_JSON
+        invalid = await client.post("/v1/reservations", json={"vcpus": True})
+        assert invalid.status_code == 422 and invalid.headers["content-type"] == PROBLEM_JSON
+        assert invalid.json()["errors"][0]["field"] == "body.vcpus"
+        refused = await client.post("/v1/reservations", json={"vcpus": 99})
+        assert refused.status_code == 409 and refused.headers["content-type"] == PROBLEM_JSON
+        bad_bucket = await client.get("/v1/activity", params={"bucket_s": "1e-11"})
+        assert bad_bucket.status_code == 422, bad_bucket.text
+
+        placed = await client.post("/v1/reservations", json={"vcpus": 1, "memory_mb": 256})
+        assert placed.status_code == 201, placed.text
+        request_id = placed.json()["request_id"]
+        assert (await client.get(f"/v1/reservations/{request_id}")).status_code == 200
+        assert (await client.delete(f"/v1/reservations/{request_id}")).status_code == 204
+
+        service.activity.summary = broken  # type: ignore[method-assign]
+        failed = await client.get("/v1/activity")
+        assert failed.status_code == 500 and failed.headers["content-type"] == PROBLEM_JSON
+
+        own = await client.get("/mine")  # the app's own route: FastAPI's answer, untouched
+        assert own.status_code == 418
+        assert own.headers["content-type"] == "application/json"
+        assert own.json() == {"detail": "the app's own"}
+        return list(service.placements.values())
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(logging.getLogger("reservoir.serve"), "disabled", True)  # the 500's line
+        placements = run_against(app, scenario)
+    audited(nodes, placements)

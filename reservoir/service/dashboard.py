@@ -57,7 +57,8 @@ async def ui_page() -> Response:
 @router.get("/ui/{name}", include_in_schema=False)
 async def ui_asset(name: str) -> Response:
     if name not in ASSETS:
-        raise Problem(404, "not found", f"the dashboard has no {name!r}")
+        shown = name if len(name) <= 64 else f"{name[:64]}..."  # the client's text: short
+        raise Problem(404, "not found", f"the dashboard has no {shown!r}")
     return _asset_response(name)
 
 

@@ -111,6 +111,8 @@ def test_the_app_serves_the_page_its_assets_and_this_replicas_activity(
                 assert "https://" not in asset.text
             missing = await client.get("/ui/secrets.txt")
             assert missing.status_code == 404
+            long_name = await client.get("/ui/" + "x" * 10_000)
+            assert long_name.status_code == 404 and len(long_name.content) < 1000
 
             placed = await client.post("/v1/reservations", json={"vcpus": 1, "memory_mb": 256})
             assert placed.status_code == 201

@@ -9,8 +9,9 @@ widening short), puts a :class:`~reservoir.service.ReservoirService` in
 (so the retry with the same key finds it), and on shutdown lets placements in flight
 finish before closing the requestor. This app adds only its own HTTP shapes: ``/servers``
 in its own words, and errors as plain JSON. For the whole service (problem+json errors,
-``/readyz``, ``/metrics``, ``/v1/nodes``, a reused key with another body refused), run
-``reservoir serve`` itself.
+``/readyz``, ``/metrics``, ``/v1/nodes``, the dashboard, a reused key with another body
+refused), run ``reservoir serve`` itself, or include ``reservoir.service.router`` in the
+app (docs/http-api.md, "The service in your own app").
 
 What it shows:
 

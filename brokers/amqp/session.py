@@ -402,6 +402,12 @@ class Session(Generic[W]):
         self._ever_ready = False
         #: connection attempts that failed in a row
         self._failures = 0
+        #: when the working connection was lost (None: none is), and the attempts to get
+        #: it back that failed since, for the one line its return gets
+        self._lost_at_s: float | None = None
+        self._failed_since_lost = 0
+        #: when the connection being set up was opened
+        self._connected_at_s = 0.0
         self._user_id: str | None = None
         self._deadline_s: float | None = None
 
@@ -627,6 +633,7 @@ class Session(Generic[W]):
             return
         self._move("connected")
         self._user_id = user_id
+        self._connected_at_s = now_s
         self._set_deadline(now_s + self._timeout_s)
         for role in ROLES:
             self._open_channel(role)
@@ -775,8 +782,16 @@ class Session(Generic[W]):
         else:
             self._failures = 0
         wait_s = self._backoff_s()
-        if self._ever_ready:
+        if self._ever_ready and was_ready:
+            # one warning for the outage; its attempts are INFO, its end a warning again
+            self._lost_at_s, self._failed_since_lost = now_s, 0
             log.warning("%s: connection lost (%s); reconnecting", self.name, reason)
+        elif self._ever_ready:
+            self._failed_since_lost += 1
+            log.info(
+                "%s: reconnect attempt %d failed (%s); retrying in %.1f s",
+                self.name, self._failed_since_lost, reason, wait_s,
+            )  # fmt: skip
         else:
             # never connected: nothing was lost, and "reconnecting" would say it had been
             log.warning(
@@ -985,16 +1000,31 @@ class Session(Generic[W]):
             return
         self._move("set up")
         self._deadline_s = None
-        if self._ever_ready:
+        reconnected = self._ever_ready
+        if reconnected:
             self.stats.reconnects += 1
         self._ever_ready = True
         self._failures = 0
         waiting, self._after_ready = self._after_ready, []
         for waiter in waiting:
             self._resolve(waiter)
-        log.info(
-            "%s: ready (exchange %r, %d endpoints)", self.name, self.exchange, len(self._endpoints)
-        )
+        if reconnected and self._lost_at_s is not None:
+            # the end of the outage "connection lost" began: said once, at its level
+            log.warning(
+                "%s: reconnected after %.1f s (%d attempt(s)); %d endpoint(s) restored",
+                self.name,
+                max(0.0, self._connected_at_s - self._lost_at_s),
+                self._failed_since_lost + 1,
+                len(self._endpoints),
+            )
+            self._lost_at_s = None
+        else:
+            log.info(
+                "%s: ready (exchange %r, %d endpoints)",
+                self.name,
+                self.exchange,
+                len(self._endpoints),
+            )
 
     def _publishable(self) -> bool:
         return (

@@ -6,15 +6,19 @@ from __future__ import annotations
 import logging
 import signal
 import socket
+import sys
+import threading
 from types import FrameType
 from typing import TYPE_CHECKING
 
 import click
 
-from reservoir.broker import BrokerError
+from reservoir.broker import Broker, BrokerError
 from reservoir.cli.options import (
     broker_option,
+    broker_problem,
     cannot_reach_broker,
+    connect_attempts_option,
     load_settings,
     set_up_tracing,
     shown_url,
@@ -26,6 +30,8 @@ from reservoir.version import install_hint
 
 if TYPE_CHECKING:
     import uvicorn
+
+    from brokers import BrokerUrl
 
 
 def _stopped(signum: int, frame: FrameType | None) -> None:
@@ -87,6 +93,7 @@ def _stopped(signum: int, frame: FrameType | None) -> None:
     help="Refuse a request body larger than this with 413, before reading it "
     "[env: RESERVOIR_SERVE_MAX_BODY_BYTES].",
 )
+@connect_attempts_option()
 def serve(
     broker_url: str | None,
     host: str,
@@ -95,6 +102,7 @@ def serve(
     drain_timeout_s: float,
     access_log: bool,
     max_body_bytes: int,
+    connect_attempts: int,
 ) -> None:
     """Serve placements over HTTP: an ASGI app (FastAPI on uvicorn) embedding one requestor.
 
@@ -108,7 +116,9 @@ def serve(
     GET    /docs                   the OpenAPI documentation
 
     Errors are application/problem+json (RFC 9457). Settings come from RESERVOIR_*
-    environment variables as for every command. SIGTERM stops accepting connections,
+    environment variables as for every command. A broker that is not up yet (or
+    restarting) is waited for, with a line per failed attempt (--connect-attempts), and
+    the port is taken meanwhile. SIGTERM stops accepting connections,
     lets requests in flight finish (--drain-timeout; meanwhile new ones get 503), answers
     what is still in flight with 503 and Retry-After, closes the requestor and exits 0.
     """
@@ -126,14 +136,16 @@ def serve(
         listening = _listen(host, port)
     except OSError as error:
         usage_error(f"cannot listen on {host}:{port}: {error}")
-    from brokers import connect
-
     try:
-        broker = connect(settings.broker_url)
+        broker = _connect(settings.broker_url, connect_attempts)
     except BrokerError as error:
         listening.close()
         # the adapters' errors name the URL with its password masked
         cannot_reach_broker(error)
+    if broker is None:
+        listening.close()
+        say("reservoir serve: stopped before the broker answered")
+        sys.exit(0)  # stopped as asked, as a stop once serving is
     # (uvicorn does not say where it listens when it is handed the socket)
     shown = shown_url(settings.broker_url)
     say(f"reservoir serve: listening on http://{host}:{port}, broker {shown}")
@@ -171,6 +183,35 @@ def serve(
     finally:
         listening.close()
         broker.close()
+
+
+def _connect(url: BrokerUrl | None, attempts: int) -> Broker | None:
+    """The broker at ``url``, waited for as ``reservoir node`` waits for it: a line per
+    failed attempt, backing off up to 15 s, ``attempts`` of them (0: until stopped).
+    None when SIGTERM or SIGINT came meanwhile."""
+    from brokers import connect
+    from reservoir.interrupt import stop_on_signals
+    from reservoir.observe.logs import say
+    from reservoir.runtime.backoff import quietly_connecting, until_connected
+
+    stop = threading.Event()
+    stop_on_signals(stop)
+
+    def connected() -> Broker:
+        # the adapters' own line per attempt would repeat ours
+        with quietly_connecting():
+            return connect(url)
+
+    def waiting(attempt: int, error: BaseException, wait_s: float) -> None:
+        say(
+            f"reservoir serve: {broker_problem(error)}; retrying in {wait_s:.1f} s "
+            f"(attempt {attempt})",
+            outcome="retrying",
+            attempt=attempt,
+            retry_in_s=round(wait_s, 1),
+        )
+
+    return until_connected(connected, attempts, stop, on_wait=waiting)
 
 
 #: after the drain, how long uvicorn waits for the open connections to write their answers

@@ -5,15 +5,20 @@ ASGI app mounts.
   ``application/problem+json`` (RFC 9457);
 - :mod:`.lifespan`: :class:`ReservoirService` (one shared requestor per process) and
   :func:`reservoir_lifespan`, which opens it for an ASGI app's lifetime;
-- :mod:`.routes`: the routes as one FastAPI ``APIRouter``;
+- :data:`router`: the whole service as one FastAPI ``APIRouter`` for a user's own app
+  (:mod:`.embed`): :mod:`.routes`, the API routes, and :mod:`.dashboard`, the live
+  dashboard (``/ui``) and ``/v1/activity`` over :mod:`.activity`, each replica's ring of
+  its recent placements; each route answers its own errors as problem+json
+  (:mod:`.problems`);
+- :func:`add_problem_handlers`: a user's app's own errors as problem+json too (a
+  ``PlacementError`` a 409 naming why);
 - :mod:`.app`: :func:`create_app`, the app of ``reservoir serve``;
-- :mod:`.metrics`: the service's Prometheus metrics;
-- :mod:`.dashboard`: the live dashboard (``/ui``) and ``/v1/activity``, as an ``APIRouter``,
-  over :mod:`.activity`, each replica's ring of its recent placements.
+- :mod:`.metrics`: the service's Prometheus metrics.
 
-FastAPI, uvicorn and prometheus_client come with the ``api`` extra; :mod:`.routes` and
-:mod:`.app` import FastAPI, so :func:`create_app` and :data:`router` are loaded from here
-only when asked for, and ``reservoir`` without the extra still imports.
+FastAPI, uvicorn and prometheus_client come with the ``api`` extra; the routes and the
+app import FastAPI, so :func:`create_app`, :data:`router` and
+:func:`add_problem_handlers` are loaded from here only when asked for, and ``reservoir``
+without the extra still imports.
 """
 
 from typing import Any
@@ -39,6 +44,7 @@ __all__ = [
     "ReservationIn",
     "ReservoirService",
     "Trait",
+    "add_problem_handlers",
     "create_app",
     "reservoir_lifespan",
     "router",
@@ -52,7 +58,11 @@ def __getattr__(name: str) -> Any:
 
         return create_app
     if name == "router":
-        from reservoir.service.routes import router
+        from reservoir.service.embed import router
 
         return router
+    if name == "add_problem_handlers":
+        from reservoir.service.problems import add_problem_handlers
+
+        return add_problem_handlers
     raise AttributeError(f"module 'reservoir.service' has no attribute {name!r}")

@@ -20,12 +20,25 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ACTIVITY_CAPACITY", "Activity", "Outcome"]
+__all__ = [
+    "ACTIVITY_CAPACITY",
+    "MAX_BUCKETS",
+    "MAX_WINDOW_S",
+    "MIN_BUCKET_S",
+    "Activity",
+    "Outcome",
+    "span_problem",
+]
 
 #: outcomes a replica remembers: at 100 placements/s, the last 5 minutes and a half
 ACTIVITY_CAPACITY = 32_768
 #: the last placements the summary lists
 RECENT = 12
+#: the longest window a summary covers, and the shortest bucket it counts in: so a summary
+#: has at most MAX_BUCKETS counts (a few kB of JSON), whatever it is asked for
+MAX_WINDOW_S = 3600.0
+MIN_BUCKET_S = 1.0
+MAX_BUCKETS = int(MAX_WINDOW_S / MIN_BUCKET_S)
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +53,20 @@ class Outcome:
     nodes: tuple[str, ...] = ()
     instances: int = 0
     partial: bool = False
+
+
+def span_problem(window_s: float, bucket_s: float) -> tuple[str, str] | None:
+    """What is wrong with a summary's window and bucket, as (the parameter, the problem),
+    or None: both finite, the window within (0, :data:`MAX_WINDOW_S`], the bucket at least
+    :data:`MIN_BUCKET_S` and no longer than the window, and so at most :data:`MAX_BUCKETS`
+    buckets."""
+    if not (math.isfinite(window_s) and 0 < window_s <= MAX_WINDOW_S):
+        return "window_s", f"must be more than 0 and at most {MAX_WINDOW_S:g}"
+    if not (math.isfinite(bucket_s) and bucket_s >= MIN_BUCKET_S):
+        return "bucket_s", f"must be at least {MIN_BUCKET_S:g}"
+    if bucket_s > window_s:
+        return "bucket_s", "must not be longer than window_s"
+    return None
 
 
 def percentile(sorted_values: Sequence[float], fraction: float) -> float | None:
@@ -76,7 +103,11 @@ class Activity:
         self.outcomes.append(Outcome(self.now(), reason, elapsed_s, request_id))
 
     def summary(self, window_s: float = 300.0, bucket_s: float = 10.0) -> dict[str, Any]:
-        """The window's outcomes in the dashboard's shape."""
+        """The window's outcomes in the dashboard's shape. Raises :class:`ValueError` for
+        a window or bucket :func:`span_problem` refuses."""
+        refused = span_problem(window_s, bucket_s)
+        if refused is not None:
+            raise ValueError(f"{refused[0]} {refused[1]}")
         now = self.now()
         since = now - window_s
         seen = [o for o in self.outcomes if o.at >= since]

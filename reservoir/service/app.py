@@ -1,38 +1,39 @@
 """The app of ``reservoir serve``: FastAPI with the service's routes, its lifespan, its
-errors as problem+json and its middleware (traces, request counts).
+errors as problem+json and its middleware (traces, request counts, access lines).
 
-A user's own app takes what it needs instead: the routes
-(:data:`reservoir.service.routes.router`), :func:`add_problem_handlers` and
-:func:`~reservoir.service.reservoir_lifespan`. FastAPI comes with the ``api`` extra; this
-module is imported only when an app is built.
+A user's own app takes what it needs instead: the whole service as one router
+(:data:`reservoir.service.router`, which answers its own errors as problem+json),
+:func:`~reservoir.service.reservoir_lifespan`, and, for its own routes,
+:func:`~reservoir.service.problems.add_problem_handlers`. FastAPI comes with the ``api``
+extra; this module is imported only when an app is built.
 """
 
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, MutableMapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
-from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException
 from starlette.routing import Match
 
 from brokers import BrokerUrl
-from reservoir.broker import Broker, BrokerError
+from reservoir.broker import Broker
 from reservoir.observe import tracing
-from reservoir.protocol.placement import PlacementError
-from reservoir.runtime.requestor import FreeIncomplete, RequestorClosed
 from reservoir.runtime.settings import Settings
-from reservoir.service import dashboard
+from reservoir.service.embed import router
 from reservoir.service.lifespan import DEFAULT_DRAIN_TIMEOUT_S, reservoir_lifespan
 from reservoir.service.metrics import ServiceMetrics
-from reservoir.service.routes import router
-from reservoir.service.shapes import DEFAULT_MAX_BODY_BYTES, PROBLEM_JSON, Problem, ProblemOut
+from reservoir.service.problems import (
+    InternalErrors,
+    add_problem_handlers,
+    internal_error,
+    problem_response,
+)
+from reservoir.service.shapes import DEFAULT_MAX_BODY_BYTES, PROBLEM_JSON, ProblemOut
 
-__all__ = ["BodyLimit", "add_problem_handlers", "create_app", "problem_openapi"]
+__all__ = ["add_problem_handlers", "create_app", "problem_openapi"]
 
 #: one line per request with ``--access-log`` (its facts as fields in JSON logs)
 access_log = logging.getLogger("reservoir.serve.access")
@@ -49,9 +50,12 @@ def create_app(
     """The app of ``reservoir serve``, placing through ``broker`` (as in
     :func:`~reservoir.service.reservoir_lifespan`). Its metrics are in a registry of its
     own (``app.state.metrics``). A request body over ``max_body_bytes`` is a 413, and
-    one that is not JSON a 415, before it is read (:class:`BodyLimit`). Each request is
-    logged on ``reservoir.serve.access`` while ``app.state.access_log`` is true. Its
-    live dashboard is at ``/ui`` (:mod:`.dashboard`)."""
+    one that is not JSON a 415, before it is read (``app.state.max_body_bytes``, which
+    the routes read: :class:`~reservoir.service.problems.ProblemRoute`). Every error is
+    a problem+json answer, an unexpected one a 500 logged with its traceback; each is
+    counted and, while ``app.state.access_log`` is true, logged on
+    ``reservoir.serve.access`` as any answer is. Its live dashboard is at ``/ui``
+    (:mod:`.dashboard`)."""
     metrics = ServiceMetrics()
 
     @asynccontextmanager
@@ -74,161 +78,24 @@ def create_app(
     app.state.metrics = metrics
     app.state.reservoir = None
     app.state.access_log = False
-    add_problem_handlers(app)
-    # the innermost first: the requests it refuses are traced, counted and logged too
-    app.add_middleware(BodyLimit, max_body_bytes=max_body_bytes)
+    app.state.max_body_bytes = max_body_bytes
+    add_problem_handlers(app)  # what no route answers: a 404, a 405
+    # outside every middleware: one of them failing is still a problem+json 500, logged
+    app.add_exception_handler(Exception, on_unexpected)
+    # the innermost first: the errors it answers are traced, counted and logged too
+    app.add_middleware(InternalErrors)
     app.middleware("http")(trace_requests)
     app.middleware("http")(count_requests)
     app.middleware("http")(log_requests)
-    app.include_router(router)
-    app.include_router(dashboard.router)  # /ui, / redirecting to it, /v1/activity
+    app.include_router(router)  # the reservation routes, /v1/nodes, the probes, /ui
     app.openapi = lambda: problem_openapi(app)  # type: ignore[method-assign]
     return app
 
 
-def problem_response(problem: Problem) -> JSONResponse:
-    return JSONResponse(
-        problem.body(),
-        status_code=problem.status,
-        media_type=PROBLEM_JSON,
-        headers=problem.headers or None,
-    )
-
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
-
-#: the media types a request body may have: JSON (``application/json`` or ``+json``)
-_JSON = ("application/json",)
-
-
-class BodyLimit:
-    """Refuse a request body over ``max_body_bytes`` with a 413 problem before it is
-    read whole: at once when its Content-Length says so, else as soon as the bytes
-    streamed in (chunked) pass the limit. And a body that is not JSON (by its
-    Content-Type) with a 415 problem, unread. An ASGI middleware: it sees the bytes
-    before FastAPI gathers them."""
-
-    def __init__(self, app: ASGIApp, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
-        self.app = app
-        self.max_body_bytes = max_body_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        length = headers.get("content-length")
-        has_body = (length is not None and length.strip() != "0") or (
-            "transfer-encoding" in headers
-        )
-        refused: Problem | None = None
-        if has_body and not _is_json(headers.get("content-type", "")):
-            given = headers.get("content-type") or "none"
-            refused = Problem(
-                415,
-                "unsupported media type",
-                f"the body must be application/json, not {given}",
-            )
-        elif length is not None and length.strip().isdigit() and int(length) > self.max_body_bytes:
-            refused = self._too_large()
-        if refused is not None:
-            await problem_response(refused)(scope, receive, send)
-            return
-        seen = 0
-
-        async def counted() -> Message:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_body_bytes:
-                    # raised where the route reads the body: answered as problem+json
-                    raise HTTPException(413, self._too_large().detail)
-            return message
-
-        await self.app(scope, counted, send)
-
-    def _too_large(self) -> Problem:
-        return Problem(
-            413,
-            "request body too large",
-            f"the body is larger than {self.max_body_bytes} bytes (--max-body-bytes)",
-        )
-
-
-def _is_json(content_type: str) -> bool:
-    media_type = content_type.split(";", 1)[0].strip().lower()
-    return media_type in _JSON or media_type.endswith("+json")
-
-
-def _problem_of(error: Exception) -> Problem:
-    """The problem+json answer to an error a route let through."""
-    if isinstance(error, Problem):
-        return error
-    if isinstance(error, PlacementError):
-        return Problem.of_placement_error(error)
-    if isinstance(error, RequestorClosed):
-        return Problem(503, "shutting down", str(error))
-    if isinstance(error, BrokerError):
-        return Problem(503, "broker unavailable", str(error))
-    if isinstance(error, FreeIncomplete):
-        return Problem(502, "release incomplete", str(error))
-    if isinstance(error, RequestValidationError):
-        return Problem.of_validation_error(list(error.errors()))
-    if isinstance(error, HTTPException):
-        title = {
-            404: "not found",
-            405: "method not allowed",
-            413: "request body too large",
-        }.get(error.status_code, "error")
-        return Problem(
-            error.status_code, title, str(error.detail), headers=dict(error.headers or {})
-        )
-    raise TypeError(f"no problem+json for {type(error).__name__}")  # pragma: no cover
-
-
-#: the errors answered as problem+json, each by :func:`_problem_of`
-PROBLEM_ERRORS: tuple[type[Exception], ...] = (
-    Problem,
-    PlacementError,
-    RequestorClosed,
-    BrokerError,
-    FreeIncomplete,
-    RequestValidationError,
-    HTTPException,
-)
-
-
-async def on_error(request: Request, error: Exception) -> JSONResponse:
-    problem = _problem_of(error)
-    if problem.status == 405:
-        # every method the path takes (Starlette names only those of the first route
-        # matching it: GET, where DELETE is another route on the same path)
-        allowed = _methods_of(request)
-        problem.headers["Allow"] = ", ".join(allowed)
-        problem.detail = f"{request.method} {request.url.path}: allowed are {', '.join(allowed)}"
-    return problem_response(problem)
-
-
-#: the methods a 405's Allow header may name
-_METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")
-
-
-def _methods_of(request: Request) -> list[str]:
-    """The methods some route takes at the request's path (each tried, as the routes
-    are FastAPI's to describe: an included router is one route of many methods)."""
-    return [
-        method
-        for method in _METHODS
-        if any(
-            route.matches({**request.scope, "method": method})[0] is Match.FULL
-            for route in request.app.router.routes
-        )
-    ]
+async def on_unexpected(request: Request, error: Exception) -> Response:
+    """A 500 problem for an error in the middleware itself (Starlette's last resort, which
+    answers in text/plain otherwise); not counted, as the counter is what failed."""
+    return problem_response(internal_error(request.method, request.url.path, error))
 
 
 def _flat_routes(routes: Any) -> Iterator[Any]:
@@ -242,13 +109,6 @@ def _flat_routes(routes: Any) -> Iterator[Any]:
             yield from _flat_routes(inner)
         else:
             yield route
-
-
-def add_problem_handlers(app: FastAPI) -> None:
-    """Answer the service's errors, validation and HTTP errors included, as
-    ``application/problem+json`` (RFC 9457)."""
-    for error in PROBLEM_ERRORS:
-        app.add_exception_handler(error, on_error)
 
 
 Next = Callable[[Request], Awaitable[Response]]

@@ -18,6 +18,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -55,6 +56,9 @@ AFTER_CLOSE_S = 0.5
 #: placements (with their keys' body hashes) a service process keeps in its cache, the
 #: least recently used forgotten first: as many as its requestor remembers
 CACHE_ENTRIES = 100_000
+#: node listings (``GET /v1/nodes``) gathering at once, each on a thread of the service's
+#: own that sleeps while the ledgers come in; more wait their turn
+LEDGER_GATHERS = 8
 
 
 class _HasState(Protocol):
@@ -95,6 +99,13 @@ class ReservoirService:
     activity: Activity = field(default_factory=Activity)
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
     _stopping: "asyncio.Task[None] | None" = None
+    #: the threads node listings wait on: their own, so that a listing's wait (up to
+    #: 30 s) never holds a thread of the loop's default pool, which the other routes use
+    _ledger_threads: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(
+            max_workers=LEDGER_GATHERS, thread_name_prefix="reservoir-ledgers"
+        )
+    )
 
     @property
     def ready(self) -> bool:
@@ -179,8 +190,12 @@ class ReservoirService:
             finally:
                 collector.close()
 
+        async def gathered() -> list[NodeSnapshot]:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._ledger_threads, gather)
+
         # a task of the service's own: the drain on shutdown waits for it too
-        return await self._to_the_end(asyncio.to_thread(gather))
+        return await self._to_the_end(gathered())
 
     async def drain(self, timeout_s: float) -> int:
         """Wait up to ``timeout_s`` for the placements and releases in flight; returns how
@@ -214,6 +229,8 @@ class ReservoirService:
         await asyncio.to_thread(self.requestor.close)
         # the failed ones answer (503) now: a moment for their routes to do so
         await self.drain(AFTER_CLOSE_S)
+        # a listing still gathering ends within its wait_s (up to 30 s): not waited for
+        self._ledger_threads.shutdown(wait=False, cancel_futures=True)
 
     async def _place(self, spec: PlacementRequest, timeout_s: float | None) -> Placement:
         metrics = self.metrics
@@ -363,20 +380,39 @@ async def reservoir_lifespan(
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
 ) -> AsyncIterator[ReservoirService]:
     """Open a :class:`ReservoirService` for an ASGI app's lifetime; put it in the app's
-    lifespan::
+    lifespan, and include the service's routes (:data:`reservoir.service.router`) to
+    serve them as ``reservoir serve`` does::
+
+        from collections.abc import AsyncIterator
+        from contextlib import asynccontextmanager
+
+        from fastapi import FastAPI, Request
+
+        from reservoir import PlacementRequest
+        from reservoir.service import (
+            ReservoirService,
+            add_problem_handlers,
+            reservoir_lifespan,
+            router,
+        )
+
 
         @asynccontextmanager
         async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-            async with reservoir_lifespan(app, "amqp://guest:guest@127.0.0.1:5672/"):
+            async with reservoir_lifespan(app):  # the broker of RESERVOIR_BROKER_URL
                 yield
 
-        app = FastAPI(lifespan=lifespan)
 
-        @app.post("/servers")
+        app = FastAPI(lifespan=lifespan)
+        app.include_router(router)  # /v1/reservations, /v1/nodes, /ui: errors as problem+json
+        add_problem_handlers(app)  # this app's own too: a PlacementError is a 409 problem
+
+
+        @app.post("/servers", status_code=201)
         async def create(request: Request) -> dict[str, str]:
             service: ReservoirService = request.app.state.reservoir
             placement = await service.place(PlacementRequest(resources={"VCPU": 2}))
-            ...
+            return {"node": placement.allocations[0].node}
 
     ``broker`` is a shared :class:`~reservoir.Broker` (left open), a URL, or None for
     ``settings.broker_url``; a broker opened here is closed on exit. With ``app``, the

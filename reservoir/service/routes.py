@@ -1,11 +1,13 @@
-"""The placement service's routes, as one :class:`~fastapi.APIRouter` a user's own FastAPI
-app can mount (``app.include_router(router)``) beside its own, with
-:func:`~reservoir.service.reservoir_lifespan` in its lifespan.
+"""The placement service's API routes, as one :class:`~fastapi.APIRouter`: the
+reservations, ``/v1/nodes``, the probes and ``/metrics`` (a user's app includes them with
+the dashboard as :data:`reservoir.service.router`, with
+:func:`~reservoir.service.reservoir_lifespan` in its lifespan).
 
 Each route finds the service at ``request.app.state.reservoir`` (the lifespan puts it
 there) and the app's metrics, when it keeps them, at ``request.app.state.metrics``. Errors
-are raised as :class:`~reservoir.service.shapes.Problem` (or the library's own exceptions);
-:func:`reservoir.service.app.add_problem_handlers` turns them into problem+json.
+are raised as :class:`~reservoir.service.shapes.Problem` (or the library's own
+exceptions); the routes' class, :class:`~reservoir.service.problems.ProblemRoute`, turns
+them into problem+json in whichever app includes them.
 
 (No ``from __future__ import annotations``: FastAPI reads the endpoints' annotations.)
 """
@@ -19,6 +21,7 @@ from reservoir.protocol.messages import InvalidField
 from reservoir.protocol.placement import Holdings, Placement, PlacementError, PlacementRequest
 from reservoir.runtime.requestor import RequestorClosed
 from reservoir.service.lifespan import ReservoirService
+from reservoir.service.problems import ProblemRoute
 from reservoir.service.shapes import (
     PROBLEM_JSON,
     NodeOut,
@@ -31,8 +34,11 @@ from reservoir.service.shapes import (
 __all__ = ["DEFAULT_NODES_WAIT_S", "router", "service_of"]
 
 DEFAULT_NODES_WAIT_S = 1.0
+#: the longest a node listing waits for the nodes' ledgers, and the most it waits for
+MAX_NODES_WAIT_S = 30.0
+MAX_EXPECT_NODES = 1_000_000
 
-router = APIRouter()
+router = APIRouter(route_class=ProblemRoute)
 
 #: the problems the placement routes answer with, for the OpenAPI document
 PLACEMENT_PROBLEMS: dict[int | str, dict[str, Any]] = {
@@ -214,11 +220,13 @@ async def delete_reservation(request_id: str, request: Request) -> Response:
 @router.get("/v1/nodes")
 async def list_nodes(
     request: Request,
-    wait_s: Annotated[float, Query(gt=0, le=30)] = DEFAULT_NODES_WAIT_S,
-    expect_nodes: Annotated[int | None, Query(ge=1)] = None,
+    wait_s: Annotated[float, Query(gt=0, le=MAX_NODES_WAIT_S)] = DEFAULT_NODES_WAIT_S,
+    expect_nodes: Annotated[int | None, Query(ge=1, le=MAX_EXPECT_NODES)] = None,
 ) -> list[NodeOut]:
     """Every live node, its tier and usage, from the ledger reports the nodes send
-    within ``wait_s`` (sooner once ``expect_nodes`` have answered)."""
+    within ``wait_s`` (sooner once ``expect_nodes`` have answered). The wait is on a
+    thread of the listings' own (at most 8 gather at once; more wait their turn), so it
+    holds up no other request."""
     snapshots = await service_of(request).nodes(wait_s, expect_nodes)
     return [NodeOut.of(snapshot) for snapshot in snapshots]
 

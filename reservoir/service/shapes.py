@@ -7,16 +7,25 @@ import annotations``: FastAPI reads these classes' annotations at run time.)
 
 import hashlib
 import json
+import math
 from collections.abc import Sequence
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from reservoir.protocol.audit import NodeSnapshot
 from reservoir.protocol.messages import (
     IDENTIFIER_MAX_LENGTH,
     IDENTIFIER_PATTERN,
+    PCI_ALIAS_PATTERN,
     TRAIT_MAX_LENGTH,
     TRAIT_PATTERN,
     GroupPolicy,
@@ -80,6 +89,47 @@ Trait = Annotated[
     str, StringConstraints(min_length=1, max_length=TRAIT_MAX_LENGTH, pattern=TRAIT_PATTERN)
 ]
 
+# The keys of a body's maps, each bounded in length and alphabet, and the maps in size, so
+# that no map key is unbounded text (a refusal names the key: it must stay short).
+#: a resource class as written (the protocol's check names an unknown one, and its case)
+ResourceClassKey = Annotated[
+    str, StringConstraints(min_length=1, max_length=TRAIT_MAX_LENGTH, pattern=r"^[A-Za-z0-9_]+$")
+]
+#: an amount of a resource class, as the protocol bounds it
+Amount = Annotated[int, Field(ge=0, le=2**53)]
+PciAlias = Annotated[str, StringConstraints(pattern=PCI_ALIAS_PATTERN)]
+#: a task's environment variable: any name without ``=`` (or NUL)
+EnvName = Annotated[str, StringConstraints(min_length=1, max_length=255, pattern=r"^[^=\x00]+$")]
+#: one argument, variable value or path of a task, as the protocol bounds it
+TaskText = Annotated[str, StringConstraints(max_length=4096)]
+HintKey = Annotated[str, StringConstraints(min_length=1, max_length=255)]
+#: map entries: resource classes and PCI aliases per instance, a task's variables, hints
+MAX_CLASSES = 64
+MAX_ENV = 256
+MAX_HINTS = 64
+#: how deep a hint's JSON may nest (deeper overflows the encoders' recursion)
+MAX_HINT_DEPTH = 32
+
+
+def hint_problem(hints: dict[str, Any]) -> str | None:
+    """What makes ``hints`` no JSON a node takes, or None: nested deeper than
+    :data:`MAX_HINT_DEPTH`, a number that is not finite (``NaN``), a key over 255
+    characters. Walked without recursion, so no depth can overflow it."""
+    pending: list[tuple[Any, int]] = [(hints, 0)]
+    while pending:
+        value, depth = pending.pop()
+        if depth > MAX_HINT_DEPTH:
+            return f"must not nest deeper than {MAX_HINT_DEPTH} levels"
+        if isinstance(value, float) and not math.isfinite(value):
+            return "must be JSON numbers (not NaN or Infinity)"
+        if isinstance(value, dict):
+            if any(len(str(key)) > 255 for key in value):
+                return "keys must be at most 255 characters"
+            pending.extend((inner, depth + 1) for inner in value.values())
+        elif isinstance(value, list):
+            pending.extend((inner, depth + 1) for inner in value)
+    return None
+
 
 class NumaIn(BaseModel):
     """The NUMA shape of each instance."""
@@ -103,9 +153,9 @@ class TaskIn(BaseModel):
     #: the task driver: ``exec`` (a process) or ``docker`` (a container), as nodes offer
     driver: str = Field(default="exec", min_length=1, max_length=64, pattern=r"^[a-z0-9_.-]+$")
     #: the program and its arguments
-    command: list[str] = Field(default_factory=list, max_length=1024)
-    env: dict[str, str] = Field(default_factory=dict)
-    workdir: str | None = None
+    command: list[TaskText] = Field(default_factory=list, max_length=1024)
+    env: dict[EnvName, TaskText] = Field(default_factory=dict, max_length=MAX_ENV)
+    workdir: TaskText | None = None
     #: the container image, for ``docker``
     image: str | None = Field(default=None, min_length=1, max_length=500)
     #: the allocation outlives the task (freed by a DELETE, as a pure reservation)
@@ -128,7 +178,7 @@ class ReservationIn(BaseModel):
     memory_mb: int | None = Field(default=None, ge=0, le=2**40)
     disk_gb: int | None = Field(default=None, ge=0, le=2**40)
     #: any other resource classes per instance, e.g. ``{"CUSTOM_GPU": 1}``
-    resources: dict[str, int] = Field(default_factory=dict)
+    resources: dict[ResourceClassKey, Amount] = Field(default_factory=dict, max_length=MAX_CLASSES)
     count: int = Field(default=1, ge=1, le=1000)
     #: accept a partial placement of at least this many instances
     min_count: int | None = Field(default=None, ge=1)
@@ -141,12 +191,15 @@ class ReservationIn(BaseModel):
     any_of_traits: list[list[Trait]] = Field(default_factory=list)
     numa: NumaIn | None = None
     #: PCI devices per instance by the alias the nodes give them, e.g. ``{"gpu-a100": 1}``
-    pci: dict[str, int] = Field(default_factory=dict)
+    pci: dict[PciAlias, Annotated[int, Field(ge=1, le=64)]] = Field(
+        default_factory=dict, max_length=MAX_CLASSES
+    )
     #: where the devices sit relative to the instance's NUMA cells (Nova's
     #: ``hw:pci_numa_affinity_policy``; default ``legacy``)
     numa_policy: PciPolicy | None = None
-    #: free-form JSON for operators' node-side filters and weighers
-    hints: dict[str, Any] = Field(default_factory=dict)
+    #: free-form JSON for operators' node-side filters and weighers (nested at most 32
+    #: deep, finite numbers)
+    hints: dict[HintKey, Any] = Field(default_factory=dict, max_length=MAX_HINTS)
     #: work each instance runs once placed; its allocation is freed when it ends
     task: TaskIn | None = None
     #: ask nodes that cannot take it to say why (default: the service's ``--explain``)
@@ -155,6 +208,16 @@ class ReservationIn(BaseModel):
     request_id: Identifier | None = None
     #: how long to try before answering 504 (default: the ``request_timeout_s`` setting)
     timeout_s: float | None = Field(default=None, gt=0, le=600)
+
+    @field_validator("hints", mode="before")
+    @classmethod
+    def _hints_are_json_a_node_takes(cls, hints: Any) -> Any:
+        # before pydantic copies them: so no nesting reaches a recursive walk
+        if isinstance(hints, dict):
+            problem = hint_problem(hints)
+            if problem is not None:
+                raise PydanticCustomError("hints", problem)
+        return hints
 
     @model_validator(mode="after")
     def _policy_needs_group(self) -> "ReservationIn":
@@ -397,13 +460,8 @@ class Problem(Exception):
                     "malformed JSON",
                     f"the body is not valid JSON{at}" + (f" ({reason})" if reason else ""),
                 )
-        fields = [
-            {
-                "field": ".".join(str(part) for part in (*where, *error.get("loc", ()))),
-                "message": _in_our_words(error),
-            }
-            for error in errors
-        ]
+        fields = [_field_error((*where, *error.get("loc", ())), _in_our_words(error))
+                  for error in errors]  # fmt: skip
         detail = "; ".join(f"{f['field'] or 'body'}: {f['message']}" for f in fields)
         return cls(422, "invalid request", detail, errors=fields)
 
@@ -437,6 +495,27 @@ _MESSAGES: dict[str, str] = {
     "literal_error": "must be one of {expected}",
     "enum": "must be one of {expected}",
 }
+
+
+#: the longest part of a field's name a problem repeats (a map's key is the client's text)
+_SHOWN = 64
+
+
+def _shown(part: object) -> str:
+    text = str(part)
+    return text if len(text) <= _SHOWN else f"{text[:_SHOWN]}..."
+
+
+def _field_error(loc: Sequence[object], message: str) -> dict[str, str]:
+    """One error of a 422: the field (``body.resources``), and what is wrong. A map's key
+    at fault (pydantic's ``(..., key, "[key]")``) is named in the message, not as a field,
+    and no part of either is repeated whole when it is long."""
+    if len(loc) >= 2 and loc[-1] == "[key]":
+        return {
+            "field": ".".join(_shown(part) for part in loc[:-2]),
+            "message": f"key {_shown(loc[-2])!r} {message}",
+        }
+    return {"field": ".".join(_shown(part) for part in loc), "message": message}
 
 
 def _in_our_words(error: dict[str, Any]) -> str:

@@ -340,3 +340,60 @@ def test_sigterm_with_requests_in_flight_lets_them_finish_or_fail_clearly(
     assert report.ok, report.as_json()
     assert report.allocations == len(placed)
     assert report.orphans == ()
+
+
+def test_the_service_holds_its_ground_under_bad_queries_and_long_node_listings(
+    deployment: Deployment,
+) -> None:
+    """Over real HTTP, on a replica with its access log on: a /v1/activity bucket small
+    enough to overflow (or to build a 60 MB body) is a 422 problem, logged and counted;
+    eight listings of the nodes waiting 8 s each hold up no reservation's GET."""
+    port = free_port()
+    replica = Process.start(
+        "serve-ground", ["serve", "--port", str(port), "--access-log"], deployment.env
+    )
+    try:
+        base_url = f"http://127.0.0.1:{port}"
+        wait_until_ready(base_url, replica)
+
+        async def scenario() -> tuple[list[httpx.Response], str, dict[str, Any]]:
+            async with httpx.AsyncClient(base_url=base_url, timeout=60.0) as client:
+                tiny = [
+                    await client.get("/v1/activity", params={"bucket_s": value})
+                    for value in ("5e-324", "1e-300", "1e-11", "1e-5")
+                ]
+                placed = await client.post("/v1/reservations", json={"vcpus": 1})
+                assert placed.status_code == 201, placed.text
+                request_id = placed.json()["request_id"]
+                listings = [
+                    asyncio.create_task(client.get("/v1/nodes", params={"wait_s": 8}))
+                    for _ in range(8)
+                ]
+                await asyncio.sleep(0.5)  # every listing asked and waiting
+                read = await client.get(f"/v1/reservations/{request_id}")
+                waiting = [not listing.done() for listing in listings]
+                assert read.status_code == 200, read.text
+                assert all(waiting), waiting  # answered while all eight still waited
+                for listed in await asyncio.gather(*listings):
+                    assert sorted(n["name"] for n in listed.json()) == sorted(NODES)
+                freed = await client.delete(f"/v1/reservations/{request_id}")
+                assert freed.status_code == 204, freed.text
+                return tiny, (await client.get("/metrics")).text, placed.json()
+
+        tiny, metrics, _placed = asyncio.run(scenario())
+        for answer in tiny:
+            assert answer.status_code == 422, answer.text[:200]
+            assert answer.headers["content-type"] == PROBLEM_JSON
+            assert answer.json()["errors"][0]["field"] == "query.bucket_s"
+            assert len(answer.content) < 1000
+        counted = 'method="GET",route="/v1/activity",status="422"} 4.0'
+        assert f"reservoir_service_http_requests_total{{{counted}" in metrics
+        assert replica.terminate() == 0, "".join(replica.seen)
+        access = [line for line in replica.seen if "GET /v1/activity 422" in line]
+        assert len(access) == 4, "".join(replica.seen)
+    finally:
+        if replica.process.poll() is None:
+            replica.process.kill()
+            replica.process.wait(timeout=10)
+    report = audit_cluster(deployment.url, expect_nodes=3, wait_s=10)
+    assert report.ok and report.allocations == 0, report.as_json()

@@ -8,6 +8,7 @@ control methods succeed) so that each test spells out only what it is about.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import pytest
@@ -415,6 +416,54 @@ def test_failed_attempts_back_off_doubling_up_to_the_maximum_plus_jitter() -> No
         link.actions()
         link.session.lost(link.gen, link.now_s, "refused")
     assert waits == [0.0, 1.5, 2.5, 4.5, 4.5]  # jitter 0.5 x initial on each
+
+
+def test_an_outage_is_one_warning_when_lost_and_one_when_back_saying_how_long_and_how_many(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    link = ready_link(reconnect_initial_s=1.0, reconnect_max_s=4.0)
+    open_endpoint(link, "1", "node-a")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="brokers.amqp"):
+        link.session.lost(link.gen, link.now_s, "reset")
+        lost_at = link.now_s
+        for _ in range(3):  # three attempts refused while the broker is down
+            link.now_s = link.of(SetTimer)[-1].at_s
+            link.session.tick(link.now_s)
+            link.actions()
+            link.session.lost(link.gen, link.now_s, "refused")
+        link.now_s = link.of(SetTimer)[-1].at_s
+        link.session.tick(link.now_s)
+        link.connect()  # the fourth gets through
+        link.publish("1", "t", b"after")  # and what follows logs nothing more
+        link.published()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warnings == [
+        "reservoir: connection lost (reset); reconnecting",
+        f"reservoir: reconnected after {link.now_s - lost_at:.1f} s (4 attempt(s)); "
+        "1 endpoint(s) restored",
+    ]
+    attempts = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert attempts == [
+        f"reservoir: reconnect attempt {n} failed (refused); retrying in {wait} s"
+        for n, wait in ((1, "1.5"), (2, "2.5"), (3, "4.5"))
+    ]
+
+
+def test_a_connection_lost_and_back_at_once_is_said_twice_only(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    link = ready_link()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="brokers.amqp"):
+        for _ in range(2):  # two outages: a pair of lines each
+            link.session.lost(link.gen, link.now_s, "reset")
+            link.session.tick(link.now_s)
+            link.connect()
+    assert [r.getMessage() for r in caplog.records] == [
+        "reservoir: connection lost (reset); reconnecting",
+        "reservoir: reconnected after 0.0 s (1 attempt(s)); 0 endpoint(s) restored",
+    ] * 2
 
 
 def test_the_backoff_does_not_fire_early() -> None:

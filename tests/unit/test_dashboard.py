@@ -8,13 +8,14 @@ import asyncio
 import re
 from collections.abc import Iterator
 
+import httpx
 import pytest
 
 from brokers.inprocess import InProcessBroker
 from reservoir import NodeAgent, audit
 from reservoir.clock import FakeClock
 from reservoir.service import ReservoirService, create_app
-from reservoir.service.activity import Activity, percentile
+from reservoir.service.activity import MAX_BUCKETS, Activity, percentile
 from reservoir.service.dashboard import ASSETS
 from reservoir.testing.asgi import serving
 
@@ -57,6 +58,19 @@ def test_what_left_the_window_is_not_counted_and_the_ring_is_bounded() -> None:
     assert summary["placements_per_s"] == round(1 / 60, 3)
 
 
+def test_a_summary_has_at_most_max_buckets_whatever_it_is_asked_for() -> None:
+    clock = FakeClock()
+    activity = Activity(now=clock.now)
+    activity.placed("r", 0.01, ["a"])
+    finest = activity.summary(window_s=3600, bucket_s=1)
+    assert len(finest["placed_per_bucket"]) == MAX_BUCKETS == 3600
+    for window_s, bucket_s in [(300, 5e-324), (300, 1e-300), (300, 1e-11), (300, 1e-5),
+                               (300, 0.5), (300, 0), (300, float("nan")), (3601, 10),
+                               (float("inf"), 10), (10, 60)]:  # fmt: skip
+        with pytest.raises(ValueError, match=r"window_s|bucket_s"):
+            activity.summary(window_s=window_s, bucket_s=bucket_s)
+
+
 def test_percentile_is_nearest_rank() -> None:
     assert percentile([], 0.5) is None
     assert percentile([1.0], 0.99) == 1.0
@@ -97,6 +111,8 @@ def test_the_app_serves_the_page_its_assets_and_this_replicas_activity(
                 assert "https://" not in asset.text
             missing = await client.get("/ui/secrets.txt")
             assert missing.status_code == 404
+            long_name = await client.get("/ui/" + "x" * 10_000)
+            assert long_name.status_code == 404 and len(long_name.content) < 1000
 
             placed = await client.post("/v1/reservations", json={"vcpus": 1, "memory_mb": 256})
             assert placed.status_code == 201
@@ -112,6 +128,7 @@ def test_the_app_serves_the_page_its_assets_and_this_replicas_activity(
             assert newest["result"] == reason
             bad = await client.get("/v1/activity", params={"window_s": 10, "bucket_s": 60})
             assert bad.status_code == 422 and "bucket_s" in bad.text
+            await bad_spans_are_422_problems_naming_the_parameter(client)
             audit(
                 [n.snapshot() for n in nodes], list(service.placements.values())
             ).raise_if_failed()
@@ -121,3 +138,26 @@ def test_the_app_serves_the_page_its_assets_and_this_replicas_activity(
     finally:
         for node in nodes:
             node.close()
+
+
+async def bad_spans_are_422_problems_naming_the_parameter(client: httpx.AsyncClient) -> None:
+    """Each a 422 problem naming the parameter, at once (a tiny bucket once overflowed into
+    a 500, or built a 60 MB body over seconds)."""
+    for parameter, value in [
+        ("bucket_s", "5e-324"),
+        ("bucket_s", "1e-300"),
+        ("bucket_s", "1e-11"),
+        ("bucket_s", "1e-5"),
+        ("bucket_s", "0.5"),
+        ("bucket_s", "nan"),
+        ("bucket_s", "-inf"),
+        ("window_s", "1e999"),
+        ("window_s", "0"),
+        ("window_s", "many"),
+    ]:
+        answer = await client.get("/v1/activity", params={parameter: value})
+        assert answer.status_code == 422, (parameter, value, answer.text[:200])
+        assert answer.headers["content-type"] == "application/problem+json"
+        [error] = answer.json()["errors"]
+        assert error["field"] == f"query.{parameter}", (value, error)
+        assert len(answer.content) < 1000

@@ -40,11 +40,12 @@ def test_the_library_example_places_and_releases_on_an_in_process_broker(
 
 def test_the_lifespan_example_defines_its_app_with_every_import_it_needs(tmp_path: Path) -> None:
     example = tmp_path / "lifespan_example.py"
-    example.write_text(block_with("docs/http-api.md", "reservoir_lifespan(app,"))
+    example.write_text(block_with("docs/http-api.md", "reservoir_lifespan(app)"))
     scope = runpy.run_path(str(example))  # a NameError here is a missing import
     app = scope["app"]
     assert isinstance(app, FastAPI)
     assert "/servers" in {getattr(route, "path", "") for route in app.routes}
+    # (tests/examples/test_docs_embedding.py runs it, against a node on RabbitMQ)
 
 
 def test_the_node_configuration_file_in_the_deploying_page_loads_as_written(

@@ -560,6 +560,64 @@ def test_the_serve_command_on_a_port_in_use_says_so_in_one_line_and_exits_2() ->
     assert "in use" in line
 
 
+def unused_port() -> int:
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def test_the_serve_command_gives_up_on_a_broker_after_its_connect_attempts_with_one_line() -> None:
+    import re
+    import subprocess
+    import sys
+
+    broker_port, port = unused_port(), unused_port()
+    done = subprocess.run(
+        [sys.executable, "-m", "reservoir", "serve", "--port", str(port),
+         "--connect-attempts", "2", "--broker", f"amqp://guest:guest@127.0.0.1:{broker_port}/"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 3, done.stderr
+    shown = f"amqp://guest:***@127.0.0.1:{broker_port}/"
+    waited, gave_up = done.stderr.splitlines()
+    assert re.search(
+        rf"reservoir serve: cannot connect to {re.escape(shown)}: connection refused; "
+        r"retrying in \d+\.\d s \(attempt 1\)$",
+        waited,
+    ), waited
+    assert gave_up == f"reservoir serve: cannot connect to {shown}: connection refused"
+
+
+def test_the_serve_command_waits_for_its_broker_until_stopped_and_then_exits_0() -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    broker_port, port = unused_port(), unused_port()
+    waiting = subprocess.Popen(
+        [sys.executable, "-m", "reservoir", "serve", "--port", str(port),
+         "--broker", f"amqp://guest:guest@127.0.0.1:{broker_port}/"],
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    try:
+        assert waiting.stderr is not None
+        lines = [waiting.stderr.readline() for _ in range(2)]  # two attempts retried
+        assert waiting.poll() is None, lines  # it went on waiting: it did not exit 3
+        assert all("retrying in" in line for line in lines), lines
+        assert [line.rsplit("(", 1)[1] for line in lines] == ["attempt 1)\n", "attempt 2)\n"]
+        waiting.send_signal(signal.SIGTERM)
+        _out, rest = waiting.communicate(timeout=30)
+    finally:
+        if waiting.poll() is None:
+            waiting.kill()
+            waiting.wait(timeout=10)
+    assert waiting.returncode == 0, rest
+    assert rest.strip().endswith("reservoir serve: stopped before the broker answered"), rest
+
+
 def test_the_serve_process_takes_its_configuration_from_the_environment_and_exits_0_on_sigterm(
     tmp_path: Any,
 ) -> None:
@@ -617,3 +675,76 @@ def test_the_serve_process_takes_its_configuration_from_the_environment_and_exit
     assert f"reservoir serve: listening on http://127.0.0.1:{port}, broker memory://" in messages
     [unplaced_line] = [line for line in lines if str(line["message"]).startswith("not placed")]
     assert unplaced_line["request_id"] == unplaced.json()["request_id"]
+
+
+def test_the_service_router_gives_a_users_app_the_routes_the_dashboard_and_problem_answers(
+    broker: InProcessBroker, nodes: list[NodeAgent]
+) -> None:
+    """One include: the reservations, the node listing the dashboard polls, the dashboard,
+    and the service's answers as problem+json (415, 413, 422, a logged 500); the app's own
+    routes keep their own error handling."""
+    import logging
+
+    from fastapi import HTTPException
+
+    import reservoir.service
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with reservoir_lifespan(app, broker):
+            yield
+
+    app = FastAPI(lifespan=lifespan)
+    app.include_router(reservoir.service.router)
+
+    @app.get("/mine")
+    async def mine() -> None:
+        raise HTTPException(418, "the app's own")
+
+    def broken(*args: object, **kwargs: object) -> dict[str, Any]:
+        raise RuntimeError("unexpected")
+
+    async def scenario(client: httpx.AsyncClient, service: ReservoirService) -> list[Placement]:
+        page = await client.get("/ui/")
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        listed = await client.get("/v1/nodes", params={"expect_nodes": len(nodes), "wait_s": 10})
+        assert listed.status_code == 200, listed.text
+        assert sorted(n["name"] for n in listed.json()) == sorted(n.name for n in nodes)
+        assert (await client.get("/v1/activity")).status_code == 200
+
+        not_json = await client.post(
+            "/v1/reservations", content=b"vcpus=1", headers={"content-type": "text/plain"}
+        )
+        assert not_json.status_code == 415 and not_json.headers["content-type"] == PROBLEM_JSON
+        too_large = await client.post(
+            "/v1/reservations", json={"vcpus": 1, "hints": {"x": "y" * 2_000_000}}
+        )
+        assert too_large.status_code == 413 and too_large.headers["content-type"] == PROBLEM_JSON
+        invalid = await client.post("/v1/reservations", json={"vcpus": True})
+        assert invalid.status_code == 422 and invalid.headers["content-type"] == PROBLEM_JSON
+        assert invalid.json()["errors"][0]["field"] == "body.vcpus"
+        refused = await client.post("/v1/reservations", json={"vcpus": 99})
+        assert refused.status_code == 409 and refused.headers["content-type"] == PROBLEM_JSON
+        bad_bucket = await client.get("/v1/activity", params={"bucket_s": "1e-11"})
+        assert bad_bucket.status_code == 422, bad_bucket.text
+
+        placed = await client.post("/v1/reservations", json={"vcpus": 1, "memory_mb": 256})
+        assert placed.status_code == 201, placed.text
+        request_id = placed.json()["request_id"]
+        assert (await client.get(f"/v1/reservations/{request_id}")).status_code == 200
+        assert (await client.delete(f"/v1/reservations/{request_id}")).status_code == 204
+
+        service.activity.summary = broken  # type: ignore[method-assign]
+        failed = await client.get("/v1/activity")
+        assert failed.status_code == 500 and failed.headers["content-type"] == PROBLEM_JSON
+
+        own = await client.get("/mine")  # the app's own route: FastAPI's answer, untouched
+        assert own.status_code == 418
+        assert own.headers["content-type"] == "application/json"
+        assert own.json() == {"detail": "the app's own"}
+        return list(service.placements.values())
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(logging.getLogger("reservoir.serve"), "disabled", True)  # the 500's line
+        placements = run_against(app, scenario)
+    audited(nodes, placements)

@@ -49,6 +49,9 @@ TIMEOUT_S = 60.0
 
 
 def a_requestor(**config: Any) -> RequestorMachine:
+    # The tests play the nodes, not keepers: a requestor of the default ``auto`` would
+    # also ask a keeper for a sample as it places (tests/scenario/test_roster_keeper.py).
+    config.setdefault("roster_from", "announcements")
     return RequestorMachine(RequestorConfig(requestor_id="req", reply_to="req-inbox", **config))
 
 

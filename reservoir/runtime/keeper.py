@@ -10,9 +10,12 @@ is up again, as at start: requestors whose queries reached nobody meanwhile come
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import secrets
 from collections.abc import Hashable
+from pathlib import Path
 from typing import Final
 
 from brokers import BrokerUrl
@@ -75,6 +78,26 @@ class RosterKeeper(Driver):
         """How many nodes the keeper's roster holds."""
         with self._lock:
             return len(self.machine.roster)
+
+    def status(self) -> dict[str, object]:
+        """Whether it is on the broker, how many nodes it knows, and what it has done
+        (``samples`` sent, ``members_sent``, ``statuses`` heard), as plain data."""
+        with self._lock:
+            known = len(self.machine.roster)
+            counters = dict(self.machine.counters)
+        return {
+            "keeper": self.name,
+            # False while the broker connection is down (the keeper reconnects by itself)
+            "connected": self.broker.connected,
+            "nodes_known": known,
+            "counters": counters,
+        }
+
+    def write_status(self, path: Path) -> None:
+        """Write :meth:`status` as JSON, atomically (readers never see half a file)."""
+        partial = path.with_name(path.name + ".tmp")
+        partial.write_text(json.dumps(self.status(), sort_keys=True))
+        os.replace(partial, path)
 
     def close(self) -> None:
         if self._closed:

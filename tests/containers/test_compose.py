@@ -1,7 +1,8 @@
 """The compose deployment (deploy/compose/compose.yaml) brought up for real: RabbitMQ with
-deploy/rabbitmq's definitions, three node agents and ``reservoir serve``, all healthy; the
-host places requests through the ports published on 127.0.0.1 (HTTP, and AMQP with the
-requestor's credentials) and reads the nodes' state both ways. The deployment is taken
+deploy/rabbitmq's definitions, three node agents, two roster keepers and ``reservoir
+serve``, all healthy; the host places requests through the ports published on 127.0.0.1
+(HTTP, and AMQP with the requestor's credentials) and reads the nodes' state both ways;
+the API's requestors take their rosters from the keepers. The deployment is taken
 down with its volumes at the end of the module.
 
 The short test runs by default (the deployment is up in about 15 s here); the one marked
@@ -11,6 +12,7 @@ its state volume, and releases through the API."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import uuid
@@ -87,6 +89,19 @@ def test_a_request_placed_through_the_composed_service_is_held_by_a_node(
         assert vcpus[allocation["node"]] >= 3
 
 
+def test_the_composed_service_takes_its_roster_from_the_keepers(compose: Compose) -> None:
+    with api(compose) as client:
+        metrics = client.get("/metrics").text
+    received = dict(
+        re.findall(r'reservoir_messages_received_total\{[^}]*kind="(\w+)"[^}]*\} (\S+)', metrics)
+    )
+    # samples from the keepers; and the nodes' announcements only if the replica started
+    # before any keeper did, until one said it was up
+    assert float(received.get("roster_sample", 0)) >= 1, received
+    if float(received.get("status", 0)):
+        assert float(received.get("keeper_up", 0)) >= 1, received
+
+
 @pytest.mark.slow
 def test_a_restarted_node_agent_keeps_its_allocations_and_the_api_frees_them(
     compose: Compose,
@@ -97,7 +112,7 @@ def test_a_restarted_node_agent_keeps_its_allocations_and_the_api_frees_them(
     before = allocated_vcpus(reservoir_on_the_host(compose, "nodes", "--expect-nodes", "3"))
 
     compose("restart", "--timeout", "10", held["node"])
-    compose.wait_healthy(len(NODES) + 3)  # RabbitMQ and the API's two replicas
+    compose.wait_healthy(len(NODES) + 5)  # RabbitMQ, the two keepers, the API's two replicas
     after = allocated_vcpus(reservoir_on_the_host(compose, "nodes", "--expect-nodes", "3"))
     assert after == before, "the restarted agent lost allocations its state volume held"
 

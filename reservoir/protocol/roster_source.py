@@ -15,7 +15,8 @@ A requestor's :class:`~reservoir.protocol.roster.Roster` is filled one of two wa
 With ``roster_from = "auto"`` (the default) a requestor takes samples while a keeper
 answers and follows the announcements while none does, switching both ways:
 
-- to the announcements when a query comes back unroutable (no keeper is bound);
+- to the announcements when a query comes back unroutable (no keeper is bound); it asks
+  once more as it starts hearing them, for a keeper that started in between;
 - back to keepers when a keeper answers a query asked while following them. It asks when
   a keeper says it started (:class:`~reservoir.protocol.messages.KeeperUp` on ``roster``,
   which a requestor following the announcements hears: one delivery per keeper start),
@@ -226,6 +227,11 @@ class RosterSource:
         if not self._following:
             self._counters["no_keeper"] += 1
             self._follow(now, effects)
+            # Once more, now that we hear the announcements: a keeper that bound its topic
+            # after our first query and said it was up before our bind of ``roster`` went
+            # unheard. It binds before it says so, and we bind before we ask: either this
+            # query reaches it, or its news reaches us.
+            self._ask(now, effects)
 
     # -- switching ---------------------------------------------------------------------
 

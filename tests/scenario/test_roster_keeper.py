@@ -186,7 +186,8 @@ def test_requestors_on_the_announcements_are_back_on_keepers_once_one_starts(
     for requestor in requestors:
         # one delivery of the keeper's news and one query each, whatever the nodes
         assert requestor.metrics.get("received", "keeper_up") == 1
-        assert requestor.metrics.get("sent", "roster_query") == 2  # at start, and now
+        # at start, once more as it bound the announcements, and now
+        assert requestor.metrics.get("sent", "roster_query") == 3
         assert requestor.machine.counters["back_on_keepers"] == 1
         assert source(requestor) == "keepers"
         assert len(requestor.machine.roster) == 20  # the nodes it knew stay
@@ -265,15 +266,37 @@ def test_a_requestor_that_missed_a_keeper_starting_asks_again_as_it_places() -> 
         sim.add_keeper()
         placements = [sim.place(requestor, vcpus=1)]
         assert source(requestor) == "announcements"  # not asked again yet
-        assert requestor.metrics.get("sent", "roster_query") == 1
+        asked = requestor.metrics.get("sent", "roster_query")  # as it started following
         sim.advance(REFRESH_S)
         placements.append(sim.place(requestor, vcpus=1))
-        assert requestor.metrics.get("sent", "roster_query") == 2
+        assert requestor.metrics.get("sent", "roster_query") == asked + 1
         sim.scheduler.run_until_idle()
         assert source(requestor) == "keepers"
         sim.finish(placements)
     finally:
         sim.close()
+
+
+def test_a_keeper_starting_while_a_query_comes_back_unroutable_is_not_missed(
+    sim: Simulation,
+) -> None:
+    # The only keeper is dead; a placement's query reaches nobody, and before the broker's
+    # answer is back a keeper starts and says so, to nobody (no requestor follows the
+    # announcements yet). The requestor asks once more as it binds them: that query
+    # reaches the new keeper.
+    sim.add_keeper()
+    sim.add_nodes(5, vcpus=8)
+    requestor = sim.add_requestor()
+    placements = [sim.place(requestor, vcpus=1)]
+    kill(sim, "keeper-0")
+    sim.advance(REFRESH_S)
+    placing = requestor.submit(vcpus=1)  # its query is on its way back, unroutable
+    sim.add_keeper("keeper-0")  # started before that answer is heard
+    assert sim.run_until_done([placing])
+    placements.append(placing.result(timeout=0))
+    assert requestor.machine.counters["no_keeper"] == 1
+    assert source(requestor) == "keepers"
+    sim.finish(placements)
 
 
 def test_a_requestor_set_to_announcements_never_asks_a_keeper() -> None:

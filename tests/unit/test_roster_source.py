@@ -51,9 +51,11 @@ def a_sample(*names: str) -> RosterSample:
 
 
 def following(source: RosterSource, now: float = T0) -> list[Effect]:
-    """Start it, and have its query come back unroutable: it follows the announcements."""
+    """Start it, and have its queries come back unroutable (the first, and the one it asks
+    again as it binds the announcements): it follows the announcements."""
     effects: list[Effect] = []
     source.start(now, effects)
+    source.query_unroutable(now, effects)
     source.query_unroutable(now, effects)
     return effects
 
@@ -70,8 +72,14 @@ def test_with_no_setting_it_asks_a_keeper_first_and_follows_the_nodes_only_when_
     fallback: list[Effect] = []
     source.query_unroutable(T0, fallback)
     assert source.state == "announcements"
-    assert Bind(ROSTER_TOPIC) in fallback
-    assert [type(e.message) for e in fallback if isinstance(e, Publish)] == [RollCall]
+    # it binds the announcements before it asks once more (a keeper that started since
+    # hears this query, or this requestor hears the keeper's news)
+    assert fallback[0] == Bind(ROSTER_TOPIC)
+    published = [type(e.message) for e in fallback if isinstance(e, Publish)]
+    assert published == [RollCall, RosterQuery]
+    again: list[Effect] = []
+    source.query_unroutable(T0, again)  # no keeper then either: nothing more
+    assert again == []
 
 
 def test_set_to_announcements_it_never_asks_a_keeper() -> None:
@@ -110,12 +118,10 @@ def test_a_keeper_starting_draws_one_query_and_its_answer_brings_the_requestor_b
 
 
 def test_a_late_sample_asked_for_before_the_fallback_does_not_bring_the_requestor_back() -> None:
-    # The keeper answered, then died; the next query reached nobody, and the answer to the
-    # first comes in after that: it is no news that a keeper answers now.
+    # The keeper answered, then died; the next queries reached nobody, and the answer to
+    # the first comes in after that: it is no news that a keeper answers now.
     source = a_source()
-    started: list[Effect] = []
-    source.start(T0, started)
-    source.query_unroutable(T0 + 0.001, started)
+    following(source)
     effects: list[Effect] = []
     source.heard_sample(a_sample("n1"), T0 + 0.002, effects)
     assert source.state == "announcements"

@@ -37,7 +37,7 @@ from reservoir.interrupt import stop_on_signals, stopped
 )
 @click.option(
     "--status-interval",
-    type=click.FloatRange(0.1),
+    type=click.FloatRange(0.01),
     default=1.0,
     show_default=True,
     help="With --status-file, how often to rewrite it (seconds).",

@@ -80,8 +80,9 @@ class RosterKeeper(Driver):
             return len(self.machine.roster)
 
     def status(self) -> dict[str, object]:
-        """Whether it is on the broker, how many nodes it knows, and what it has done
-        (``samples`` sent, ``members_sent``, ``statuses`` heard), as plain data."""
+        """Whether it is on the broker, how many nodes it knows, what it has done
+        (``samples`` sent, ``members_sent``, ``statuses`` heard) and received, as plain
+        data."""
         with self._lock:
             known = len(self.machine.roster)
             counters = dict(self.machine.counters)
@@ -91,6 +92,8 @@ class RosterKeeper(Driver):
             "connected": self.broker.connected,
             "nodes_known": known,
             "counters": counters,
+            # messages received, by kind (queries, statuses)
+            "received": dict(self.metrics.by_label("received")),
         }
 
     def write_status(self, path: Path) -> None:

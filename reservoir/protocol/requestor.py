@@ -5,7 +5,8 @@ id. Its driver calls :meth:`~RequestorMachine.start` once, then
 :meth:`~RequestorMachine.place`, :meth:`~RequestorMachine.handle`,
 :meth:`~RequestorMachine.on_unroutable` and :meth:`~RequestorMachine.on_timer` with the
 current time and carries out the effects. It keeps a :class:`~reservoir.protocol.roster.Roster`
-of the nodes and their tiers from what nodes announce. A conversation:
+of the nodes and their tiers, from a roster keeper's samples or what nodes announce
+(:mod:`reservoir.protocol.roster_source`). A conversation:
 
 1. **probe** a few nodes sampled from the roster, emptiest tiers first
    (``max(min_probes, ceil(probe_factor * count))`` of them), each with the request sent

@@ -59,7 +59,8 @@ def keeper(
     "Many requestors: roster keepers"). It holds nothing a placement depends on: run two
     per cluster, and restart them at will. With none running, requestors follow the
     announcements themselves, and come back to a keeper as one starts (it says so).
-    RESERVOIR_ROSTER_FROM=announcements keeps a requestor off keepers.
+    RESERVOIR_ROSTER_FROM=announcements keeps a requestor off keepers (keeper, the
+    setting's earlier name, means auto).
     """
     from reservoir.observe.logs import say
     from reservoir.runtime.backoff import quietly_connecting, until_connected

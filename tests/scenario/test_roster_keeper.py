@@ -11,8 +11,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from brokers.inprocess import Faults
+from brokers.inprocess import Faults, InProcessBroker
 from reservoir.broker import Delivery
+from reservoir.clock import VirtualScheduler
 from reservoir.protocol.messages import ROOM_TOPIC, ROSTER_TOPIC, decode_message
 from reservoir.runtime.requestor import Requestor
 from reservoir.runtime.settings import Settings
@@ -297,6 +298,51 @@ def test_a_keeper_starting_while_a_query_comes_back_unroutable_is_not_missed(
     assert requestor.machine.counters["no_keeper"] == 1
     assert source(requestor) == "keepers"
     sim.finish(placements)
+
+
+class Reconnecting(InProcessBroker):
+    """An in-process broker that says its connection came back when told to."""
+
+    reconnects = True
+
+    def __init__(self, scheduler: VirtualScheduler) -> None:
+        super().__init__(scheduler)
+        self.count = 1
+
+    @property
+    def connections(self) -> int:
+        return self.count
+
+
+def test_a_keeper_back_on_the_broker_after_an_outage_says_so_again() -> None:
+    # Its news at start went unheard (the requestor's side of the network was down): once
+    # the keeper's own connection is back, it roll-calls the nodes and says it is up again.
+    sim = Simulation(settings=DEFAULT)
+    sim.broker.close()
+    sim.broker = Reconnecting(sim.scheduler)
+    try:
+        sim.add_nodes(3, vcpus=8)
+        requestor = sim.add_requestor()
+        sim.scheduler.run_until_idle()
+        assert source(requestor) == "announcements"  # no keeper yet
+
+        def keeper_up(delivery: Delivery) -> bool:
+            return b'"kind":"keeper_up"' in delivery.body
+
+        sim.broker.faults = Faults(loss=1.0, applies_to=keeper_up)
+        keeper = sim.add_keeper()
+        sim.broker.faults = None
+        sim.advance(2.0)  # the keeper looks at its connection every second: unchanged
+        assert source(requestor) == "announcements"
+        assert keeper.metrics.get("sent", "keeper_up") == 1
+        sim.broker.count += 1  # its connection came back
+        sim.advance(1.0)
+        assert keeper.metrics.get("sent", "keeper_up") == 2
+        assert keeper.metrics.get("sent", "roll_call") >= 2
+        assert source(requestor) == "keepers"
+        sim.finish([sim.place(requestor, vcpus=1)])
+    finally:
+        sim.close()
 
 
 def test_a_requestor_set_to_announcements_never_asks_a_keeper() -> None:

@@ -32,6 +32,7 @@ COMPILED = [
     "reservoir/protocol/requestor.py",
     "reservoir/protocol/room.py",
     "reservoir/protocol/roster.py",
+    "reservoir/protocol/roster_source.py",
     "reservoir/protocol/tiers.py",
     "reservoir/tools/simulator/calendar.py",
     "reservoir/tools/simulator/engine.py",

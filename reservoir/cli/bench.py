@@ -74,8 +74,16 @@ def _parse_url(ctx: click.Context, param: click.Parameter, value: str) -> Broker
     default=0,
     show_default=True,
     type=click.IntRange(0, 16),
-    help="Start this many roster keepers; every requestor then takes its roster from them "
-    "rather than following every node's announcements.",
+    help="Start this many roster keepers (reservoir keeper processes; in this process on "
+    "memory://); every requestor then takes its roster from them rather than following "
+    "every node's announcements.",
+)
+@click.option(
+    "--kill-keeper",
+    is_flag=True,
+    help="After the throughput run, a keeper outage run: as many requestors place "
+    "--placements requests at once while the first keeper is killed (SIGKILL) a third of "
+    "the way through and started again at two thirds. Needs --keepers.",
 )
 @click.option(
     "--json",
@@ -91,6 +99,7 @@ def bench(
     placements: int,
     requestor_processes: int,
     keepers: int,
+    kill_keeper: bool,
     as_json: bool,
 ) -> None:
     """Measure placement against the broker's own round trip: sequential latency,
@@ -101,6 +110,11 @@ def bench(
     cannot be reached, 2 when the run cannot be carried out.
     """
     require_message_counts("bench")
+    if kill_keeper and not keepers:
+        raise click.BadParameter(
+            "a keeper outage needs keepers: give --keepers 1 or more",
+            param_hint="'--kill-keeper'",
+        )
     if broker_url.adapter != "memory" and node_processes > nodes:
         raise click.BadParameter(
             f"{node_processes} processes for {nodes} nodes: give at most --nodes",
@@ -120,6 +134,7 @@ def bench(
                 placements=placements,
                 requestor_processes=requestor_processes,
                 keepers=keepers,
+                kill_keeper=kill_keeper,
                 progress=progress,
             )
     except UnsupportedBroker as error:
@@ -248,5 +263,19 @@ def _print_table(result: BenchResult) -> None:
         for k, v in r.switches_per_placement.items()
     )
     console.print(f"threads' context switches per placement by part: {switches}")
+    outage = r.keeper_outage
+    if outage is not None:
+        sources = ", ".join(f"{n} on {s}" for s, n in outage["requestors_by_roster_source"].items())
+        console.print(
+            f"keeper outage: {outage['killed']} (of {outage['keepers']}) killed after "
+            f"{outage['killed_after_placements']} of {outage['placements']} placements, started "
+            f"again after {outage['started_again_after_placements']} "
+            f"({outage['keeper_down_s']:.2f} s down); placed {outage['placed']}, "
+            f"false failures {outage['false_failures']}, p50 {outage['p50_ms']:.3f} ms, "
+            f"p99 {outage['p99_ms']:.3f} ms; at the end {sources}; "
+            f"{outage['requestors_that_fell_back']} fell back to the announcements, "
+            f"{outage['requestors_back_on_keepers']} came back; the restarted keeper sent "
+            f"{outage['samples_from_the_restarted_keeper']} sample(s)"
+        )
     for note in r.notes:
         console.print(f"note: {note}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import secrets
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 import click
 
@@ -27,16 +28,39 @@ from reservoir.interrupt import stop_on_signals, stopped
     default=None,
     help="The keeper's name; its inbox is reservoir.requestor.NAME [default: keeper-<random>].",
 )
+@click.option(
+    "--status-file",
+    type=click.Path(dir_okay=False, writable=True, path_type=Path),
+    default=None,
+    help="Rewrite this JSON file (connected, nodes known, samples sent) every "
+    "--status-interval seconds while running: for a health check.",
+)
+@click.option(
+    "--status-interval",
+    type=click.FloatRange(0.01),
+    default=1.0,
+    show_default=True,
+    help="With --status-file, how often to rewrite it (seconds).",
+)
 @connect_attempts_option()
-def keeper(broker_url: str | None, name: str | None, connect_attempts: int) -> None:
+def keeper(
+    broker_url: str | None,
+    name: str | None,
+    status_file: Path | None,
+    status_interval: float,
+    connect_attempts: int,
+) -> None:
     """Run a roster keeper until SIGTERM, SIGINT or SIGHUP; then exit status 130.
 
-    A keeper follows every node's announcements so that requestors need not: a requestor
-    started with RESERVOIR_ROSTER_FROM=keeper asks a keeper for a sample of the nodes
-    rather than hearing every node's every status and roll-calling them all at start
-    (docs/design.md, "The roster"). It holds nothing a placement depends on: run one or
-    two per cluster, and restart them at will. With none running, such requestors
-    follow the announcements themselves.
+    A keeper follows every node's announcements so that requestors need not: every
+    requestor (RESERVOIR_ROSTER_FROM=auto, the default) asks a keeper for a sample of the
+    nodes rather than hearing every node's every status and roll-calling them all at
+    start, so messages per placement do not grow with the requestors (docs/design.md,
+    "Many requestors: roster keepers"). It holds nothing a placement depends on: run two
+    per cluster, and restart them at will. With none running, requestors follow the
+    announcements themselves, and come back to a keeper as one starts (it says so).
+    RESERVOIR_ROSTER_FROM=announcements keeps a requestor off keepers (keeper, the
+    setting's earlier name, means auto).
     """
     from reservoir.observe.logs import say
     from reservoir.runtime.backoff import quietly_connecting, until_connected
@@ -60,7 +84,11 @@ def keeper(broker_url: str | None, name: str | None, connect_attempts: int) -> N
         stopped()
     say(f"keeper {name}: ready on {shown_url(settings.broker_url)}")
     try:
-        stop.wait()
+        while True:
+            if status_file is not None:
+                running.write_status(status_file)
+            if stop.wait(status_interval if status_file is not None else None):
+                break
     finally:
         known = running.nodes_known()
         running.close()

@@ -117,11 +117,13 @@ def _parse_latency(ctx: click.Context, param: click.Parameter, value: str) -> An
 )
 @click.option(
     "--keepers",
-    default=0,
+    default=2,
     show_default=True,
     type=click.IntRange(0, 16),
-    help="reservoir: roster keepers; with any, requestors take their rosters from them "
-    "rather than following every node's announcements (docs/design.md, 'The roster').",
+    help="reservoir: roster keepers, two as in the recommended deployment; requestors take "
+    "their rosters from them (roster_from auto). 0: every requestor follows every node's "
+    "announcements itself (roster_from announcements; docs/design.md, 'Many requestors: "
+    "roster keepers').",
 )
 @click.option(
     "--requestor-restarts-per-s",

@@ -13,8 +13,9 @@ with K, and a requestor's start is two messages.
 The keeper's roster is a hint like every roster, and the keeper holds nothing a placement
 depends on: the node still decides from its exact state, so a stale sample costs probes
 that decline; a sample the keeper never sends (no keeper, or one that died) costs the
-requestor the fallback to following the announcements itself. Pure, like the rest of the
-protocol: messages and the current time in, effects out.
+requestor the fallback to following the announcements itself, until a keeper is up again
+(:class:`~reservoir.protocol.messages.KeeperUp`, which the keeper publishes as it starts).
+Pure, like the rest of the protocol: messages and the current time in, effects out.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from reservoir.protocol.messages import (
     MESSAGE_CLASSES,
     ROOM_TOPIC,
     ROSTER_TOPIC,
+    KeeperUp,
     Message,
     NodeStatus,
     RollCall,
@@ -64,16 +66,23 @@ class KeeperMachine:
         self.counters: Counter[str] = Counter()
 
     def start(self, now: float) -> list[Effect]:
-        """Hear the announcements and the queries, and ask every node once where it
-        stands: O(N) per keeper start, and keepers are few."""
-        call = RollCall(
-            sender=self.config.keeper_id, reply_to=self.config.reply_to, from_keeper=True
-        )
+        """Hear the announcements and the queries, ask every node once where it stands
+        (O(N) per keeper start, and keepers are few), and say that a keeper is up to the
+        requestors that follow the announcements for want of one (one delivery each)."""
+        return [Bind(ROSTER_TOPIC), Bind(ROOM_TOPIC), Bind(KEEPER_TOPIC), *self.announce(now)]
+
+    def announce(self, now: float) -> list[Effect]:
+        """Roll-call every node and say that a keeper is up: at start, and when the
+        keeper's connection comes back (nodes and requestors heard nothing of it while it
+        was away, and a requestor whose query reached nobody then follows the
+        announcements). The roll call goes first: the requestors' queries then come in
+        behind the nodes' answers."""
+        config = self.config
+        call = RollCall(sender=config.keeper_id, reply_to=config.reply_to, from_keeper=True)
+        up = KeeperUp(sender=config.keeper_id, reply_to=config.reply_to)
         return [
-            Bind(ROSTER_TOPIC),
-            Bind(ROOM_TOPIC),
-            Bind(KEEPER_TOPIC),
-            Publish(TierLadder.topic(self.config.tiers.percents[-1]), call),
+            Publish(TierLadder.topic(config.tiers.percents[-1]), call),
+            Publish(ROSTER_TOPIC, up),
         ]
 
     def handle(self, message: Message, now: float) -> list[Effect]:
@@ -83,6 +92,8 @@ class KeeperMachine:
             return self._on_status(message)
         if message.kind == "roster_query":
             return [Send(message.reply_to, self.sample(message))]
+        if message.kind == "keeper_up":
+            return []  # another keeper (or this one) started: nothing to do
         return [Dropped("unexpected", f"a keeper does not take {message.kind!r}")]
 
     def on_timer(self, key: object, now: float) -> list[Effect]:
@@ -91,7 +102,8 @@ class KeeperMachine:
 
     def on_unroutable(self, message: Message, now: float) -> list[Effect]:
         """A roll call no node heard (none is up yet: they announce themselves as they
-        start), or a sample whose requestor is gone: nothing to do."""
+        start), a sample whose requestor is gone, or news that a keeper is up that no
+        requestor needed (every one is on keepers): nothing to do."""
         return []
 
     def _on_status(self, status: NodeStatus) -> list[Effect]:

@@ -98,6 +98,7 @@ __all__ = [
     "HeldReservation",
     "InstanceShape",
     "InvalidField",
+    "KeeperUp",
     "LedgerQuery",
     "LedgerReport",
     "Lookup",
@@ -144,7 +145,9 @@ ROSTER_TOPIC: Final = "roster"
 #: (design.md, "Lookups"); every requestor binds it, whoever keeps its roster.
 REJOINED_TOPIC: Final = "rejoined"
 #: Roster keepers bind this topic: a requestor that takes its roster from a keeper asks
-#: for a sample here (design.md, "The roster").
+#: for a sample here (design.md, "Many requestors: roster keepers"). A keeper that starts
+#: says so on :data:`ROSTER_TOPIC` (:class:`KeeperUp`), which the requestors that follow
+#: the announcements bind.
 KEEPER_TOPIC: Final = "keeper"
 #: Nodes publish every change of their room on this topic once a keeper has roll-called
 #: them; only keepers bind it.
@@ -824,6 +827,17 @@ class RosterQuery(_Message, tag="roster_query", frozen=True, kw_only=True):
     needs: dict[str, Amount] = field(default_factory=dict)
 
 
+class KeeperUp(_Message, tag="keeper_up", frozen=True, kw_only=True):
+    """Published on :data:`ROSTER_TOPIC` by a roster keeper when it starts (and when its
+    broker connection comes back): a requestor that follows the announcements (it found
+    no keeper) asks it for a sample, and once one comes stops following them. Only such
+    requestors (and other keepers) hear it: one delivery each per keeper start."""
+
+    kind: ClassVar[Literal["keeper_up"]] = "keeper_up"
+    request_id: Identifier = ROSTER_ID
+    reply_to: Identifier
+
+
 class RosterMember(_Frozen, frozen=True, kw_only=True):
     """A node as a keeper last heard of it: where to probe it, its tier and its room."""
 
@@ -974,6 +988,7 @@ Message = (
     | RollCall
     | RosterQuery
     | RosterSample
+    | KeeperUp
     | LedgerQuery
     | LedgerReport
     | TaskState
@@ -997,6 +1012,7 @@ REQUESTOR_KINDS: Final = frozenset(
         # a roster keeper runs with a requestor's credentials
         "roster_query",
         "roster_sample",
+        "keeper_up",
         "task_query",
     }
 )

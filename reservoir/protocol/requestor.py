@@ -5,7 +5,8 @@ id. Its driver calls :meth:`~RequestorMachine.start` once, then
 :meth:`~RequestorMachine.place`, :meth:`~RequestorMachine.handle`,
 :meth:`~RequestorMachine.on_unroutable` and :meth:`~RequestorMachine.on_timer` with the
 current time and carries out the effects. It keeps a :class:`~reservoir.protocol.roster.Roster`
-of the nodes and their tiers from what nodes announce. A conversation:
+of the nodes and their tiers, from a roster keeper's samples or what nodes announce
+(:mod:`reservoir.protocol.roster_source`). A conversation:
 
 1. **probe** a few nodes sampled from the roster, emptiest tiers first
    (``max(min_probes, ceil(probe_factor * count))`` of them), each with the request sent
@@ -55,9 +56,9 @@ from __future__ import annotations
 
 import math
 from collections import Counter, OrderedDict
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
-from typing import Final, Literal
+from typing import Final
 
 import msgspec.structs
 
@@ -80,11 +81,8 @@ from reservoir.protocol.effects import (
 )
 from reservoir.protocol.freeing import Freeing, FreeTarget
 from reservoir.protocol.messages import (
-    KEEPER_TOPIC,
-    MAX_SAMPLE,
     MESSAGE_CLASSES,
     REJOINED_TOPIC,
-    ROSTER_TOPIC,
     AllocationInfo,
     Award,
     Decline,
@@ -114,6 +112,7 @@ from reservoir.protocol.placement import (
 )
 from reservoir.protocol.policies import Policy, Spread
 from reservoir.protocol.roster import Roster, Sampler
+from reservoir.protocol.roster_source import RosterFrom, RosterSource, SourceConfig
 from reservoir.protocol.tiers import DEFAULT_LADDER, TierLadder
 from reservoir.protocol.timers import PER_ATTEMPT, ConversationTimer, FreeTimer, TimerKind
 
@@ -181,11 +180,13 @@ class RequestorConfig:
     probe_rounds: int = 20
     #: seeds the roster's sampling (None: the requestor id), so runs are reproducible
     sample_seed: int | str | None = None
-    #: where the roster comes from (design.md, "The roster"): ``announcements``, every
-    #: node's statuses and a roll call of every node at start (K deliveries per status,
-    #: N answers per start), or ``keeper``, samples from a roster keeper (none bound: the
-    #: requestor falls back to the announcements)
-    roster_from: Literal["announcements", "keeper"] = "announcements"
+    #: where the roster comes from (design.md, "Many requestors: roster keepers"):
+    #: ``auto``, a roster keeper's samples while one answers and every node's statuses
+    #: while none does, switching both ways as keepers come and go; ``announcements``,
+    #: every node's statuses and a roll call of every node at start (K deliveries per
+    #: status, N answers per start), never a keeper; ``keeper``, the same as ``auto``
+    #: (its earlier name). :mod:`reservoir.protocol.roster_source` does the switching
+    roster_from: RosterFrom = "auto"
     #: with a keeper: nodes asked for per sample, placements between two samples, and
     #: the most nodes the roster keeps (the least recently sampled go first)
     keeper_sample: int = 128
@@ -194,7 +195,8 @@ class RequestorConfig:
     #: (twice as many each time), and how often before the exhaustive step
     keeper_shape_sample: int = 16
     keeper_shape_rounds: int = 4
-    #: with a keeper: a sample older than this is refreshed at the next placement
+    #: with a keeper: a sample older than this is refreshed at the next placement; with
+    #: none (``auto``), a placement asks again whether one is back after this long
     keeper_refresh_s: float = 10.0
     roster_limit: int = 1024
     #: every placement findable by its id (``Lookup``), generated ids too, not only the
@@ -238,16 +240,26 @@ class RequestorMachine:
         #: nothing to sample from), ``busy_retries``
         self.counters: Counter[str] = Counter()
         self.latency = LatencyEstimate()
-        self._roll_called_at: float | None = None
-        #: whether this requestor follows the nodes' announcements itself (always
-        #: without a keeper; with one, only once it found none)
-        self._follows_announcements = False
-        #: with a keeper: when the sample asked for went out (None: none outstanding),
-        #: placements since the last one, the sampled nodes oldest first
-        self._sample_asked_at: float | None = None
-        self._since_sample = 0
-        self._sample_at = -math.inf
-        self._sampled: OrderedDict[str, None] = OrderedDict()
+        #: where the roster comes from: a keeper's samples or the announcements
+        self.roster_source = RosterSource(
+            SourceConfig(
+                requestor_id=config.requestor_id,
+                reply_to=config.reply_to,
+                roll_call_topic=TierLadder.topic(config.tiers.percents[-1]),
+                roster_from=config.roster_from,
+                sample=config.keeper_sample,
+                refresh_every=config.keeper_refresh_every,
+                refresh_s=config.keeper_refresh_s,
+                limit=config.roster_limit,
+                ask_again_s=config.max_widen_s,
+            ),
+            self.roster,
+            self.latency,
+            self.counters,
+        )
+        #: conversations whose sampling found too little, waiting for a keeper's nodes
+        #: with room: each goes on as a sample comes (or as the query reaches no keeper)
+        self._awaiting_sample: set[str] = set()
         self._active: dict[str, Conversation] = {}
         #: conversations holding their id's claim (ClaimState.HELD)
         self._claims_held = 0
@@ -290,60 +302,23 @@ class RequestorMachine:
         """Hear of nodes that are back, and fill the roster: from a keeper (one query),
         or from the announcements, asking every node once where it stands."""
         effects: list[Effect] = [Bind(REJOINED_TOPIC)]
-        if self.config.roster_from == "keeper":
-            self._ask_keeper(now, effects)
-        else:
-            self._follow_announcements(now, effects)
+        self.roster_source.start(now, effects)
         return effects
 
-    def _follow_announcements(self, now: float, effects: list[Effect]) -> None:
-        """Hear every node's statuses, and roll-call them all: O(N) once."""
-        call = RollCall(sender=self.config.requestor_id, reply_to=self.config.reply_to)
-        self._roll_called_at = now
-        self._follows_announcements = True
-        effects.append(Bind(ROSTER_TOPIC))
-        effects.append(Publish(TierLadder.topic(self.config.tiers.percents[-1]), call))
+    def _on_sample(self, sample: RosterSample, now: float, effects: list[Effect]) -> None:
+        """A keeper's sample: into the roster; placements waiting for one go on."""
+        self.roster_source.heard_sample(sample, now, effects)
+        self._resume_awaiting_sample(now, effects)
 
-    def _ask_keeper(
-        self,
-        now: float,
-        effects: list[Effect],
-        needs: Mapping[str, int] | None = None,
-        wanted: int | None = None,
-    ) -> None:
-        """Ask a keeper for a fresh sample, unless one is on its way; with ``needs``, for
-        nodes whose room may take such an instance (asked whatever else is on its way)."""
-        config = self.config
-        asked = self._sample_asked_at
-        if needs is None and asked is not None and now - asked < config.max_widen_s:
-            return
-        self._sample_asked_at = now
-        self._since_sample = 0
-        self.counters["samples_asked"] += 1
-        query = RosterQuery(
-            sender=config.requestor_id,
-            reply_to=config.reply_to,
-            wanted=min(MAX_SAMPLE, wanted or config.keeper_sample),
-            needs=dict(needs or {}),
-        )
-        effects.append(Publish(KEEPER_TOPIC, query))
-
-    def _on_sample(self, sample: RosterSample, now: float) -> None:
-        """A keeper's sample: into the roster, the oldest sampled nodes out past the limit."""
-        asked = self._sample_asked_at
-        if asked is not None and self.latency.samples < _LATENCY_SAMPLES_TRUSTED:
-            # a new requestor's first latency samples, as a roll call's answers would be
-            self.latency.add(now - asked)
-        self._sample_asked_at = None
-        self._sample_at = now
-        sampled = self._sampled
-        for member in sample.members:
-            self.roster.update(member.name, member.address, member.tier, member.room)
-            sampled.pop(member.name, None)
-            sampled[member.name] = None
-        while len(sampled) > self.config.roster_limit:
-            name, _ = sampled.popitem(last=False)
-            self.roster.remove(name)
+    def _resume_awaiting_sample(self, now: float, effects: list[Effect]) -> None:
+        """Placements that waited for a keeper's nodes with room sample again now, on
+        the news (a sample, or that no keeper is bound), not when their timer runs out."""
+        waiting, self._awaiting_sample = self._awaiting_sample, set()
+        for request_id in sorted(waiting):
+            c = self._active.get(request_id)
+            if c is not None and c.phase is Phase.BACKING_OFF and TimerKind.RETRY in c.armed:
+                self._cancel_timer(c, TimerKind.RETRY, effects)
+                self._retry(c, now, effects)
 
     def place(
         self,
@@ -399,12 +374,7 @@ class RequestorMachine:
             conversation.sampling = self.config.probe_rounds > 0
         self._active[request_id] = conversation
         self._set_timer(conversation, TimerKind.DEADLINE, conversation.deadline, effects)
-        if self._keeps_no_roster():
-            self._since_sample += 1
-            config = self.config
-            stale = now - self._sample_at >= config.keeper_refresh_s
-            if stale or self._since_sample >= config.keeper_refresh_every:
-                self._ask_keeper(now, effects)
+        self.roster_source.placing(now, effects)
         if conversation.contention.looks_up and self.config.claims:
             self._claim(conversation, effects)  # then looked up, then asked
         else:
@@ -558,7 +528,9 @@ class RequestorMachine:
             self.roster.note_room(message.sender, message.room)
             self._frees.on_freed(message, effects)
         elif message.kind == "roster_sample":
-            self._on_sample(message, now)
+            self._on_sample(message, now, effects)
+        elif message.kind == "keeper_up":
+            self.roster_source.heard_keeper_up(now, effects)
         else:
             effects.append(Dropped("unexpected", f"a requestor does not take {message.kind!r}"))
         return effects
@@ -571,13 +543,9 @@ class RequestorMachine:
         return conversation
 
     def _on_status(self, message: NodeStatus, now: float, effects: list[Effect]) -> None:
-        if message.answering and self._roll_called_at is not None:
-            # The first answers to the roll call time the network: without them a new
-            # requestor would wait the longest widening wait at every silent tier.
-            if self.latency.samples < _LATENCY_SAMPLES_TRUSTED:
-                self.latency.add(now - self._roll_called_at)
-            else:
-                self._roll_called_at = None
+        # The first answers to the roll call time the network: without them a new
+        # requestor would wait the longest widening wait at every silent tier.
+        self.roster_source.heard_status(message, now)
         if message.leaving:
             self.roster.remove(message.sender)
         else:
@@ -621,11 +589,10 @@ class RequestorMachine:
         if isinstance(message, RollCall):
             return effects  # no node is up yet: they announce themselves as they start
         if isinstance(message, RosterQuery):
-            # No keeper is bound: keep a roster of our own, as without keepers.
-            self._sample_asked_at = None
-            if not self._follows_announcements:
-                self.counters["no_keeper"] += 1
-                self._follow_announcements(now, effects)
+            # No keeper is bound: keep a roster of our own, as without keepers, and
+            # whoever waited for a keeper's nodes asks every node now.
+            self.roster_source.query_unroutable(now, effects)
+            self._resume_awaiting_sample(now, effects)
             return effects
         if not isinstance(message, ReservationRequest):
             effects.append(Dropped("unroutable", f"{message.kind} for {message.request_id}"))
@@ -673,18 +640,23 @@ class RequestorMachine:
         elif kind is TimerKind.RETRY and c.phase is Phase.BACKING_OFF:
             if c.contention.claim is ClaimState.REFUSED:
                 self._claim(c, effects)
-                return effects
-            c.start_pass()
-            busy = list(c.busy_nodes.items())
-            c.busy_nodes.clear()
-            if busy and not c.contention.defers_to_others():
-                # Only the busy nodes were short, of room others' reservations held: ask
-                # them again, alone, rather than the whole tier.
-                self.counters["busy_retries"] += 1
-                self._probe_nodes(c, busy, now, effects)
             else:
-                self._broadcast(c, now, effects)
+                self._retry(c, now, effects)
         return effects
+
+    def _retry(self, c: Conversation, now: float, effects: list[Effect]) -> None:
+        """Ask again after backing off: the busy nodes alone, or from the roster."""
+        self._awaiting_sample.discard(c.request_id)
+        c.start_pass()
+        busy = list(c.busy_nodes.items())
+        c.busy_nodes.clear()
+        if busy and not c.contention.defers_to_others():
+            # Only the busy nodes were short, of room others' reservations held: ask
+            # them again, alone, rather than the whole tier.
+            self.counters["busy_retries"] += 1
+            self._probe_nodes(c, busy, now, effects)
+        else:
+            self._broadcast(c, now, effects)
 
     # -- broadcasting and collecting ---------------------------------------------------
 
@@ -709,7 +681,10 @@ class RequestorMachine:
                     self.counters["probe_rounds"] += 1
                     self._probe_nodes(c, [(m.name, m.address) for m in members], now, effects)
                     return
-                if self._keeps_no_roster() and c.sample_waits < config.keeper_shape_rounds:
+                if (
+                    self.roster_source.may_wait_for_room()
+                    and c.sample_waits < config.keeper_shape_rounds
+                ):
                     # Before asking every node, ask a keeper for nodes we have not seen.
                     self._wait_for_sample(c, now, effects)
                     return
@@ -731,19 +706,17 @@ class RequestorMachine:
                          config.max_widen_s)  # fmt: skip
         self._set_timer(c, TimerKind.WIDEN, now + wait_s, effects)
 
-    def _keeps_no_roster(self) -> bool:
-        """Whether the roster comes from a keeper (and not, failing one, from following
-        the announcements)."""
-        return self.config.roster_from == "keeper" and not self._follows_announcements
-
     def _wait_for_sample(self, c: Conversation, now: float, effects: list[Effect]) -> None:
-        """Sampling found too little: ask a keeper for a fresh sample and sample again
-        once it can be back, rather than ask every node at once."""
+        """Sampling found too little: ask a keeper for nodes whose room may fit and
+        sample again once it answers, rather than ask every node at once."""
         self.counters["sample_waits"] += 1
         wanted = self.config.keeper_shape_sample * 2**c.sample_waits
         c.sample_waits += 1
-        self._ask_keeper(now, effects, needs=c.spec.resources, wanted=wanted)
+        self.roster_source.ask_for_room(c.spec.resources, wanted, now, effects)
         c.enter(Event.BACK_OFF)
+        # The keepers' answer (or the news that none is bound) ends the wait; the timer
+        # only stands for a keeper that is bound and does not answer.
+        self._awaiting_sample.add(c.request_id)
         self._set_timer(c, TimerKind.RETRY, now + self._widen_wait_s(), effects)
 
     def _request(self, c: Conversation, tier: int) -> ReservationRequest:

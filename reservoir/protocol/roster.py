@@ -140,6 +140,10 @@ class Roster:
     def __contains__(self, name: object) -> bool:
         return name in self._where
 
+    def names(self) -> list[str]:
+        """Every node listed, in the order each was first listed."""
+        return list(self._where)
+
     def tier_sizes(self) -> tuple[int, ...]:
         return tuple(sum(map(len, rooms.values())) for rooms in self._by_tier)
 

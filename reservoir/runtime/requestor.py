@@ -534,6 +534,7 @@ class Requestor(Driver):
             in_flight = self.machine.in_flight()
             held = self.machine.held_reservations()
             roster = len(self.machine.roster)
+            source = self.machine.roster_source.state
             steps = dict(self.machine.counters)
         labels = ["participant"]
         for name, documentation, value in (
@@ -566,6 +567,25 @@ class Requestor(Driver):
         for kind in ("lookups_again", "superseded_frees", "superseded_placements"):
             reconciled.add_metric([self.metrics.participant, kind], steps.get(kind, 0))
         yield reconciled
+        where = GaugeMetricFamily(
+            "reservoir_requestor_roster_source",
+            "Where the requestor's roster comes from now (1 for the one): keepers (a roster "
+            "keeper's samples), announcements (every node's statuses: no keeper answers, or "
+            "roster_from is announcements), asking (started; no keeper answered yet)",
+            labels=["participant", "source"],
+        )
+        for each in ("keepers", "announcements", "asking"):
+            where.add_metric([self.metrics.participant, each], 1 if each == source else 0)
+        yield where
+        switches = CounterMetricFamily(
+            "reservoir_requestor_roster_switches",
+            "Switches of the roster's source: to announcements (a query reached no "
+            "keeper), to keepers (a keeper answered again)",
+            labels=["participant", "to"],
+        )
+        for to, step in (("announcements", "no_keeper"), ("keepers", "back_on_keepers")):
+            switches.add_metric([self.metrics.participant, to], steps.get(step, 0))
+        yield switches
 
     def _end_spans(self, request_id: str, outcome: str, error: BaseException | None = None,
                    **attributes: Any) -> None:  # fmt: skip

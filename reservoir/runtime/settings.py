@@ -97,10 +97,13 @@ class Settings(BaseSettings):
     #: sampling rounds, each twice as wide, before the exhaustive tier broadcast
     #: (0: always broadcast to whole tiers, as the first version of the protocol did)
     probe_rounds: int = Field(default=20, ge=0, le=40)
-    #: where a requestor's roster comes from: ``announcements`` (every node's statuses,
-    #: and a roll call of every node at start) or ``keeper`` (samples from a roster keeper,
-    #: ``reservoir keeper``; with none running, the announcements): docs/design.md
-    roster_from: Literal["announcements", "keeper"] = "announcements"
+    #: where a requestor's roster comes from (docs/design.md, "Many requestors: roster
+    #: keepers"): ``auto`` (samples from a roster keeper, ``reservoir keeper``, while one
+    #: answers; every node's statuses while none does; switching both ways as keepers
+    #: come and go), ``announcements`` (every node's statuses and a roll call of every
+    #: node at start, never a keeper: what a placement costs grows with the requestors),
+    #: or ``keeper`` (the same as ``auto``, its earlier name)
+    roster_from: Literal["auto", "announcements", "keeper"] = "auto"
     #: how long ``Requestor.reserve`` waits by default
     request_timeout_s: float = Field(default=30.0, gt=0)
     #: how long a caller waiting on its tasks (``TaskRun.wait``, ``reservoir run``) hears

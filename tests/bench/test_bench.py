@@ -140,6 +140,7 @@ def test_the_summary_is_a_table_naming_the_machine() -> None:
         (("--broker", "amqp://guest:guest@127.0.0.1:1/?exchange=amq.mine"), "'--broker'"),
         (("--broker", "amqp://guest:guest@127.0.0.1:1/", "--nodes", "2",
           "--node-processes", "3"), "'--node-processes'"),
+        (("--broker", "memory://", "--kill-keeper"), "'--kill-keeper'"),
     ],
 )  # fmt: skip
 def test_a_bad_option_is_one_line_naming_it(args: tuple[str, ...], option: str) -> None:
@@ -268,3 +269,42 @@ def test_a_baseline_that_moved_between_its_halves_gets_a_note_and_a_steady_one_n
     note = _baseline_moved(0.001, 0.002)
     assert note is not None
     assert "from 1.0 ms" in note and "to 2.0 ms" in note
+
+
+def assert_the_outage_lost_nothing(result: dict[str, Any], keepers: int) -> None:
+    outage = result["keeper_outage"]
+    assert outage is not None
+    assert outage["keepers"] == keepers
+    assert outage["placed"] == outage["placements"] == 30
+    assert outage["false_failures"] == 0
+    # killed a third of the way through, started again at two thirds
+    assert 10 <= outage["killed_after_placements"] < outage["started_again_after_placements"]
+    assert 20 <= outage["started_again_after_placements"] < 30
+    # every requestor on keepers at the end; with two, none ever left them
+    assert outage["requestors_by_roster_source"] == {"keepers": 2}
+    if keepers == 2:
+        assert outage["requestors_that_fell_back"] == 0
+    assert result["audit"] == dict.fromkeys(result["audit"], 0)
+
+
+@pytest.mark.parametrize("keepers", [1, 2])
+def test_a_keeper_killed_during_a_run_loses_no_placement(keepers: int) -> None:
+    result = short_run("memory://", "--keepers", str(keepers), "--kill-keeper")
+    assert_sane(result)
+    assert_the_outage_lost_nothing(result, keepers)
+
+
+def test_without_kill_keeper_there_is_no_outage_run() -> None:
+    assert short_run("memory://", "--keepers", "1")["keeper_outage"] is None
+
+
+@pytest.mark.rabbitmq
+def test_one_of_two_keeper_processes_killed_during_a_run_on_rabbitmq_loses_no_placement(
+    reservoir_amqp_url: str,
+) -> None:
+    result = short_run(
+        reservoir_amqp_url, "--node-processes", "1", "--keepers", "2", "--kill-keeper"
+    )
+    assert_sane(result)
+    assert_the_outage_lost_nothing(result, 2)
+    assert any("in processes of their own" in note for note in result["notes"])

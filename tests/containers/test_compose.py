@@ -1,7 +1,8 @@
 """The compose deployment (deploy/compose/compose.yaml) brought up for real: RabbitMQ with
-deploy/rabbitmq's definitions, three node agents and ``reservoir serve``, all healthy; the
-host places requests through the ports published on 127.0.0.1 (HTTP, and AMQP with the
-requestor's credentials) and reads the nodes' state both ways. The deployment is taken
+deploy/rabbitmq's definitions, three node agents, two roster keepers and ``reservoir
+serve``, all healthy; the host places requests through the ports published on 127.0.0.1
+(HTTP, and AMQP with the requestor's credentials) and reads the nodes' state both ways;
+the API's requestors take their rosters from the keepers. The deployment is taken
 down with its volumes at the end of the module.
 
 The short test runs by default (the deployment is up in about 15 s here); the one marked
@@ -11,8 +12,10 @@ its state volume, and releases through the API."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
@@ -87,6 +90,23 @@ def test_a_request_placed_through_the_composed_service_is_held_by_a_node(
         assert vcpus[allocation["node"]] >= 3
 
 
+#: where a requestor's roster comes from, as the service's /metrics says
+ROSTER_SOURCE = re.compile(r'reservoir_requestor_roster_source\{[^}]*source="(\w+)"[^}]*\} (\S+)')
+
+
+def test_the_composed_service_takes_its_roster_from_the_keepers(compose: Compose) -> None:
+    # a replica that started before the keepers follows the nodes until one says it is up
+    deadline = time.monotonic() + 10
+    for replica in ("api", "api-2"):
+        with api(compose, replica) as client:
+            while True:
+                sources = dict(ROSTER_SOURCE.findall(client.get("/metrics").text))
+                if float(sources["keepers"]) == 1 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+        assert float(sources["keepers"]) == 1, (replica, sources)
+
+
 @pytest.mark.slow
 def test_a_restarted_node_agent_keeps_its_allocations_and_the_api_frees_them(
     compose: Compose,
@@ -97,7 +117,7 @@ def test_a_restarted_node_agent_keeps_its_allocations_and_the_api_frees_them(
     before = allocated_vcpus(reservoir_on_the_host(compose, "nodes", "--expect-nodes", "3"))
 
     compose("restart", "--timeout", "10", held["node"])
-    compose.wait_healthy(len(NODES) + 3)  # RabbitMQ and the API's two replicas
+    compose.wait_healthy(len(NODES) + 5)  # RabbitMQ, the two keepers, the API's two replicas
     after = allocated_vcpus(reservoir_on_the_host(compose, "nodes", "--expect-nodes", "3"))
     assert after == before, "the restarted agent lost allocations its state volume held"
 

@@ -5,7 +5,9 @@ file (deploy/compose/compose.yaml) every ``reservoir`` command parses with its o
 click would, every RESERVOIR_* variable is a setting or an option's variable and its value
 parses, every port is the one the command listens on, every probe path is a route of the
 ``reservoir serve`` app, and every broker URL names a user, password and vhost of
-deploy/rabbitmq/definitions.json on the RabbitMQ service's port."""
+deploy/rabbitmq/definitions.json on the RabbitMQ service's port; both run two roster
+keepers, each under a name of its own, as the keeper user, trusted by every receiver that
+checks users, and probed on the status file it writes."""
 
 from __future__ import annotations
 
@@ -187,7 +189,11 @@ def test_every_kubernetes_manifest_passes_the_kubernetes_schemas(version: str) -
 
 
 def test_the_validator_refuses_a_misspelt_probe_and_a_port_that_is_not_a_number() -> None:
-    (deployment,) = [d for d in kubernetes_documents() if d["kind"] == "Deployment"]
+    (deployment,) = [
+        d
+        for d in kubernetes_documents()
+        if d["kind"] == "Deployment" and d["metadata"]["name"] == "reservoir-api"
+    ]
     misspelt = copy.deepcopy(deployment)
     container = misspelt["spec"]["template"]["spec"]["containers"][0]
     container["readinesProbe"] = container.pop("readinessProbe")
@@ -298,6 +304,7 @@ def test_every_port_is_the_one_the_command_listens_on(container: Container) -> N
     listening = {
         "serve": [context.params.get("port")],
         "node": [context.params.get("metrics_port")],
+        "keeper": [],
     }[context.info_name.split()[-1]]  # type: ignore[union-attr]
     listening = [p for p in listening if p is not None]
     assert sorted(container.ports.values()) == sorted(listening), container.where
@@ -318,8 +325,8 @@ def test_every_probe_asks_a_route_of_the_service_on_its_port(container: Containe
         assert container.ports.get(str(port), port) == context.params["port"], container.where
     if context.info_name == "reservoir serve":
         assert {p for _, p in container.probe_paths} >= {"/readyz"}, container.where
-    if container.where.startswith("Deployment"):
-        assert {p for _, p in container.probe_paths} == {"/healthz", "/readyz"}
+        if container.where.startswith("Deployment"):
+            assert {p for _, p in container.probe_paths} == {"/healthz", "/readyz"}
 
 
 def test_the_node_agents_health_check_is_the_same_on_kubernetes_as_in_compose() -> None:
@@ -373,7 +380,7 @@ def test_every_broker_url_logs_in_as_a_user_of_the_definitions_on_the_service_po
             assert parsed.host in ("rabbitmq", f"rabbitmq.{namespace}.svc"), where
             assert parsed.port in [p["port"] for p in service["spec"]["ports"]], where
         seen += 1
-    assert seen >= 7  # five compose services, the Secret's two URLs
+    assert seen >= 10  # seven compose services, the Secret's three URLs
 
 
 def test_compose_publishes_ports_on_loopback_only() -> None:
@@ -382,3 +389,78 @@ def test_compose_publishes_ports_on_loopback_only() -> None:
     for port in published:
         host = str(port).partition(":")[0]
         assert host == "127.0.0.1", f"{port} is published beyond loopback"
+
+
+# -- the roster keepers ---------------------------------------------------------------------
+
+
+def keepers() -> list[Container]:
+    return [c for c in reservoir_containers() if c.argv[1] == "keeper"]
+
+
+def test_compose_and_kubernetes_run_two_roster_keepers_each_under_a_name_of_its_own() -> None:
+    composed = [c for c in keepers() if c.where.startswith("compose/")]
+    assert [c.where for c in composed] == ["compose/keeper-1", "compose/keeper-2"]
+    names = [command_of(c)[1].params["name"] for c in composed]
+    assert len(set(names)) == 2  # a keeper's inbox is an exclusive queue named after it
+    (deployment,) = [
+        d
+        for d in kubernetes_documents()
+        if d["kind"] == "Deployment" and d["metadata"]["name"] == "reservoir-keeper"
+    ]
+    assert deployment["spec"]["replicas"] == 2
+    (kubernetes,) = [c for c in keepers() if c.where.startswith("Deployment/")]
+    # every replica gets its pod's name, unique in the namespace
+    assert kubernetes.argv[kubernetes.argv.index("--name") + 1] == "$(POD_NAME)"
+    (pod_name,) = [
+        e
+        for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+        if e["name"] == "POD_NAME"
+    ]
+    assert pod_name["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+
+
+def keeper_user() -> str:
+    (user,) = [u["name"] for u in definitions()["users"] if "keeper" in u["name"]]
+    return user
+
+
+def test_the_keepers_log_in_as_the_keeper_user_and_every_receiver_that_checks_trusts_it() -> None:
+    urls = dict(broker_urls())
+    for container in keepers():
+        url = urls.get(container.where)
+        if url is None:  # from the Secret
+            (secret,) = [d for d in kubernetes_documents() if d["kind"] == "Secret"]
+            url = secret["stringData"]["keeper-url"]
+        assert BrokerUrl.parse(url).username == keeper_user(), container.where
+    # the keepers' roll calls (to nodes), samples and news (to requestors) are requestor
+    # kinds: a receiver that lists the requestors' users must list the keeper's too
+    for container in reservoir_containers():
+        listed = container.env.get("RESERVOIR_REQUESTOR_USERS")
+        if listed is not None:
+            assert keeper_user() in json.loads(listed), container.where
+
+
+def test_the_keeper_user_may_publish_what_a_keeper_publishes() -> None:
+    """Its roll call on a tier topic, its news that it is up on ``roster``, queries'
+    answers to requestors' inboxes; and bind what it hears."""
+    permissions = {
+        p["exchange"]: p for p in definitions()["topic_permissions"] if p["user"] == keeper_user()
+    }
+    request_exchange = permissions["reservoir"]
+    for topic in ("tier.100", "roster"):
+        assert re.fullmatch(request_exchange["write"], topic), topic
+    for topic in ("roster", "roster.room", "keeper"):
+        assert re.fullmatch(request_exchange["read"], topic), topic
+    assert re.fullmatch(permissions["reservoir.inbox"]["write"], "reservoir.requestor.r-1")
+
+
+def test_every_keepers_health_check_reads_the_status_file_it_writes() -> None:
+    assert len(keepers()) == 3  # compose's two, the Deployment's one container
+    for container in keepers():
+        _, context = command_of(container)
+        status_file = str(context.params["status_file"])
+        probes = container.exec_probes
+        assert probes, f"{container.where} has no health check"
+        for probe in probes:
+            assert f"'{status_file}'" in probe[-1], container.where

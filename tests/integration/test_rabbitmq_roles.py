@@ -416,35 +416,46 @@ def test_a_placement_with_per_role_credentials(
     assert any(d.topic is None for _, d in received)
 
 
+def wait_for(condition: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
 def test_a_placement_through_a_keeper_with_per_role_credentials(roles: Roles) -> None:
     # The keeper's user is listed with the requestors' (it speaks the requestor role).
+    # Default settings otherwise: a requestor takes samples while a keeper answers.
     settings = Settings(
         requestor_users=frozenset({roles.requestor, roles.keeper}),
         node_users=frozenset({roles.node}),
-        roster_from="keeper",
     )
     node_broker = PikaBroker(roles.url(roles.node), connect_attempts=1)
     keeper_broker = PikaBroker(roles.url(roles.keeper), connect_attempts=1)
     requestor_broker = PikaBroker(roles.url(roles.requestor), connect_attempts=1)
     name = f"roles-{uuid.uuid4().hex[:8]}"
     try:
-        with RosterKeeper(keeper_broker, settings=settings) as keeper:
-            node = NodeAgent(node_broker, name=name, vcpus=4, memory_mb=4096, settings=settings)
-            try:
-                deadline = time.monotonic() + WAIT_S
-                while keeper.nodes_known() < 1 and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                assert keeper.nodes_known() == 1
-                with Requestor(requestor_broker, settings=settings) as requestor:
+        node = NodeAgent(node_broker, name=name, vcpus=4, memory_mb=4096, settings=settings)
+        try:
+            with Requestor(requestor_broker, settings=settings) as requestor:
+                # no keeper yet: it follows the announcements (binds roster, roll-calls)
+                wait_for(lambda: requestor.machine.roster_source.state == "announcements")
+                with RosterKeeper(keeper_broker, settings=settings) as keeper:
+                    wait_for(lambda: keeper.nodes_known() == 1)
+                    # the keeper's user may say it is up on roster, the requestor's may
+                    # unbind it: back on keepers
+                    wait_for(lambda: requestor.machine.roster_source.state == "keepers")
+                    assert requestor.metrics.get("received", "keeper_up") == 1
+                    assert keeper.metrics.get("returned", "keeper_up") == 0
+                    assert requestor.metrics.get("dropped", "untrusted_sender") == 0
                     placement = requestor.reserve(vcpus=1, timeout_s=WAIT_S)
                     assert placement.nodes == (name,)
                     assert requestor.metrics.get("received", "roster_sample") >= 1
-                    assert requestor.metrics.get("sent", "roll_call") == 0
                     audit([node.snapshot()], [placement]).raise_if_failed(allow_orphans=False)
                     requestor.release(placement)
-                audit([node.snapshot()]).raise_if_failed(allow_orphans=False)
-            finally:
-                node.close()
+            audit([node.snapshot()]).raise_if_failed(allow_orphans=False)
+        finally:
+            node.close()
     finally:
         requestor_broker.close()
         keeper_broker.close()

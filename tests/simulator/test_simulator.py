@@ -306,7 +306,25 @@ def test_with_a_keeper_the_roster_costs_the_same_with_one_requestor_and_with_man
 
 def test_a_requestors_start_costs_two_messages_a_keeper_and_two_per_node_without() -> None:
     assert keeper_run(4, 1).run().row()["requestor_start_messages"] == 2
+    assert keeper_run(4, 2).run().row()["requestor_start_messages"] == 4  # 2 per keeper
     assert keeper_run(4, 0).run().row()["requestor_start_messages"] == 2 * 80
+
+
+def test_the_default_simulation_runs_two_keepers_as_the_recommended_deployment_does() -> None:
+    assert SimulationConfig().keepers == 2
+    status, out, _ = run("simulate", "--nodes", "20", "--requests", "50", "--loads", "0.8",
+                         "--systems", "reservoir", "--jobs", "1")  # fmt: skip
+    assert status == 0, out
+    assert "8 requestor(s) and 2 keeper(s)" in out
+
+
+def test_with_the_default_two_keepers_the_roster_costs_the_same_with_one_requestor_or_many() -> (
+    None
+):
+    one, many = (keeper_run(k, SimulationConfig().keepers).run().row() for k in (1, 32))
+    for row in (one, many):
+        assert row["audit_ok"] is True and row["false_failures"] == 0
+    assert many["messages_per_placement"] <= 1.5 * one["messages_per_placement"]
 
 
 def test_requestors_restarting_through_the_run_lose_no_placement() -> None:

@@ -127,6 +127,33 @@ def test_a_requestor_times_its_placements_and_counts_offers_widenings_and_failur
     sim.finish(placements)
 
 
+def test_a_requestor_says_where_its_roster_comes_from_and_how_often_that_changed(
+    reservoir_simulation: Simulation,
+) -> None:
+    sim = reservoir_simulation
+    sim.add_nodes(2, vcpus=4, memory_mb=4096)
+    requestor = sim.add_requestor("r1")
+    sim.scheduler.run_until_idle()
+    assert requestor.metrics.registry is not None
+
+    def source(text: str) -> list[str]:
+        return [
+            each
+            for each in ("keepers", "announcements", "asking")
+            if value(text, "reservoir_requestor_roster_source", participant="r1", source=each)
+        ]
+
+    switches = "reservoir_requestor_roster_switches_total"
+    text = exposition(requestor.metrics.registry)
+    assert source(text) == ["announcements"]  # no keeper yet
+    assert value(text, switches, participant="r1", to="announcements") == 1
+    sim.add_keeper()
+    text = exposition(requestor.metrics.registry)
+    assert source(text) == ["keepers"]
+    assert value(text, switches, participant="r1", to="keepers") == 1
+    sim.finish([sim.place(requestor, vcpus=1, memory_mb=512)])
+
+
 def test_an_answer_from_memory_is_not_timed_as_another_placement(
     reservoir_simulation: Simulation,
 ) -> None:

@@ -54,8 +54,11 @@ def a_requestor(**config: Any) -> RequestorMachine:
     """A requestor machine. Unless a test says otherwise, one that does not claim its
     caller-chosen ids, as on a broker that cannot claim or after a claim was lost: these
     tests drive the lookups such a requestor makes before every decision; the claim's own
-    tests are below ("claims")."""
+    tests are below ("claims"). The tests play the nodes, not keepers: a requestor of the
+    default ``auto`` would also ask a keeper for a sample as it places
+    (tests/scenario/test_roster_keeper.py)."""
     config.setdefault("claims", False)
+    config.setdefault("roster_from", "announcements")
     return RequestorMachine(RequestorConfig(requestor_id="req", reply_to="req-inbox", **config))
 
 

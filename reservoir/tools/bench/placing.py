@@ -61,9 +61,11 @@ def shares_of(placements: int, requestors: int) -> list[int]:
     ]
 
 
-def place_timed(requestor: Requestor, count: int) -> tuple[list[float], int]:
+def place_timed(
+    requestor: Requestor, count: int, on_placed: Callable[[], None] | None = None
+) -> tuple[list[float], int]:
     """``count`` placements one after the other: the seconds each placed one took, and how
-    many failed."""
+    many failed. ``on_placed`` is called after each, placed or not."""
     latencies_s: list[float] = []
     failed = 0
     for _ in range(count):
@@ -74,6 +76,8 @@ def place_timed(requestor: Requestor, count: int) -> tuple[list[float], int]:
             failed += 1
         else:
             latencies_s.append(time.perf_counter() - started)
+        if on_placed is not None:
+            on_placed()
     return latencies_s, failed
 
 
@@ -83,11 +87,13 @@ def place_in_threads(
     *,
     warm_up: int = 0,
     begin: Callable[[], None] | None = None,
+    on_placed: Callable[[], None] | None = None,
 ) -> tuple[list[float], int]:
     """Each requestor places its share of ``placements`` in a thread of its own, after
     ``warm_up`` unmeasured placements; ``begin`` runs once, when every thread has warmed
-    up and before any measured placement starts (where a caller starts its clocks).
-    Returns the seconds each placement took and how many failed."""
+    up and before any measured placement starts (where a caller starts its clocks);
+    ``on_placed`` after each measured placement, on the thread that made it. Returns the
+    seconds each placement took and how many failed."""
     start = threading.Barrier(len(requestors), action=begin)
     lock = threading.Lock()
     latencies_s: list[float] = []
@@ -98,7 +104,7 @@ def place_in_threads(
             with contextlib.suppress(PlacementError):
                 place_one(requestor)
         start.wait()
-        mine, failed = place_timed(requestor, share)
+        mine, failed = place_timed(requestor, share, on_placed)
         with lock:
             latencies_s.extend(mine)
             failures[0] += failed
@@ -117,22 +123,30 @@ def place_in_threads(
     return latencies_s, failures[0]
 
 
-def roster_wanted(requestor: Requestor, nodes: int) -> int:
+def roster_wanted(requestor: Requestor, nodes: int) -> int | None:
     """How many nodes a ready requestor knows: every one when it follows the
-    announcements, a keeper's full sample when it takes its roster from a keeper."""
-    config = requestor.machine.config
-    return nodes if config.roster_from == "announcements" else min(nodes, config.keeper_sample)
+    announcements, a keeper's full sample when it takes its roster from a keeper; None
+    while it does not know which yet (its first query is on its way)."""
+    machine = requestor.machine
+    source = machine.roster_source.state
+    if source == "asking":
+        return None
+    return nodes if source == "announcements" else min(nodes, machine.config.keeper_sample)
 
 
 def wait_for_roster(requestor: Requestor, nodes: int, timeout_s: float = READY_TIMEOUT_S) -> None:
     """Until the requestor knows the nodes (roll call answers and announcements, or a
     keeper's sample); :class:`BenchError` after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
-    nodes = roster_wanted(requestor, nodes)
-    while len(requestor.machine.roster) < nodes:
+    while True:
+        wanted = roster_wanted(requestor, nodes)
+        if wanted is not None and len(requestor.machine.roster) >= wanted:
+            return
         if time.monotonic() > deadline:
+            where = requestor.machine.roster_source.state
             raise BenchError(
-                f"only {len(requestor.machine.roster)} of {nodes} nodes answered "
-                f"{requestor.name}'s roll call within {timeout_s:.0f} s"
+                f"{requestor.name} knew {len(requestor.machine.roster)} of "
+                f"{wanted if wanted is not None else nodes} nodes within {timeout_s:.0f} s "
+                f"(its roster from: {where})"
             )
         time.sleep(0.01)

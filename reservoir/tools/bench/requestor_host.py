@@ -17,7 +17,7 @@ one JSON object per line on stdout (nothing else is ever written there; logs go 
   SIGTERM or SIGINT, or when stdin closes (the bench is gone).
 
     python -m reservoir.tools.bench.requestor_host --broker 'amqp://...?exchange=...' \\
-        --names r-0,r-1 --placements 500 --nodes 200 [--roster-from keeper]
+        --names r-0,r-1 --placements 500 --nodes 200 [--roster-from auto]
 
 Exit status: 0 once stopped, 2 on bad arguments, 3 when the broker cannot be reached.
 """
@@ -35,6 +35,7 @@ from reservoir.broker import Broker, BrokerError
 from reservoir.clock import SystemClock, ThreadScheduler
 from reservoir.exit_status import EXIT_BROKER
 from reservoir.protocol.placement import PlacementError
+from reservoir.protocol.roster_source import ROSTER_FROM
 from reservoir.runtime.requestor import Requestor
 from reservoir.runtime.settings import Settings
 from reservoir.tools.bench.errors import BenchError
@@ -59,7 +60,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--names", required=True, help="requestor names, comma-separated")
     parser.add_argument("--placements", type=int, required=True, help="this host's share")
     parser.add_argument("--nodes", type=int, required=True, help="nodes a roster must know")
-    parser.add_argument("--roster-from", choices=("announcements", "keeper"),
+    parser.add_argument("--roster-from", choices=ROSTER_FROM,
                         default="announcements")  # fmt: skip
     args = parser.parse_args(argv)
     args.names = names_of(args.names)

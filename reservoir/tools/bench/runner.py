@@ -18,6 +18,14 @@ This module owns the command and everything one run does, in order:
 6. **time to a clear failure**: the small cluster is filled until a placement fails, then
    a request that cannot fit is timed, with and without ``explain``.
 
+With ``--keepers A`` the requestors take their rosters from A roster keepers (in this
+process on ``memory://``, else ``reservoir keeper`` processes); with ``--kill-keeper``
+too, a **keeper outage** run follows the throughput run: as many requestors place
+``--placements`` requests at once, the first keeper is killed a third of the way through
+(SIGKILL for a process) and started again two thirds through; every failure there is a
+false one (the nodes have room for every placement), and the run says where each
+requestor's roster came from at its end.
+
 A run talks only to exchanges of its own (``reservoir.bench.<hex>`` and
 ``reservoir.bench.<hex>.full``, with their ``.inbox`` exchanges), so it never reaches real
 nodes, and deletes them at the end; ``?exchange=NAME`` on the URL makes ``NAME`` their
@@ -35,6 +43,7 @@ import platform
 import queue
 import secrets
 import statistics
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -46,13 +55,13 @@ from reservoir.broker import Broker, Delivery, Endpoint
 from reservoir.clock import SystemClock, ThreadScheduler
 from reservoir.protocol.placement import PlacementError
 from reservoir.runtime.backoff import quietly_connecting
-from reservoir.runtime.keeper import RosterKeeper
 from reservoir.runtime.node_agent import NodeAgent
 from reservoir.runtime.plugins import load_filters, load_weighers
 from reservoir.runtime.requestor import Requestor
 from reservoir.runtime.settings import Settings
 from reservoir.tools.bench.children import ProcessNodes, ProcessRequestors
 from reservoir.tools.bench.errors import BenchError
+from reservoir.tools.bench.keepers import InProcessKeepers, Keepers, ProcessKeepers
 from reservoir.tools.bench.limits import (
     CpuMeter,
     CpuSnapshot,
@@ -215,6 +224,8 @@ class BenchResult:
     audit: dict[str, int] = field(default_factory=dict)
     targets: dict[str, dict[str, Any]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    #: with ``--kill-keeper``: the keeper outage run (see the module docstring), else None
+    keeper_outage: dict[str, Any] | None = None
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -559,10 +570,13 @@ def _say_nothing(message: str) -> None:
     return
 
 
-def slots_per_node(nodes: int, requestors: int, placements: int) -> int:
-    """Instances each node can hold: every placement of the run, CAPACITY_HEADROOM times
-    over (so nothing needs freeing while measuring, and nodes stay in the lower tiers)."""
+def slots_per_node(nodes: int, requestors: int, placements: int, outage: int = 0) -> int:
+    """Instances each node can hold: every placement of the run (``outage`` more for the
+    keeper outage run, by as many requestors again), CAPACITY_HEADROOM times over (so
+    nothing needs freeing while measuring, and nodes stay in the lower tiers)."""
     total = WARMUP_PLACEMENTS * (1 + requestors) + 2 * placements
+    if outage:
+        total += WARMUP_PLACEMENTS * requestors + outage
     slots = math.ceil(CAPACITY_HEADROOM * total / nodes)
     return max(16, math.ceil(slots / VCPU_ALLOCATION_RATIO) * int(VCPU_ALLOCATION_RATIO))
 
@@ -607,16 +621,22 @@ def run_bench(
     placements: int = 2000,
     requestor_processes: int = 0,
     keepers: int = 0,
+    kill_keeper: bool = False,
     progress: Progress = _say_nothing,
 ) -> BenchResult:
     """One run of the bench; see the module docstring. ``requestor_processes`` > 0 puts
     the throughput run's requestors in that many processes of their own; ``keepers`` > 0
-    starts roster keepers and has every requestor take its roster from them. Raises
-    :class:`BrokerError` when the broker cannot be used and :class:`BenchError` when the
-    run cannot be carried out."""
+    starts roster keepers, which every requestor takes its roster from; ``kill_keeper``
+    adds the keeper outage run. Raises :class:`BrokerError` when the broker cannot be used
+    and :class:`BenchError` when the run cannot be carried out."""
+    if kill_keeper and not keepers:
+        raise BenchError("a keeper outage needs keepers: give --keepers 1 or more")
     url = bench_url(broker_url)
     run_started = time.perf_counter()
-    plan = _plan(url, nodes, requestors, node_processes, placements, requestor_processes, keepers)
+    plan = _plan(
+        url, nodes, requestors, node_processes, placements, requestor_processes, keepers,
+        kill_keeper,
+    )  # fmt: skip
     with contextlib.ExitStack() as stack:
         with quietly_connecting():
             broker = stack.enter_context(_broker(plan.main_url, own_exchanges=plan.owns_exchanges))
@@ -627,6 +647,7 @@ def run_bench(
         measured = _measure(plan, broker, full_broker, host, full_host, opened, progress)
     result = _result(plan, measured, time.perf_counter() - run_started)
     result.targets = _targets(plan, result)
+    result.keeper_outage = measured.outage
     return result
 
 
@@ -647,6 +668,7 @@ class _Plan:
     placements: int
     requestor_processes: int
     keepers: int
+    kill_keeper: bool
     slots: int
     names: list[str]
     full_names: list[str]
@@ -675,6 +697,7 @@ def _plan(
     placements: int,
     requestor_processes: int = 0,
     keepers: int = 0,
+    kill_keeper: bool = False,
 ) -> _Plan:
     """The run's exchanges (its own, on a real broker), sizes and names."""
     in_process = url.adapter == "memory"
@@ -709,8 +732,11 @@ def _plan(
             "sharing its broker connection"
         )
     if keepers:
-        notes.append(f"every requestor took its roster from {keepers} keeper(s)")
-    roster_from = "keeper" if keepers else "announcements"
+        where = "in this process" if in_process else "in processes of their own"
+        notes.append(f"every requestor took its roster from {keepers} keeper(s) ({where})")
+    # Without keepers, the announcements alone: not a query every 10 s that finds none.
+    roster_from = "auto" if keepers else "announcements"
+    outage = placements if kill_keeper else 0
     return _Plan(
         url=url,
         run_id=run_id,
@@ -724,7 +750,8 @@ def _plan(
         placements=placements,
         requestor_processes=requestor_processes,
         keepers=keepers,
-        slots=slots_per_node(nodes, requestors, placements),
+        kill_keeper=kill_keeper,
+        slots=slots_per_node(nodes, requestors, placements, outage),
         names=[f"bench-{run_id}-node-{index:04d}" for index in range(nodes)],
         full_names=[f"bench-{run_id}-full-{index}" for index in range(FULL_NODES)],
         settings=Settings(broker_url=main_url, roster_from=roster_from),
@@ -783,7 +810,7 @@ class _Requestors:
     def __init__(self, run_id: str, stack: contextlib.ExitStack) -> None:
         self.run_id = run_id
         self.stack = stack
-        self.keepers: list[RosterKeeper] = []
+        self.keepers: Keepers | None = None
         self.timers = ThreadScheduler(SystemClock(), name="bench-requestor-timers")
         stack.callback(self.timers.close)
         self.opened: list[Requestor] = []
@@ -799,14 +826,17 @@ class _Requestors:
     def close(self) -> None:
         for requestor in self.opened:
             requestor.close()
-        for keeper in self.keepers:
-            keeper.close()
+        if self.keepers is not None:
+            self.keepers.stop()
 
     def received(self) -> Counter[str]:
-        """What this process's requestors and keepers have received so far, by kind."""
+        """What the run's requestors in this process and its keepers have received so
+        far, by kind."""
         total: Counter[str] = Counter()
-        for participant in [*self.opened, *self.keepers]:
-            total.update(participant.metrics.by_label("received"))
+        for requestor in self.opened:
+            total.update(requestor.metrics.by_label("received"))
+        if self.keepers is not None:
+            total.update(self.keepers.received())
         return total
 
 
@@ -814,21 +844,14 @@ def _start_keepers(plan: _Plan, broker: Broker, opened: _Requestors, progress: P
     """The run's roster keepers, once they know every node of the measured cluster."""
     if not plan.keepers:
         return
-    progress(f"starting {plan.keepers} roster keeper(s)")
-    for index in range(plan.keepers):
-        opened.keepers.append(
-            RosterKeeper(
-                broker,
-                name=f"bench-{plan.run_id}-keeper-{index}",
-                settings=plan.settings,
-                scheduler=opened.timers,
-            )
-        )
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while any(k.nodes_known() < plan.nodes for k in opened.keepers):
-        if time.monotonic() > deadline:
-            raise BenchError(f"the keepers did not hear of {plan.nodes} nodes in time")
-        time.sleep(0.01)
+    where = "in this process" if plan.in_process else "as processes of their own"
+    progress(f"starting {plan.keepers} roster keeper(s) {where}")
+    names = [f"bench-{plan.run_id}-keeper-{index}" for index in range(plan.keepers)]
+    if plan.in_process:
+        opened.keepers = InProcessKeepers(broker, names, plan.settings, opened.timers)
+    else:
+        opened.keepers = ProcessKeepers(plan.main_url, names)
+    opened.keepers.wait_ready(plan.nodes, READY_TIMEOUT_S)
 
 
 @dataclass
@@ -851,6 +874,7 @@ class _Measured:
     throughput: _Throughput
     failure: _Failure
     audit: dict[str, int]
+    outage: dict[str, Any] | None = None
 
 
 def _measure(
@@ -901,6 +925,7 @@ def _measure(
         plan.notes.append(moved)
 
     throughput = _throughput(plan, broker, host, opened, progress)
+    outage = _keeper_outage(plan, broker, opened, progress) if plan.kill_keeper else None
 
     progress(f"failure: filling {FULL_NODES} nodes of {FULL_NODE_SLOTS} instances each")
     full_requestor = opened.open(full_broker, "full", plan.full_settings)
@@ -909,7 +934,7 @@ def _measure(
     progress("auditing the nodes' ledgers")
     audit = audit_ledgers(host.ledgers() + full_host.ledgers())
     progress("stopping the nodes and removing the run's exchanges")
-    return _Measured(baseline, sequential, throughput, failure, audit)
+    return _Measured(baseline, sequential, throughput, failure, audit, outage)
 
 
 def _throughput(
@@ -959,6 +984,106 @@ def _throughput(
         meter,
         received=lambda: host.received() + opened.received(),
     )
+
+
+class _Placed:
+    """Placements made so far by a run's threads, and a wait until there are so many."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._changed = threading.Condition()
+
+    def tick(self) -> None:
+        with self._changed:
+            self.count += 1
+            self._changed.notify_all()
+
+    def wait_for(self, count: int, timeout_s: float, running: threading.Thread) -> None:
+        """Until ``count`` placements are made; :class:`BenchError` if ``running`` (the
+        placing) ended first or ``timeout_s`` passed."""
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while self.count < count:
+                if not running.is_alive():
+                    raise BenchError(f"the placements stopped after {self.count}")
+                if time.monotonic() > deadline:
+                    raise BenchError(f"{self.count} of {count} placements in {timeout_s:.0f} s")
+                self._changed.wait(0.1)
+
+
+def _keeper_outage(
+    plan: _Plan, broker: Broker, opened: _Requestors, progress: Progress
+) -> dict[str, Any]:
+    """The keeper outage run: ``plan.requestors`` requestors of this process place
+    ``plan.placements`` requests at once; the first keeper is killed once a third are
+    made and started again at two thirds (placements go on meanwhile, and while it
+    learns the nodes again). The nodes have room for every placement: each failure is a
+    false one."""
+    keepers = opened.keepers
+    assert keepers is not None, "a keeper outage needs keepers (run_bench checks)"
+    killed = keepers.names[0]
+    progress(
+        f"keeper outage: {plan.placements} placements by {plan.requestors} requestors "
+        f"(threads); {killed} killed a third of the way through, started again at two thirds"
+    )
+    requestors = [
+        opened.open(broker, f"outage-{index}", plan.settings) for index in range(plan.requestors)
+    ]
+    for requestor in requestors:
+        wait_for_roster(requestor, plan.nodes, READY_TIMEOUT_S)
+    placed = _Placed()
+    outcome: dict[str, Any] = {}
+
+    def place() -> None:
+        try:
+            outcome["latencies_s"], outcome["failed"] = place_in_threads(
+                requestors, plan.placements, warm_up=WARMUP_PLACEMENTS, on_placed=placed.tick
+            )
+        except BaseException as error:  # handed to the waiting thread, which raises it
+            outcome["error"] = error
+
+    placing = threading.Thread(target=place, name="bench-outage", daemon=True)
+    placing.start()
+    timeout_s = PLACE_TIMEOUT_S * plan.placements
+    third = plan.placements // 3
+    placed.wait_for(third, timeout_s, placing)
+    keepers.kill(0)
+    killed_after, killed_at = placed.count, time.perf_counter()
+    placed.wait_for(2 * third, timeout_s, placing)
+    keepers.start(0)
+    started_after, started_at = placed.count, time.perf_counter()
+    keepers.wait_ready(plan.nodes, READY_TIMEOUT_S)
+    ready_after, ready_at = placed.count, time.perf_counter()
+    placing.join(timeout_s)
+    if placing.is_alive():
+        raise BenchError(f"the keeper outage run's placements did not end in {timeout_s:.0f} s")
+    if "error" in outcome:
+        raise outcome["error"]
+    latencies_s: list[float] = outcome["latencies_s"]
+    sources = Counter(r.machine.roster_source.state for r in requestors)
+    return {
+        "keepers": plan.keepers,
+        "killed": killed,
+        "requestors": len(requestors),
+        "placements": plan.placements,
+        "placed": len(latencies_s),
+        # the nodes had room for every placement of the run: each failure is a false one
+        "false_failures": outcome["failed"],
+        "p50_ms": _ms(percentile(latencies_s, 0.50)),
+        "p99_ms": _ms(percentile(latencies_s, 0.99)),
+        "killed_after_placements": killed_after,
+        "started_again_after_placements": started_after,
+        "knew_the_nodes_again_after_placements": ready_after,
+        "keeper_down_s": round(started_at - killed_at, 3),
+        "keeper_learning_s": round(ready_at - started_at, 3),
+        # where each requestor's roster came from at the end: "keepers" for every one
+        "requestors_by_roster_source": dict(sorted(sources.items())),
+        "requestors_that_fell_back": sum(1 for r in requestors if r.machine.counters["no_keeper"]),
+        "requestors_back_on_keepers": sum(
+            1 for r in requestors if r.machine.counters["back_on_keepers"]
+        ),
+        "samples_from_the_restarted_keeper": keepers.samples(0),
+    }
 
 
 def _result(plan: _Plan, measured: _Measured, elapsed_s: float) -> BenchResult:

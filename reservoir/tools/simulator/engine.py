@@ -185,11 +185,12 @@ _Participant = _Node | _Requestor | _Keeper
 def _requestor_config(name: str, seed: int, keepers: int) -> RequestorConfig:
     """A requestor's configuration; its roster's sampling is seeded from the run's seed
     when the configuration has a seed for it, so runs stay reproducible and ``--seed``
-    changes them. With keepers, it takes its roster from them."""
+    changes them. With keepers, it takes its roster from them as a requestor does by
+    default (``auto``); with none, it follows the announcements and never asks for one."""
     config = RequestorConfig(
         requestor_id=name,
         reply_to=requestor_address(name),
-        roster_from="keeper" if keepers else "announcements",
+        roster_from="auto" if keepers else "announcements",
     )
     if "sample_seed" in {f.name for f in dataclasses.fields(RequestorConfig)}:
         seeded: dict[str, Any] = {"sample_seed": f"{seed}:{name}"}

@@ -81,9 +81,13 @@ PLOTS: Final = (
 
 def _title(result: SimulationResult) -> str:
     config = result.config
+    roster = ""
+    if "reservoir" in config.systems:
+        # what reservoir's messages per placement depend on most
+        roster = f"reservoir's {config.requestors:,} requestor(s) and {config.keepers} keeper(s), "
     return (
         f"reservoir simulate: {config.nodes:,} nodes, {config.requests:,} arrivals per load "
-        f"and system, latency {config.latency.describe()}, loss {config.loss:g}, "
+        f"and system, {roster}latency {config.latency.describe()}, loss {config.loss:g}, "
         f"seed {config.seed}"
     )
 

@@ -20,8 +20,8 @@ This module owns :class:`RunResult` and the definitions of the reported figures:
 - ``fill_at_first_failure``: fraction of the VCPUs allocated when the first request
   failed (None when none did);
 - ``roster_messages_per_placement`` (reservoir only): the deliveries that keep rosters
-  (nodes' statuses, roll calls, keepers' queries and samples), the part that grows with
-  the requestors when every requestor follows the announcements;
+  (nodes' statuses, roll calls, keepers' queries, samples and news that they are up),
+  the part that grows with the requestors when every requestor follows the announcements;
   ``conversation_messages_per_placement``: every other delivery;
 - ``requestor_start_messages`` (reservoir only): the deliveries in the two virtual seconds
   after one more requestor starts at the end of the run, when nothing else is in flight:
@@ -46,7 +46,7 @@ import numpy as np
 __all__ = ["ROSTER_KINDS", "ROW_KEYS", "RunResult"]
 
 #: the message kinds that keep requestors' rosters rather than place a request
-ROSTER_KINDS = frozenset({"status", "roll_call", "roster_query", "roster_sample"})
+ROSTER_KINDS = frozenset({"status", "roll_call", "roster_query", "roster_sample", "keeper_up"})
 
 #: The keys of every row, in the order tables show them.
 ROW_KEYS = (

@@ -56,8 +56,9 @@ class SimulationConfig:
     systems: tuple[str, ...] = SYSTEMS
     schedulers: int = 8
     requestors: int = 8
-    #: reservoir: roster keepers (0: every requestor follows the announcements itself)
-    keepers: int = 0
+    #: reservoir: roster keepers, two by default as in the recommended deployment
+    #: (deploy/compose, deploy/kubernetes); 0: every requestor follows the announcements
+    keepers: int = 2
     #: reservoir: requestors replaced by new ones per second of arrivals (a rolling deploy)
     requestor_restarts_per_s: float = 0.0
     refresh_s: float = 1.0

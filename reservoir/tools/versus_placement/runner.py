@@ -56,7 +56,7 @@ from reservoir.tools.bench.placing import (
     FLAVOUR_VCPUS,
     PLACE_TIMEOUT_S,
     READY_TIMEOUT_S,
-    roster_wanted,
+    wait_for_roster,
 )
 from reservoir.tools.bench.runner import (
     VCPU_ALLOCATION_RATIO,
@@ -352,7 +352,7 @@ def _reservoir_fill(url: BrokerUrl, nodes: int, requestors: int, progress: Progr
         ]
         for requestor in opened:
             stack.callback(requestor.close)
-            _wait_for_roster(requestor, nodes)
+            wait_for_roster(requestor, nodes, READY_TIMEOUT_S)
 
         def filler(requestor: Requestor) -> bool:
             for _ in range(FILLER_ATTEMPTS):
@@ -386,15 +386,6 @@ def _reservoir_fill(url: BrokerUrl, nodes: int, requestors: int, progress: Progr
         refused = _in_threads(opened, wanted, single)
         audit = audit_ledgers(host.ledgers())
     return _Fill(wanted - refused, refused, filler_refused["refused"], audit)
-
-
-def _wait_for_roster(requestor: Requestor, nodes: int) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    wanted = roster_wanted(requestor, nodes)
-    while len(requestor.machine.roster) < wanted:
-        if time.monotonic() > deadline:
-            raise BenchError(f"only {len(requestor.machine.roster)} of {wanted} nodes answered")
-        time.sleep(0.01)
 
 
 # -- Placement's side ----------------------------------------------------------------------

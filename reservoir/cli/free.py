@@ -41,7 +41,11 @@ def free(
     timeout_s: float,
 ) -> None:
     """Free a request's allocations (its instances were deleted): on --node, or wherever
-    the nodes say they hold allocations of the request."""
+    the nodes say they hold allocations of the request.
+
+    Each node answers with what it freed, and that is what is printed. Exit status 1 when
+    a node held nothing of the request (or not every --allocation named), saying which
+    nodes do hold it, or when a node did not confirm in time."""
     from reservoir.runtime.requestor import FreeIncomplete
 
     settings = load_settings(broker_url=broker_url)
@@ -55,10 +59,11 @@ def free(
             )
             sys.exit(EXIT_NOT_PLACED)
     requestor = open_requestor(settings.broker_url)
+    unfreed = False
     with requestor:
         for holder in holders:
             try:
-                requestor.free_future(request_id, holder, allocation_ids).result(timeout_s)
+                freed = requestor.free_future(request_id, holder, allocation_ids).result(timeout_s)
             except FreeIncomplete as error:
                 click.echo(f"reservoir free: {holder} did not confirm: {error}", err=True)
                 sys.exit(EXIT_NOT_PLACED)
@@ -69,7 +74,32 @@ def free(
                     err=True,
                 )
                 sys.exit(EXIT_NOT_PLACED)
-            click.echo(f"freed {request_id} on {holder}")
+            # The node's answer says what it freed: nothing freed is no "freed".
+            if freed:
+                click.echo(f"freed {len(freed)} allocation(s) of {request_id} on {holder}")
+            missing = [a for a in allocation_ids if a not in freed]
+            if freed and not missing:
+                continue
+            unfreed = True
+            what = f"no allocation {', '.join(missing)}" if allocation_ids else "nothing"
+            elsewhere = _held_elsewhere(settings, request_id, holder) if node_name else ""
+            click.echo(
+                f"reservoir free: {holder} holds {what} of {request_id}{elsewhere}", err=True
+            )
+    if unfreed:
+        sys.exit(EXIT_NOT_PLACED)
+
+
+def _held_elsewhere(settings: Settings, request_id: str, asked: str) -> str:
+    """After a --node that did not hold what was asked: the nodes that hold the request,
+    if any, so that the next command is the right one."""
+    holders = [h for h in _nodes_holding(settings, request_id) if h != asked]
+    if not holders:
+        return ""
+    return (
+        f"; it is held on {', '.join(holders)} (give that --node, or none to free it "
+        "wherever it is held)"
+    )
 
 
 def _nodes_holding(settings: Settings, request_id: str, wait_s: float = 1.0) -> list[str]:

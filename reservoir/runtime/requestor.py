@@ -150,7 +150,8 @@ class Requestor(Driver):
             )
         )
         self._placing: dict[str, list[concurrent.futures.Future[Placement]]] = {}
-        self._freeing: dict[str, list[concurrent.futures.Future[None]]] = {}
+        #: request id -> the callers waiting for its frees; each gets the ids freed
+        self._freeing: dict[str, list[concurrent.futures.Future[tuple[str, ...]]]] = {}
         #: request id -> its reservoir.place spans (one per caller joining it), if tracing
         self._spans: dict[str, list[Any]] = {}
         #: request ids answered from the machine's memory, not placed again
@@ -360,17 +361,22 @@ class Requestor(Driver):
 
     # -- freeing -----------------------------------------------------------------------
 
-    def release_future(self, placement: Placement) -> concurrent.futures.Future[None]:
+    def release_future(self, placement: Placement) -> concurrent.futures.Future[tuple[str, ...]]:
+        """Free ``placement``'s allocations: resolves to the ids of those the nodes freed
+        (``FreeIncomplete`` if a node does not confirm within the free attempts)."""
         return self._start(
             self._freeing, placement.request_id, lambda now: self.machine.free(placement, now)
         )
 
     def free_future(
         self, request_id: str, node: str, allocation_ids: Iterable[str] = ()
-    ) -> concurrent.futures.Future[None]:
+    ) -> concurrent.futures.Future[tuple[str, ...]]:
         """Free a request's allocations on the node called ``node``: those named, or all
-        of them. Resolves once the node confirms (``FreeIncomplete`` if it does not within
-        the free attempts; the requestor goes on trying)."""
+        of them. Resolves, once the node confirms, to the ids of the allocations it freed:
+        empty when it held none of them (``FreeIncomplete`` if it does not confirm within
+        the free attempts; the requestor goes on trying). The ids are the node's answer to
+        the first Free it took: were that answer lost and the Free sent again, the node
+        would answer that it held nothing any more."""
         address, ids = node_address(node), tuple(allocation_ids)
         return self._start(
             self._freeing,
@@ -619,7 +625,7 @@ class Requestor(Driver):
                     if outcome.missing:
                         done.set_exception(FreeIncomplete(outcome.request_id, outcome.missing))
                     else:
-                        done.set_result(None)
+                        done.set_result(outcome.freed)
 
     @staticmethod
     def _log_placed(request_id: str, placement: Placement) -> None:

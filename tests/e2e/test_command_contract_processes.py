@@ -1,0 +1,197 @@
+"""The commands' contract, as a user meets it: real ``reservoir`` processes on a real
+RabbitMQ. Nothing says "done" that did not happen (a free of a node that holds nothing,
+an audit of no node), what was asked for is what is printed (``-f``/``-c`` on a real
+placement), and what goes wrong is said in one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.rabbitmq, pytest.mark.e2e]
+
+READY_TIMEOUT_S = 20.0
+
+
+def reservoir(
+    *args: str, env: dict[str, str], timeout_s: float = 60.0
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "reservoir.cli", *args],
+        env=env, capture_output=True, text=True, timeout=timeout_s, check=False,
+    )  # fmt: skip
+
+
+class Node:
+    """A ``reservoir node`` process; what it writes on stderr is kept, a line at a time."""
+
+    def __init__(self, name: str, args: list[str], env: dict[str, str]) -> None:
+        self.name = name
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.said: list[str] = []
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "reservoir.cli", "node", "--name", name, *args],
+            env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+        )  # fmt: skip
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.process.stderr is not None
+        for line in self.process.stderr:
+            self.lines.put(line)
+
+    def wait_for(self, text: str, timeout_s: float = READY_TIMEOUT_S) -> str:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.2)
+            except queue.Empty:
+                if self.process.poll() is not None and self.lines.empty():
+                    break
+                continue
+            self.said.append(line)
+            if text in line:
+                return line
+        raise AssertionError(f"node {self.name} never said {text!r}: {''.join(self.said)}")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(timeout=20)
+
+
+@dataclass
+class Cluster:
+    env: dict[str, str]
+    nodes: dict[str, Node] = field(default_factory=dict)
+
+    def start_node(self, name: str, *args: str, env: dict[str, str] | None = None) -> Node:
+        node = Node(name, ["--vcpus", "4", "--memory-mb", "8192", *args], env or self.env)
+        node.wait_for(": ready on ")
+        self.nodes[name] = node
+        return node
+
+    def cli(
+        self, *args: str, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        return reservoir(*args, env=env or self.env)
+
+    def place(self, *args: str) -> dict[str, Any]:
+        done = self.cli("request", "--json", "--timeout", "20", *args)
+        assert done.returncode == 0, done.stdout + done.stderr
+        placed: dict[str, Any] = json.loads(done.stdout)
+        return placed
+
+    def audit(self, *, allocations: int) -> None:
+        """The invariants hold on every node started, holding this many allocations."""
+        done = self.cli("audit", "--json", "--expect-nodes", str(len(self.nodes)), "--wait", "10")
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert json.loads(done.stdout)["allocations"] == allocations
+
+
+@pytest.fixture
+def cluster(reservoir_amqp_url: str) -> Iterator[Cluster]:
+    """Nodes and commands on the test's own exchange (the plugin's fixture makes it)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RESERVOIR_")}
+    env["RESERVOIR_BROKER_URL"] = reservoir_amqp_url
+    cluster = Cluster(env)
+    yield cluster
+    for node in cluster.nodes.values():
+        node.stop()
+
+
+def one_line(done: subprocess.CompletedProcess[str]) -> str:
+    """The one line a failing command wrote on stderr (and no traceback)."""
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    return lines[0]
+
+
+# -- 1. reservoir free --node says what the node freed -----------------------------------
+
+
+def test_free_on_a_node_that_holds_nothing_of_the_request_says_so_and_exits_1(
+    cluster: Cluster,
+) -> None:
+    cluster.start_node("n1")
+    cluster.start_node("n2")
+    placed = cluster.place("--vcpus", "1", "--memory-mb", "512", "--request-id", "chosen-1")
+    (holder,) = {a["node"] for a in placed["allocations"]}
+    other = "n1" if holder == "n2" else "n2"
+
+    wrong = cluster.cli("free", "--request-id", "chosen-1", "--node", other)
+    assert wrong.returncode == 1, wrong.stdout + wrong.stderr
+    assert wrong.stdout == ""  # no "freed"
+    assert one_line(wrong) == (
+        f"reservoir free: {other} holds nothing of chosen-1; it is held on {holder} "
+        "(give that --node, or none to free it wherever it is held)"
+    )
+    cluster.audit(allocations=1)  # still held
+
+    unknown = cluster.cli("free", "--request-id", "chosen-1", "--node", holder,
+                          "--allocation", "no-such-allocation")  # fmt: skip
+    assert unknown.returncode == 1
+    assert one_line(unknown) == (
+        f"reservoir free: {holder} holds no allocation no-such-allocation of chosen-1"
+    )
+
+    right = cluster.cli("free", "--request-id", "chosen-1", "--node", holder)
+    assert right.returncode == 0, right.stderr
+    assert right.stdout == f"freed 1 allocation(s) of chosen-1 on {holder}\n"
+    cluster.audit(allocations=0)
+
+    again = cluster.cli("free", "--request-id", "chosen-1", "--node", holder)
+    assert again.returncode == 1
+    assert one_line(again) == f"reservoir free: {holder} holds nothing of chosen-1"
+
+
+def test_free_of_a_generated_id_on_the_wrong_node_frees_nothing_and_exits_1(
+    cluster: Cluster,
+) -> None:
+    cluster.start_node("n1")
+    cluster.start_node("n2")
+    placed = cluster.place("--vcpus", "1", "--memory-mb", "512")
+    request_id = placed["request_id"]
+    (holder,) = {a["node"] for a in placed["allocations"]}
+    other = "n1" if holder == "n2" else "n2"
+    wrong = cluster.cli("free", "--request-id", request_id, "--node", other)
+    assert wrong.returncode == 1
+    assert f"{other} holds nothing of {request_id}; it is held on {holder}" in one_line(wrong)
+    # without --node: wherever it is held
+    anywhere = cluster.cli("free", "--request-id", request_id)
+    assert anywhere.returncode == 0, anywhere.stderr
+    assert anywhere.stdout == f"freed 1 allocation(s) of {request_id} on {holder}\n"
+    cluster.audit(allocations=0)
+
+
+# -- 2. reservoir audit of no node is no pass --------------------------------------------
+
+
+def test_an_audit_that_no_node_answers_fails_in_one_line(cluster: Cluster) -> None:
+    nobody = cluster.cli("audit", "--wait", "0.5")
+    assert nobody.returncode == 2, nobody.stdout + nobody.stderr
+    assert one_line(nobody) == (
+        "reservoir audit: no node answered within 0.5 s: nothing was audited "
+        "(give --expect-nodes 0 if no node should be running)"
+    )
+    assert "invariants hold" not in nobody.stdout
+    as_json = cluster.cli("audit", "--wait", "0.5", "--json")
+    assert as_json.returncode == 2
+    assert json.loads(as_json.stdout)["ok"] is False
+    # said to expect none, an empty cluster passes
+    expected_empty = cluster.cli("audit", "--wait", "0.5", "--expect-nodes", "0")
+    assert expected_empty.returncode == 0, expected_empty.stderr
+    assert "invariants hold" in expected_empty.stdout
+    # and with a node, the audit is what it was
+    cluster.start_node("n1")
+    cluster.audit(allocations=0)

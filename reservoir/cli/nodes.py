@@ -24,6 +24,26 @@ def _compact_json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
+def _readable(value: Any) -> str:
+    """A configuration value in words: mappings as ``key value`` (nested ones in
+    parentheses), lists joined with ``;``, nothing as ``-``."""
+    if value is None:
+        return "-"
+    if isinstance(value, dict):
+        return ", ".join(
+            f"{k} ({_readable(v)})" if isinstance(v, dict) else f"{k} {_readable(v)}"
+            for k, v in sorted(value.items())
+        )
+    if isinstance(value, list):
+        return "; ".join(_readable(v) for v in value) or "none"
+    return str(value)
+
+
+def _configuration_lines(configuration: Any) -> str:
+    """A node's configuration as a table cell: a line per setting, wrapped, never cut."""
+    return "\n".join(f"{key}: {_readable(value)}" for key, value in sorted(configuration.items()))
+
+
 def _percent(value: Any) -> str:
     return f"{value:.0%}"
 
@@ -49,7 +69,13 @@ COLUMNS = (
 #: ``--configuration``: a row per node
 CONFIGURATION_COLUMNS = (
     Column("name", "node", numeric=False),
-    Column("configuration", "configuration", show=_compact_json, numeric=False),
+    Column(
+        "configuration",
+        "configuration",
+        show=_configuration_lines,
+        numeric=False,
+        plain=_compact_json,
+    ),
 )
 
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass
 from typing import Any, cast
 
 import click
 
 from reservoir.broker import BrokerError
-from reservoir.cli.formats import Column, emit, format_options
+from reservoir.cli.formats import Column, emit, format_options, picked
 from reservoir.cli.options import (
     broker_option,
     cannot_reach_broker,
@@ -157,8 +158,10 @@ def request(
     columns: tuple[str, ...],
 ) -> None:
     """Place one request and print the placement, or the failure with its explanation
-    (exit status 1). With --dry-run, only say where it would fit: a row per node that
-    answered (-f table|json|yaml|csv|value, -c COLUMN; --json: the whole report).
+    (exit status 1): -f json|yaml|csv|value and -c COLUMN print a row per allocation
+    (request_id, node, allocation_id, resources, numa_cells, pci_devices); --json the
+    whole placement record. With --dry-run, only say where it would fit: a row per node
+    that answered (-f, -c likewise; --json: the whole report).
 
     Resource classes and traits are written as the nodes know them (VCPU, CUSTOM_GPU,
     HW_CPU_X86_AVX2), exactly as in the library and the HTTP API."""
@@ -189,7 +192,10 @@ def request(
         _dry_run(spec, broker_url, min(timeout_s, DRY_RUN_WAIT_S), as_json, output_format, columns)
         return
     set_up_tracing("request")
-    _place_and_print(spec, broker_url, timeout_s, as_json)
+    shown = Shown(as_json, output_format, columns)
+    if not as_json:
+        picked(PLACEMENT_COLUMNS, columns)  # an unknown -c is said before anything is placed
+    _place_and_print(spec, broker_url, timeout_s, shown)
 
 
 def _amounts(pairs: tuple[str, ...]) -> dict[str, int]:
@@ -223,8 +229,37 @@ def _request_of(**fields: Any) -> PlacementRequest:
         raise click.UsageError(f"not a valid request: {error}") from None
 
 
+@dataclass(frozen=True)
+class Shown:
+    """How the outcome is printed: ``--json`` (the whole record), else ``-f``/``-c``."""
+
+    as_json: bool
+    output_format: str = "table"
+    columns: tuple[str, ...] = ()
+
+    @property
+    def as_text(self) -> bool:
+        """The human lines: the table format with no columns picked."""
+        return not self.as_json and self.output_format == "table" and not self.columns
+
+
+#: a placement's row per allocation; field names as in ``--json``'s ``allocations``
+PLACEMENT_COLUMNS = (
+    Column("request_id", "request", numeric=False),
+    Column("node", "node", numeric=False),
+    Column("allocation_id", "allocation", numeric=False),
+    Column("resources", "resources", show=lambda v: _amounts_shown(v), numeric=False),
+    Column("numa_cells", "NUMA cells", show=lambda v: ",".join(map(str, v)), numeric=False),
+    Column("pci_devices", "PCI devices", show=lambda v: " ".join(v), numeric=False),
+)
+
+
+def _amounts_shown(resources: dict[str, int]) -> str:
+    return ", ".join(f"{rc}={n}" for rc, n in sorted(resources.items()))
+
+
 def _place_and_print(
-    spec: PlacementRequest, broker_url: str | None, timeout_s: float, as_json: bool
+    spec: PlacementRequest, broker_url: str | None, timeout_s: float, shown: Shown
 ) -> None:
     """The placement printed, or the failure printed and exit status 1. Ctrl-C or SIGTERM
     while it is placed ends it (the requestor's close releases what it holds); once it is
@@ -235,20 +270,23 @@ def _place_and_print(
         placement = requestor.reserve(spec, timeout_s=timeout_s)
     except PlacementError as error:
         requestor.close()
-        _print_failure(error, as_json)
+        _print_failure(error, shown)
         sys.exit(EXIT_NOT_PLACED)
     except BaseException:
         requestor.close()
         raise
     with deferred():
         requestor.close()
-        _print_placement(placement, as_json)
+        _print_placement(placement, shown)
 
 
-def _print_failure(error: PlacementError, as_json: bool) -> None:
+def _print_failure(error: PlacementError, shown: Shown) -> None:
     explanation = error.explanation
-    if not as_json:
+    if not shown.as_json:
         click.echo(f"not placed: {explanation}", err=True)
+        if not shown.as_text:
+            # what the format prints for no allocation at all (json: [], csv: the header)
+            emit([], PLACEMENT_COLUMNS, shown.output_format, shown.columns)
         return
     failure = {
         "placed": False,
@@ -262,11 +300,25 @@ def _print_failure(error: PlacementError, as_json: bool) -> None:
     click.echo(json.dumps(failure, sort_keys=True))
 
 
-def _print_placement(placement: Placement, as_json: bool) -> None:
-    if as_json:
+def _print_placement(placement: Placement, shown: Shown) -> None:
+    if shown.as_json:
         from reservoir.runtime.auditor import placement_record
 
         click.echo(json.dumps(placement_record(placement), sort_keys=True))
+        return
+    if not shown.as_text:
+        rows = [
+            {
+                "request_id": placement.request_id,
+                "node": a.node,
+                "allocation_id": a.allocation_id,
+                "resources": dict(sorted(a.resources.items())),
+                "numa_cells": list(a.numa.cells) if a.numa is not None else None,
+                "pci_devices": list(a.numa.devices) if a.numa is not None else None,
+            }
+            for a in placement.allocations
+        ]
+        emit(rows, PLACEMENT_COLUMNS, shown.output_format, shown.columns)
         return
     placed = len(placement.allocations)
     partly = f" (partial: {placed} of {placement.requested} asked for)" if placement.partial else ""
@@ -275,12 +327,12 @@ def _print_placement(placement: Placement, as_json: bool) -> None:
         f"after tiers {', '.join(f'{t}%' for t in placement.tiers_tried)}"
     )
     for allocation in placement.allocations:
-        shown = ", ".join(f"{rc}={n}" for rc, n in sorted(allocation.resources.items()))
+        resources = _amounts_shown(dict(allocation.resources))
         numa = allocation.numa
         if numa is not None and numa.devices:
             cells = ",".join(map(str, numa.cells)) or "-"
-            shown += f"; PCI {' '.join(numa.devices)} (NUMA cell {cells})"
-        click.echo(f"  {allocation.node}  {allocation.allocation_id}  {shown}")
+            resources += f"; PCI {' '.join(numa.devices)} (NUMA cell {cells})"
+        click.echo(f"  {allocation.node}  {allocation.allocation_id}  {resources}")
 
 
 #: a dry run's row per node; field names as in ``--json``'s ``nodes``

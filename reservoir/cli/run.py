@@ -8,6 +8,7 @@ import sys
 
 import click
 
+from reservoir.cli.formats import Column, emit, format_options, picked
 from reservoir.cli.options import (
     broker_option,
     json_option,
@@ -154,22 +155,41 @@ def _record(state: TaskState) -> dict[str, object]:
     }
 
 
+#: a row per task; field names as ``--json`` has them
+TASK_COLUMNS = (
+    Column("node", "node", numeric=False),
+    Column("request_id", "request", numeric=False),
+    Column("allocation_id", "allocation", numeric=False),
+    Column("state", "state", numeric=False),
+    Column("exit_code", "exit code"),
+    Column("reason", "reason", numeric=False),
+)
+
+
 @click.command("tasks")
 @broker_option()
 @click.option("--request-id", help="Only the tasks of this request.")
 @seconds_option("--wait", 0.5, "Gather the nodes' answers this long.")
 @json_option("Print one JSON object per task, one a line.")
+@format_options
 def tasks_command(
-    broker_url: str | None, request_id: str | None, wait_s: float, as_json: bool
+    broker_url: str | None,
+    request_id: str | None,
+    wait_s: float,
+    as_json: bool,
+    output_format: str,
+    columns: tuple[str, ...],
 ) -> None:
-    """List the tasks the nodes know of (running, and lately ended) with their node and
-    state."""
+    """List the tasks the nodes know of (running, and lately ended): a row per task with
+    its node, request, allocation, state, exit code and reason (-f table|json|yaml|csv|
+    value, -c COLUMN; --json: a JSON object per line)."""
     from reservoir.broker import BrokerError
     from reservoir.cli.options import cannot_reach_broker, load_settings
     from reservoir.protocol.messages import InvalidField
     from reservoir.runtime.backoff import quietly_connecting
     from reservoir.runtime.task_query import ask_tasks
 
+    picked(TASK_COLUMNS, columns)
     settings = load_settings(broker_url=broker_url)
     try:
         with quietly_connecting():
@@ -182,12 +202,7 @@ def tasks_command(
         for state in states:
             click.echo(json.dumps(_record(state), sort_keys=True))
         return
-    if not states:
+    if not states and output_format == "table":
         click.echo("no tasks")
         return
-    for state in states:
-        code = "" if state.exit_code is None else f" exit {state.exit_code}"
-        why = f" ({state.reason})" if state.reason else ""
-        click.echo(
-            f"{state.sender}  {state.request_id}  {state.allocation_id}  {state.state}{code}{why}"
-        )
+    emit([_record(state) for state in states], TASK_COLUMNS, output_format, columns)

@@ -5,6 +5,8 @@ placement), and what goes wrong is said in one line."""
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import os
 import queue
@@ -194,4 +196,78 @@ def test_an_audit_that_no_node_answers_fails_in_one_line(cluster: Cluster) -> No
     assert "invariants hold" in expected_empty.stdout
     # and with a node, the audit is what it was
     cluster.start_node("n1")
+    cluster.audit(allocations=0)
+
+
+# -- 5. the formats asked for are the formats given --------------------------------------
+
+
+def test_a_real_placement_is_printed_in_the_format_and_columns_asked_for(cluster: Cluster) -> None:
+    cluster.start_node("n1")
+    ask = ("request", "--timeout", "20", "--vcpus", "1", "--memory-mb", "512")
+
+    as_json = cluster.cli(*ask, "-f", "json")
+    assert as_json.returncode == 0, as_json.stderr
+    (row,) = json.loads(as_json.stdout)  # the whole of stdout is the JSON
+    assert row["node"] == "n1"
+    assert row["resources"] == {"MEMORY_MB": 512, "VCPU": 1}
+    assert set(row) == {
+        "request_id", "node", "allocation_id", "resources", "numa_cells", "pci_devices"
+    }  # fmt: skip
+
+    as_csv = cluster.cli(*ask, "-f", "csv", "-c", "node")
+    assert as_csv.returncode == 0, as_csv.stderr
+    assert as_csv.stdout == "node\nn1\n"
+
+    as_values = cluster.cli(*ask, "-f", "value", "-c", "node", "-c", "allocation_id")
+    assert as_values.returncode == 0, as_values.stderr
+    ((node, allocation_id),) = [line.split() for line in as_values.stdout.splitlines()]
+    assert node == "n1" and allocation_id.startswith("n1.")
+
+    as_yaml = cluster.cli(*ask, "-f", "yaml", "-c", "resources")
+    assert as_yaml.stdout == '- resources: {"MEMORY_MB": 512, "VCPU": 1}\n', as_yaml.stdout
+
+    unknown = cluster.cli(*ask, "-f", "csv", "-c", "nodes")
+    assert unknown.returncode == 2
+    assert "-c/--column: no column 'nodes'" in one_line(unknown)
+    cluster.audit(allocations=4)  # the unknown column placed nothing
+
+    failed = cluster.cli("request", "--timeout", "5", "--vcpus", "64", "-f", "json")
+    assert failed.returncode == 1
+    assert json.loads(failed.stdout) == []
+    assert one_line(failed).startswith("not placed: ")
+
+
+def test_tasks_are_listed_under_a_header_row(cluster: Cluster) -> None:
+    cluster.start_node("n1", "--driver", "exec")
+    run = cluster.cli("run", "--detach", "--timeout", "20", "--vcpus", "1", "--", "sleep", "60")
+    assert run.returncode == 0, run.stderr
+    request_id = run.stdout.strip()
+    listed = cluster.cli("tasks", "--request-id", request_id, "--wait", "2")
+    assert listed.returncode == 0, listed.stderr
+    header, row = listed.stdout.splitlines()
+    assert header.split() == ["node", "request", "allocation", "state", "exit", "code", "reason"]
+    assert row.split()[:2] == ["n1", request_id] and row.split()[3] == "running"
+    as_csv = cluster.cli("tasks", "--request-id", request_id, "--wait", "2", "-f", "csv",
+                         "-c", "node", "-c", "state")  # fmt: skip
+    assert as_csv.stdout == "node,state\nn1,running\n"
+    freed = cluster.cli("free", "--request-id", request_id)
+    assert freed.returncode == 0, freed.stderr
+    cluster.audit(allocations=0)
+
+
+def test_a_nodes_configuration_is_shown_whole(cluster: Cluster) -> None:
+    cluster.start_node("n1", "--trait", "CUSTOM_LONG_TRAIT_NAME_THAT_WOULD_NOT_FIT", "--inventory",
+                       "CUSTOM_GPU=2", "--reserved", "MEMORY_MB=512")  # fmt: skip
+    shown = cluster.cli("nodes", "--configuration", "--expect-nodes", "1")
+    assert shown.returncode == 0, shown.stderr
+    assert "…" not in shown.stdout
+    text = " ".join(shown.stdout.split())  # the table wraps long lines
+    assert "traits: CUSTOM_LONG_TRAIT_NAME_THAT_WOULD_NOT_FIT" in text
+    assert "MEMORY_MB (allocation_ratio 1.0, reserved 512, total 8192)" in text
+    assert "metrics_port: -" in text
+    as_csv = cluster.cli("nodes", "--configuration", "--expect-nodes", "1", "-f", "csv")
+    name, configuration = next(csv.reader(io.StringIO(as_csv.stdout.splitlines()[1])))
+    assert name == "n1"
+    assert json.loads(configuration)["inventory"]["CUSTOM_GPU"]["total"] == 2
     cluster.audit(allocations=0)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -20,10 +22,18 @@ from reservoir.cli.options import (
     parse_pairs,
     seconds_option,
     set_up_tracing,
+    within,
 )
 from reservoir.exit_status import EXIT_NOT_PLACED
 from reservoir.interrupt import deferred
-from reservoir.protocol.messages import PCI_POLICIES, GroupPolicy, GroupSpec, NumaSpec
+from reservoir.protocol.messages import (
+    PCI_POLICIES,
+    TRAIT_MAX_LENGTH,
+    TRAIT_PATTERN,
+    GroupPolicy,
+    GroupSpec,
+    NumaSpec,
+)
 from reservoir.protocol.placement import (
     Placement,
     PlacementError,
@@ -35,9 +45,9 @@ from reservoir.protocol.placement import (
 
 @click.command()
 @broker_option()
-@click.option("--vcpus", type=click.IntRange(0), help="VCPUs per instance.")
-@click.option("--memory-mb", type=click.IntRange(0), help="Memory per instance, MiB.")
-@click.option("--disk-gb", type=click.IntRange(0), help="Disk per instance, GiB.")
+@click.option("--vcpus", type=within("vcpus"), help="VCPUs per instance.")
+@click.option("--memory-mb", type=within("memory_mb"), help="Memory per instance, MiB.")
+@click.option("--disk-gb", type=within("disk_gb"), help="Disk per instance, GiB.")
 @click.option(
     "--resource",
     "resources",
@@ -49,11 +59,11 @@ from reservoir.protocol.placement import (
     "--count",
     default=1,
     show_default=True,
-    type=click.IntRange(1),
+    type=within("count", minimum=1),
     help="Instances wanted; all or nothing unless --min-count.",
 )
 @click.option(
-    "--min-count", type=click.IntRange(1), help="Accept a partial placement of this many."
+    "--min-count", type=within("count", minimum=1), help="Accept a partial placement of this many."
 )
 @click.option(
     "--require",
@@ -86,7 +96,14 @@ from reservoir.protocol.placement import (
 @click.option(
     "--numa-nodes", type=click.IntRange(1), help="Spread each instance over N NUMA cells."
 )
-@click.option("--pinned", is_flag=True, help="Dedicated (pinned) CPUs, with --numa-nodes.")
+@click.option(
+    "--dedicated-cpus",
+    "--pinned",
+    "pinned",
+    is_flag=True,
+    help="Dedicated (pinned) CPUs, with --numa-nodes: numa.dedicated_cpus, as the HTTP API "
+    "and the library spell it (--pinned is the same flag).",
+)
 @click.option(
     "--hugepage-kb",
     type=click.IntRange(1),
@@ -170,6 +187,12 @@ def request(
     numa = None
     if numa_nodes is not None or pinned or hugepage_kb is not None:
         numa = NumaSpec(nodes=numa_nodes or 1, dedicated_cpus=pinned, hugepage_kb=hugepage_kb)
+    for option, traits in (
+        ("--require", required),
+        ("--forbid", forbidden),
+        ("--any-of", [t.strip() for one in any_of for t in one.split(",")]),
+    ):
+        _check_traits(option, traits)
     spec = _request_of(
         vcpus=vcpus,
         memory_mb=memory_mb,
@@ -198,13 +221,33 @@ def request(
     _place_and_print(spec, broker_url, timeout_s, shown)
 
 
+def _check_traits(option: str, traits: Iterable[str]) -> None:
+    """Each trait as the nodes spell them, or a usage error naming ``option`` in words."""
+    for trait in traits:
+        if re.fullmatch(TRAIT_PATTERN, trait) is None or len(trait) > TRAIT_MAX_LENGTH:
+            upper = trait.upper()
+            fits = re.fullmatch(TRAIT_PATTERN, upper) is not None
+            guess = f" (did you mean {upper}?)" if fits and upper != trait else ""
+            raise click.BadParameter(
+                f"{trait!r} is not a trait: a trait is 1 to {TRAIT_MAX_LENGTH} upper-case "
+                f"letters, digits and underscores, e.g. HW_CPU_X86_AVX2{guess}",
+                param_hint=option,
+            )
+
+
 def _amounts(pairs: tuple[str, ...]) -> dict[str, int]:
     amounts = {}
     for resource_class, text in parse_pairs(pairs, "CLASS=AMOUNT", upper=False).items():
         try:
-            amounts[resource_class] = int(text)
+            amount = int(text)
         except ValueError:
-            raise click.BadParameter(f"{resource_class}={text}: a whole number") from None
+            amount = -1
+        if amount < 0:
+            raise click.BadParameter(
+                f"{resource_class}={text}: the amount is a whole number, 0 or more",
+                param_hint="--resource",
+            )
+        amounts[resource_class] = amount
     return amounts
 
 

@@ -15,6 +15,7 @@ from reservoir.cli.options import (
     open_requestor,
     parse_pairs,
     seconds_option,
+    within,
 )
 from reservoir.exit_status import EXIT_INTERRUPTED, EXIT_NOT_PLACED, EXIT_TASK_NOT_RUN
 from reservoir.protocol.messages import TaskState
@@ -23,11 +24,15 @@ from reservoir.protocol.placement import PlacementError
 
 @click.command(context_settings={"allow_interspersed_args": False})
 @broker_option()
-@click.option("--vcpus", type=click.IntRange(0), help="VCPUs per instance.")
-@click.option("--memory-mb", type=click.IntRange(0), help="Memory per instance, MiB.")
-@click.option("--disk-gb", type=click.IntRange(0), help="Disk per instance, GiB.")
+@click.option("--vcpus", type=within("vcpus"), help="VCPUs per instance.")
+@click.option("--memory-mb", type=within("memory_mb"), help="Memory per instance, MiB.")
+@click.option("--disk-gb", type=within("disk_gb"), help="Disk per instance, GiB.")
 @click.option(
-    "--count", default=1, show_default=True, type=click.IntRange(1), help="Instances to run."
+    "--count",
+    default=1,
+    show_default=True,
+    type=within("count", minimum=1),
+    help="Instances to run.",
 )
 @click.option("--image", help="Run COMMAND in a container of this image (the docker driver).")
 @click.option(

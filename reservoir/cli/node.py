@@ -208,6 +208,7 @@ def node(
     """
     from reservoir.observe.logs import say
     from reservoir.runtime.backoff import quietly_connecting, until_connected
+    from reservoir.runtime.keys import KeyConfigError
     from reservoir.runtime.node_agent import NodeAgent
     from reservoir.runtime.node_config import NodeFile
     from reservoir.runtime.store import StateError
@@ -286,7 +287,7 @@ def node(
 
     try:
         agent = until_connected(start_agent, connect_attempts, stop, on_wait=_say_waiting(name))
-    except StateError as error:
+    except (StateError, KeyConfigError) as error:
         click.echo(f"reservoir node: {error}", err=True)
         sys.exit(EXIT_USAGE)
     except TaskDriverError as error:

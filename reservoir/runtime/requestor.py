@@ -27,6 +27,7 @@ import threading
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 from msgspec.structs import replace as msgspec_replace
 
 from brokers import BrokerUrl
@@ -37,7 +38,16 @@ from reservoir.observe.logs import REQUEST_ID
 from reservoir.observe.metrics import Metrics, default_participant
 from reservoir.protocol.addresses import node_address, requestor_address
 from reservoir.protocol.effects import Effect, Failed, FreeCompleted, Placed, Send
-from reservoir.protocol.messages import Message, TaskQuery, TaskSpec, TaskState
+from reservoir.protocol.messages import (
+    Decline,
+    InvalidField,
+    Message,
+    Offer,
+    TaskQuery,
+    TaskSpec,
+    TaskState,
+    decode_message,
+)
 from reservoir.protocol.placement import (
     Explanation,
     Placement,
@@ -566,6 +576,17 @@ class Requestor(Driver):
 
     def _handle_returned(self, message: Message, now: float) -> list[Effect]:
         return self.machine.on_unroutable(message, now)
+
+    def _refused_answer(self, body: bytes) -> None:
+        # An offer or decline signed with another node's key: nothing in it is believed,
+        # but it did answer, so the tier it answered is not waited out for it.
+        try:
+            message = decode_message(body)
+        except (msgspec.DecodeError, InvalidField, UnicodeDecodeError, RecursionError):
+            return
+        if type(message) is Offer or type(message) is Decline:
+            request_id, sender, attempt = message.request_id, message.sender, message.attempt
+            self._run(lambda now: self.machine.on_refused_answer(request_id, sender, attempt, now))
 
     def _handle_timer(self, key: Hashable, now: float) -> list[Effect]:
         return self.machine.on_timer(key, now)

@@ -10,12 +10,14 @@ import io
 import json
 import os
 import queue
+import re
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -271,3 +273,94 @@ def test_a_nodes_configuration_is_shown_whole(cluster: Cluster) -> None:
     assert name == "n1"
     assert json.loads(configuration)["inventory"]["CUSTOM_GPU"]["total"] == 2
     cluster.audit(allocations=0)
+
+
+# -- 4. a node with another node's key is told, and slows nobody ------------------------
+
+
+def test_a_node_started_with_another_nodes_key_is_told_and_requests_do_not_wait_for_it(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    pytest.importorskip("cryptography")
+    keyring = tmp_path / "keyring"
+    made = cluster.cli("keys", "generate", "--id", "requestors-1", "--ed25519")
+    assert made.returncode == 0, made.stderr
+    requestor_private, requestor_public = (line.split()[1] for line in made.stdout.splitlines())
+    for name in ("n1", "n2"):
+        key_file = str(tmp_path / f"{name}.key")
+        added = cluster.cli("keys", "add-node", name, "--keyring", str(keyring),
+                            "--key-file", key_file, "--id", f"{name}-a")  # fmt: skip
+        assert added.returncode == 0, added.stderr
+    on_nodes = {**cluster.env, "RESERVOIR_REQUESTOR_KEYS": requestor_public}
+    on_requestors = {**cluster.env, "RESERVOIR_REQUESTOR_KEYS": requestor_private,
+                     "RESERVOIR_NODE_KEYRING": str(keyring)}  # fmt: skip
+
+    # given the keyring too, a node refuses to start with another node's key
+    refused = cluster.cli("node", "--name", "n2", "--vcpus", "4", "--node-key",
+                          str(tmp_path / "n1.key"),
+                          env={**on_nodes, "RESERVOIR_NODE_KEYRING": str(keyring)})  # fmt: skip
+    assert refused.returncode == 2
+    assert one_line(refused) == (
+        f"reservoir node: node n2: its key 'n1-a' is node n1's in the node keyring "
+        f"({keyring / 'n1.pub'}), not n2's: requestors would refuse every message of n2 as "
+        "impersonation (give it a key of its own: reservoir keys add-node n2)"
+    )
+
+    # without it, it starts; the first requestor that refuses its offer tells it
+    cluster.start_node("n1", "--node-key", str(tmp_path / "n1.key"), env=on_nodes)
+    miskeyed = cluster.start_node("n2", "--node-key", str(tmp_path / "n1.key"), env=on_nodes)
+    placements = []
+    for _ in range(3):
+        done = cluster.cli("request", "--json", "--timeout", "20", "--vcpus", "1",
+                           "--memory-mb", "512", env=on_requestors)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        placements.append(json.loads(done.stdout))
+        # each requestor says what it dropped, and from whom, once
+        (warning,) = [line for line in done.stderr.splitlines() if "impersonation" in line]
+        assert (
+            "dropped a message from 'n2': impersonation (signed with the key 'n1-a' of node "
+            "'n1', claims to be 'n2')" in warning
+        )
+    assert [a["node"] for p in placements for a in p["allocations"]] == ["n1", "n1", "n1"]
+    # n2 is in the emptiest tier each time, and its offers are refused: no request waits
+    # the widening wait (2 s) for them, at any tier (each waited one more, before)
+    widening_wait_s = 2.0
+    assert [p["elapsed_s"] < widening_wait_s for p in placements] == [True] * 3, placements
+    told = miskeyed.wait_for("refuses this node's messages")
+    assert (
+        "node n2: requestor reservoir.requestor." in told
+        and "refuses this node's messages: impersonation (signed with the key 'n1-a' of node "
+        "'n1', claims to be 'n2'); this node signs with key 'n1-a'"
+        in told
+    ), told
+    audited = cluster.cli("audit", "--json", "--expect-nodes", "1", env=on_requestors)
+    assert audited.returncode == 0, audited.stdout + audited.stderr
+    assert json.loads(audited.stdout)["allocations"] == 3
+
+
+# -- 8. -vv is reservoir's debug; the client library's is asked for apart ----------------
+
+
+def client_library_lines(stderr: str) -> list[str]:
+    """Lines logged by the AMQP client libraries' own loggers (pika, kombu, amqp)."""
+    return [
+        line
+        for line in stderr.splitlines()
+        if re.search(r" (DEBUG|INFO|WARNING|ERROR) (pika|kombu|amqp)[.:]", line)
+    ]
+
+
+def test_dash_vv_is_reservoirs_debug_without_a_line_of_the_client_librarys(
+    cluster: Cluster,
+) -> None:
+    cluster.start_node("n1")
+    ask = ("request", "--timeout", "20", "--vcpus", "1", "--memory-mb", "512")
+    debug = cluster.cli("-vv", *ask)
+    assert debug.returncode == 0, debug.stderr
+    assert client_library_lines(debug.stderr) == []
+    placed = [line for line in debug.stderr.splitlines() if " DEBUG reservoir.requestor: " in line]
+    assert any("placed " in line for line in placed), debug.stderr
+    asked = cluster.cli("-vvv", *ask)
+    assert asked.returncode == 0, asked.stderr
+    assert len(client_library_lines(asked.stderr)) > 10
+    cluster.audit(allocations=2)

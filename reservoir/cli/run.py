@@ -79,6 +79,8 @@ def run(
         reservoir run --vcpus 1 --memory-mb 256 -- sh -c 'exit 3'
 
     Ctrl-C releases the placement, which stops the task."""
+    from reservoir.runtime.requestor import FreeIncomplete
+
     variables = parse_pairs(env, "KEY=VALUE", upper=False)
 
     def show(state: TaskState) -> None:
@@ -123,7 +125,16 @@ def run(
             task_run.wait()
         except KeyboardInterrupt:
             click.echo(f"interrupted: releasing {placement.request_id}", err=True)
-            requestor.release(placement)
+            try:
+                requestor.release(placement)
+            except (FreeIncomplete, TimeoutError) as error:
+                # said as it is: the task goes on until its node frees the allocation
+                click.echo(
+                    f"interrupted: the release of {placement.request_id} is not confirmed "
+                    f"({error or 'no answer in time'}); free it with reservoir free "
+                    f"--request-id {placement.request_id}",
+                    err=True,
+                )
             sys.exit(EXIT_INTERRUPTED)
     code = task_run.exit_code
     sys.exit(EXIT_TASK_NOT_RUN if code is None else code)
@@ -208,6 +219,7 @@ def tasks_command(
             click.echo(json.dumps(_record(state), sort_keys=True))
         return
     if not states and output_format == "table":
-        click.echo("no tasks")
+        # nodes with no task to tell of stay silent: so much is known, and no more
+        click.echo(f"no tasks: no node answered with one within {wait_s:g} s")
         return
     emit([_record(state) for state in states], TASK_COLUMNS, output_format, columns)

@@ -364,3 +364,58 @@ def test_dash_vv_is_reservoirs_debug_without_a_line_of_the_client_librarys(
     assert asked.returncode == 0, asked.stderr
     assert len(client_library_lines(asked.stderr)) > 10
     cluster.audit(allocations=2)
+
+
+# -- the sweep: the same two smells in the other commands --------------------------------
+
+
+def test_free_on_a_node_that_is_not_there_says_so_rather_than_did_not_confirm(
+    cluster: Cluster,
+) -> None:
+    cluster.start_node("n1")
+    done = cluster.cli("free", "--request-id", "r1", "--node", "n9")
+    assert done.returncode == 1
+    assert one_line(done) == (
+        "reservoir free: no node named n9 answers on this broker (is it running, and is the "
+        "name right?); nothing was freed"
+    )
+
+
+def test_free_of_one_allocation_without_a_node_frees_it_where_it_is_and_only_it(
+    cluster: Cluster,
+) -> None:
+    cluster.start_node("n1")
+    cluster.start_node("n2")
+    pair = cluster.place("--vcpus", "1", "--memory-mb", "512", "--count", "2",
+                         "--group", "g", "--policy", "anti-affinity")  # fmt: skip
+    first, _ = pair["allocations"]
+    done = cluster.cli("free", "--request-id", pair["request_id"],
+                       "--allocation", first["allocation_id"])  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"freed 1 allocation(s) of {pair['request_id']} on {first['node']}\n"
+    cluster.audit(allocations=1)
+    gone = cluster.cli("free", "--request-id", pair["request_id"],
+                       "--allocation", first["allocation_id"])  # fmt: skip
+    assert gone.returncode == 1
+    assert one_line(gone) == (
+        f"reservoir free: no node answering holds allocation {first['allocation_id']} of "
+        f"{pair['request_id']}"
+    )
+    assert cluster.cli("free", "--request-id", pair["request_id"]).returncode == 0
+    cluster.audit(allocations=0)
+
+
+def test_nodes_fewer_than_expected_is_a_failure_after_the_listing(cluster: Cluster) -> None:
+    cluster.start_node("n1")
+    done = cluster.cli("nodes", "--expect-nodes", "2", "--wait", "1", "-f", "value",
+                       "-c", "name", "-c", "class")  # fmt: skip
+    assert done.returncode == 2
+    assert done.stdout.splitlines() == ["n1 MEMORY_MB", "n1 VCPU"]
+    assert one_line(done) == "reservoir nodes: expected 2 node(s), 1 answered within 1 s"
+
+
+def test_tasks_with_none_to_tell_of_says_what_it_knows(cluster: Cluster) -> None:
+    cluster.start_node("n1", "--driver", "exec")
+    done = cluster.cli("tasks", "--wait", "0.5")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "no tasks: no node answered with one within 0.5 s\n"

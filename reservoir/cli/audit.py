@@ -12,12 +12,11 @@ from reservoir.broker import BrokerError
 from reservoir.cli.options import (
     broker_option,
     cannot_reach_broker,
-    expect_nodes_option,
     json_option,
     load_settings,
     seconds_option,
 )
-from reservoir.exit_status import EXIT_USAGE
+from reservoir.exit_status import EXIT_RUN_FAILED
 
 
 @click.command("audit")
@@ -31,7 +30,12 @@ from reservoir.exit_status import EXIT_USAGE
     "heard of are listed as orphans with the command that frees each.",
 )
 @seconds_option("--wait", 2.0, "How long to wait for the nodes' ledgers (seconds).")
-@expect_nodes_option("Stop waiting once this many nodes answered; fewer is a failure.")
+@click.option(
+    "--expect-nodes",
+    type=click.IntRange(0),
+    help="Stop waiting once this many nodes answered; fewer is a failure. Without it, no "
+    "node answering is a failure too (nothing was audited); 0 says none should be running.",
+)
 @json_option()
 def audit_command(
     broker_url: str | None,
@@ -46,8 +50,9 @@ def audit_command(
     instances across nodes than it asked for; no reservation alive more than a second past
     its deadline; with --placements, every placement callers were told of held by the nodes,
     and every allocation accounted for. Exit status 0 when every check holds, 2 when one
-    does not (or fewer nodes than --expect-nodes answered), 3 when the broker is
-    unreachable.
+    does not, when fewer nodes than --expect-nodes answered, or when no node answered at
+    all (an audit of nothing is no pass: say --expect-nodes 0 if none should be running),
+    3 when the broker is unreachable.
     """
     from reservoir.runtime.auditor import audit_cluster, read_placements_file
 
@@ -67,9 +72,22 @@ def audit_command(
     except BrokerError as error:
         cannot_reach_broker(error)
     missing = expect_nodes is not None and len(found.nodes) < expect_nodes
+    # Nobody answering is no evidence that the invariants hold: a cron check must not
+    # stay green while the cluster is down.
+    unaudited = not found.nodes and expect_nodes != 0
     if as_json:
-        click.echo(json.dumps({**found.as_json(), "expected_nodes": expect_nodes}, sort_keys=True))
-    else:
+        shown = {**found.as_json(), "expected_nodes": expect_nodes}
+        if unaudited:
+            shown["ok"] = False
+        click.echo(json.dumps(shown, sort_keys=True))
+    if unaudited:
+        click.echo(
+            f"reservoir audit: no node answered within {wait_s:g} s: nothing was audited "
+            "(give --expect-nodes 0 if no node should be running)",
+            err=True,
+        )
+        sys.exit(EXIT_RUN_FAILED)
+    if not as_json:
         click.echo(
             f"{len(found.nodes)} node(s) answered: {found.allocations} allocation(s), "
             f"{found.reservations} live reservation(s)"
@@ -89,7 +107,7 @@ def audit_command(
             click.echo(f"expected {expect_nodes} node(s), {len(found.nodes)} answered")
         click.echo("invariants hold" if found.ok and not missing else "invariants BROKEN")
     if not found.ok or missing:
-        sys.exit(EXIT_USAGE)
+        sys.exit(EXIT_RUN_FAILED)
 
 
 # -- simulate ------------------------------------------------------------------------------

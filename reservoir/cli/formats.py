@@ -22,7 +22,7 @@ import click
 
 from reservoir.cli.options import usage_error
 
-__all__ = ["FORMATS", "Column", "emit", "format_options"]
+__all__ = ["FORMATS", "Column", "emit", "format_options", "picked"]
 
 FORMATS = ("table", "json", "yaml", "csv", "value")
 
@@ -39,6 +39,12 @@ class Column:
     show: Callable[[Any], str] = str
     #: right-aligned in a table (numbers)
     numeric: bool = True
+    #: how a csv or value cell shows a value (default: :func:`_plain`)
+    plain: Callable[[Any], str] | None = None
+
+    def cell(self, value: Any) -> str:
+        """The value as a csv or value cell."""
+        return self.plain(value) if self.plain is not None and value is not None else _plain(value)
 
 
 def format_options(f: F) -> F:
@@ -70,7 +76,7 @@ def emit(
 ) -> None:
     """Print ``rows`` as ``output_format``, with the ``chosen`` columns (all by default;
     an unknown one is a usage error naming the option and the columns there are)."""
-    shown = _pick(columns, chosen)
+    shown = picked(columns, chosen)
     if output_format == "table":
         _table(rows, shown)
     elif output_format == "json":
@@ -82,16 +88,18 @@ def emit(
         writer = csv.writer(out, lineterminator="\n")
         writer.writerow([c.key for c in shown])
         for row in rows:
-            writer.writerow([_plain(row.get(c.key)) for c in shown])
+            writer.writerow([c.cell(row.get(c.key)) for c in shown])
         click.echo(out.getvalue(), nl=False)
     elif output_format == "value":
         for row in rows:
-            click.echo(" ".join(_plain(row.get(c.key)) for c in shown))
+            click.echo(" ".join(c.cell(row.get(c.key)) for c in shown))
     else:  # pragma: no cover - click.Choice keeps it to FORMATS
         usage_error(f"-f/--format: no format {output_format!r}")
 
 
-def _pick(columns: Sequence[Column], chosen: Sequence[str]) -> list[Column]:
+def picked(columns: Sequence[Column], chosen: Sequence[str]) -> list[Column]:
+    """The ``chosen`` columns (all when none is), or a usage error naming the unknown one
+    and the columns there are: a command checks its ``-c`` with it before doing anything."""
     if not chosen:
         return list(columns)
     named = {c.key.lower(): c for c in columns} | {c.heading.lower(): c for c in columns}
@@ -110,9 +118,12 @@ def _fields(row: Mapping[str, Any], shown: Sequence[Column]) -> dict[str, Any]:
 
 
 def _plain(value: Any) -> str:
-    """A cell of csv or value output: lists joined with ``;``, None empty."""
+    """A cell of csv or value output: lists joined with ``;``, mappings as ``key=value``
+    joined with ``;``, None empty."""
     if value is None:
         return ""
+    if isinstance(value, Mapping):
+        return ";".join(f"{k}={_plain(v)}" for k, v in sorted(value.items()))
     if isinstance(value, list | tuple):
         return ";".join(str(v) for v in value)
     if isinstance(value, bool):
@@ -140,7 +151,10 @@ def _table(rows: Sequence[Mapping[str, Any]], shown: Sequence[Column]) -> None:
 
     table = Table(box=None, header_style="bold")
     for column in shown:
-        table.add_column(column.heading, justify="right" if column.numeric else "left")
+        # folded, never cut with an ellipsis: a table shows the whole of every value
+        table.add_column(
+            column.heading, justify="right" if column.numeric else "left", overflow="fold"
+        )
     for row in rows:
         table.add_row(*("-" if row.get(c.key) is None else c.show(row.get(c.key)) for c in shown))
     Console(width=max(200, sum(len(c.heading) + 2 for c in shown))).print(table)

@@ -29,7 +29,13 @@ class _Group(click.Group):
     cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100}
 )
 @click.version_option(__version__, prog_name="reservoir")
-@click.option("-v", "--verbose", count=True, help="More logging on stderr (-vv for debug).")
+@click.option(
+    "-v",
+    "--verbose",
+    count=True,
+    help="More logging on stderr: -v info, -vv debug, -vvv the AMQP client library's "
+    "debug too (pika's and kombu's, a line per frame).",
+)
 @click.option(
     "--log-format",
     type=click.Choice(["text", "json"]),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import sys
 import threading
@@ -207,6 +208,7 @@ def node(
     """
     from reservoir.observe.logs import say
     from reservoir.runtime.backoff import quietly_connecting, until_connected
+    from reservoir.runtime.keys import KeyConfigError
     from reservoir.runtime.node_agent import NodeAgent
     from reservoir.runtime.node_config import NodeFile
     from reservoir.runtime.store import StateError
@@ -228,7 +230,7 @@ def node(
     if not broker_url:
         usage_error(NO_BROKER)  # (the file may name it too: see --config)
     # the file's settings first, the flags after them: a flag overrides the file
-    base_totals, base_reserved, host_traits = _discovered_amounts(host, file)
+    base_totals, base_reserved, host_traits = _discovered_amounts(host, file, name)
     shorthands = {"vcpus": vcpus, "memory_mb": memory_mb, "disk_gb": disk_gb}
     inventories = _node_inventories(
         None,
@@ -285,7 +287,7 @@ def node(
 
     try:
         agent = until_connected(start_agent, connect_attempts, stop, on_wait=_say_waiting(name))
-    except StateError as error:
+    except (StateError, KeyConfigError) as error:
         click.echo(f"reservoir node: {error}", err=True)
         sys.exit(EXIT_USAGE)
     except TaskDriverError as error:
@@ -398,21 +400,27 @@ def _discover(file: Any, root: Path | None) -> Any:
 
     try:
         return discover_for(file, str(root) if root is not None else None)
+    except ValueError as error:
+        raise click.UsageError(f"--discover: {error}") from None
     except OSError as error:
         raise click.UsageError(f"--discover: cannot read the host: {error}") from None
 
 
 def _discovered_amounts(
-    host: Any, file: Any
+    host: Any, file: Any, name: str
 ) -> tuple[dict[str, int], dict[str, int], frozenset[str]]:
     if host is None:
         return {}, {}, frozenset()
+    from reservoir.observe.logs import say
     from reservoir.runtime.node_config import host_inventories
 
-    try:
-        found = host_inventories(host, file)
-    except ImportError as error:
-        raise click.UsageError(f"--discover: {error}") from None
+    found = host_inventories(host, file)
+    if found.traits_unread is not None:
+        say(
+            f"node {name}: warning: discovered without the CPU's traits: {found.traits_unread}",
+            node=name,
+            outcome="warning",
+        )
     return found.totals, found.reserved, found.traits
 
 
@@ -449,15 +457,20 @@ def _print_host(host: Any, file: Any, as_json: bool) -> None:
     from reservoir.runtime.node_config import devices_of, host_inventories
 
     handed_out = {d.address: d.alias for d in devices_of(file, host)}
-    try:
-        found = host_inventories(host, file)
-    except ImportError as error:
-        raise click.UsageError(f"--discover: {error}") from None
+    excluded = sorted(
+        d.address
+        for d in host.pci
+        if any(fnmatch.fnmatchcase(d.address, x) for x in file.discovery.excluded_devices)
+    )
+    found = host_inventories(host, file)
     if as_json:
         shown = host.as_json()
         shown["inventory"] = found.totals
+        shown["reserved"] = found.reserved
         shown["traits"] = sorted(found.traits)
+        shown["traits_unread"] = found.traits_unread
         shown["devices"] = handed_out
+        shown["excluded_devices"] = excluded
         click.echo(json.dumps(shown, indent=2, sort_keys=True))
         return
     click.echo(f"host under {host.root}")
@@ -471,8 +484,13 @@ def _print_host(host: Any, file: Any, as_json: bool) -> None:
     click.echo(f"thread siblings: {', '.join(_cpu_ranges(s) for s in shared) or 'none'}")
     if host.disk_gb is not None:
         click.echo(f"disk: {host.disk_gb} GB")
-    click.echo("inventory: " + ", ".join(f"{rc}={n}" for rc, n in sorted(found.totals.items())))
-    click.echo(f"traits: {' '.join(sorted(found.traits)) or 'none'}")
+    amounts = [
+        f"{rc}={n}" + (f" (host-reserved {found.reserved[rc]})" if found.reserved.get(rc) else "")
+        for rc, n in sorted(found.totals.items())
+    ]
+    click.echo(f"inventory: {', '.join(amounts)}")
+    unread = f" ({found.traits_unread})" if found.traits_unread else ""
+    click.echo(f"traits: {' '.join(sorted(found.traits)) or 'none'}{unread}")
     click.echo("pci address    vendor:product  class   cell  kind      alias")
     for device in host.pci:
         cell = "-" if device.cell is None else str(device.cell)
@@ -481,7 +499,8 @@ def _print_host(host: Any, file: Any, as_json: bool) -> None:
             kind += f" ({len(device.virtual_functions)} VFs)"
         click.echo(
             f"{device.address:<14} {device.vendor_id}:{device.product_id:<10} "
-            f"{device.class_id[:6]:<7} {cell:<5} {kind:<9} {handed_out.get(device.address, '-')}"
+            f"{device.class_id[:6]:<7} {cell:<5} {kind:<9} "
+            + ("excluded" if device.address in excluded else handed_out.get(device.address, "-"))
         )
 
 

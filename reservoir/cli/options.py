@@ -104,6 +104,14 @@ def seconds_option(
     )
 
 
+def within(limit: str, *, minimum: int = 0) -> click.IntRange:
+    """An amount no larger than a front door takes (``FRONT_DOOR_LIMITS``), so that a
+    command refuses what ``POST /v1/reservations`` refuses, with the same bound."""
+    from reservoir.protocol.placement import FRONT_DOOR_LIMITS
+
+    return click.IntRange(minimum, FRONT_DOOR_LIMITS[limit])
+
+
 def expect_nodes_option(help: str) -> Callable[[F], F]:
     """``--expect-nodes N``: stop waiting once this many nodes answered."""
     return click.option("--expect-nodes", type=click.IntRange(1), help=help)

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any, cast
 
 import click
 
 from reservoir.broker import BrokerError
-from reservoir.cli.formats import Column, emit, format_options
+from reservoir.cli.formats import Column, emit, format_options, picked
 from reservoir.cli.options import (
     broker_option,
     cannot_reach_broker,
@@ -19,10 +22,18 @@ from reservoir.cli.options import (
     parse_pairs,
     seconds_option,
     set_up_tracing,
+    within,
 )
 from reservoir.exit_status import EXIT_NOT_PLACED
 from reservoir.interrupt import deferred
-from reservoir.protocol.messages import PCI_POLICIES, GroupPolicy, GroupSpec, NumaSpec
+from reservoir.protocol.messages import (
+    PCI_POLICIES,
+    TRAIT_MAX_LENGTH,
+    TRAIT_PATTERN,
+    GroupPolicy,
+    GroupSpec,
+    NumaSpec,
+)
 from reservoir.protocol.placement import (
     Placement,
     PlacementError,
@@ -34,9 +45,9 @@ from reservoir.protocol.placement import (
 
 @click.command()
 @broker_option()
-@click.option("--vcpus", type=click.IntRange(0), help="VCPUs per instance.")
-@click.option("--memory-mb", type=click.IntRange(0), help="Memory per instance, MiB.")
-@click.option("--disk-gb", type=click.IntRange(0), help="Disk per instance, GiB.")
+@click.option("--vcpus", type=within("vcpus"), help="VCPUs per instance.")
+@click.option("--memory-mb", type=within("memory_mb"), help="Memory per instance, MiB.")
+@click.option("--disk-gb", type=within("disk_gb"), help="Disk per instance, GiB.")
 @click.option(
     "--resource",
     "resources",
@@ -48,11 +59,11 @@ from reservoir.protocol.placement import (
     "--count",
     default=1,
     show_default=True,
-    type=click.IntRange(1),
+    type=within("count", minimum=1),
     help="Instances wanted; all or nothing unless --min-count.",
 )
 @click.option(
-    "--min-count", type=click.IntRange(1), help="Accept a partial placement of this many."
+    "--min-count", type=within("count", minimum=1), help="Accept a partial placement of this many."
 )
 @click.option(
     "--require",
@@ -85,7 +96,14 @@ from reservoir.protocol.placement import (
 @click.option(
     "--numa-nodes", type=click.IntRange(1), help="Spread each instance over N NUMA cells."
 )
-@click.option("--pinned", is_flag=True, help="Dedicated (pinned) CPUs, with --numa-nodes.")
+@click.option(
+    "--dedicated-cpus",
+    "--pinned",
+    "pinned",
+    is_flag=True,
+    help="Dedicated (pinned) CPUs, with --numa-nodes: numa.dedicated_cpus, as the HTTP API "
+    "and the library spell it (--pinned is the same flag).",
+)
 @click.option(
     "--hugepage-kb",
     type=click.IntRange(1),
@@ -157,8 +175,10 @@ def request(
     columns: tuple[str, ...],
 ) -> None:
     """Place one request and print the placement, or the failure with its explanation
-    (exit status 1). With --dry-run, only say where it would fit: a row per node that
-    answered (-f table|json|yaml|csv|value, -c COLUMN; --json: the whole report).
+    (exit status 1): -f json|yaml|csv|value and -c COLUMN print a row per allocation
+    (request_id, node, allocation_id, resources, numa_cells, pci_devices); --json the
+    whole placement record. With --dry-run, only say where it would fit: a row per node
+    that answered (-f, -c likewise; --json: the whole report).
 
     Resource classes and traits are written as the nodes know them (VCPU, CUSTOM_GPU,
     HW_CPU_X86_AVX2), exactly as in the library and the HTTP API."""
@@ -167,6 +187,12 @@ def request(
     numa = None
     if numa_nodes is not None or pinned or hugepage_kb is not None:
         numa = NumaSpec(nodes=numa_nodes or 1, dedicated_cpus=pinned, hugepage_kb=hugepage_kb)
+    for option, traits in (
+        ("--require", required),
+        ("--forbid", forbidden),
+        ("--any-of", [t.strip() for one in any_of for t in one.split(",")]),
+    ):
+        _check_traits(option, traits)
     spec = _request_of(
         vcpus=vcpus,
         memory_mb=memory_mb,
@@ -189,16 +215,39 @@ def request(
         _dry_run(spec, broker_url, min(timeout_s, DRY_RUN_WAIT_S), as_json, output_format, columns)
         return
     set_up_tracing("request")
-    _place_and_print(spec, broker_url, timeout_s, as_json)
+    shown = Shown(as_json, output_format, columns)
+    if not as_json:
+        picked(PLACEMENT_COLUMNS, columns)  # an unknown -c is said before anything is placed
+    _place_and_print(spec, broker_url, timeout_s, shown)
+
+
+def _check_traits(option: str, traits: Iterable[str]) -> None:
+    """Each trait as the nodes spell them, or a usage error naming ``option`` in words."""
+    for trait in traits:
+        if re.fullmatch(TRAIT_PATTERN, trait) is None or len(trait) > TRAIT_MAX_LENGTH:
+            upper = trait.upper()
+            fits = re.fullmatch(TRAIT_PATTERN, upper) is not None
+            guess = f" (did you mean {upper}?)" if fits and upper != trait else ""
+            raise click.BadParameter(
+                f"{trait!r} is not a trait: a trait is 1 to {TRAIT_MAX_LENGTH} upper-case "
+                f"letters, digits and underscores, e.g. HW_CPU_X86_AVX2{guess}",
+                param_hint=option,
+            )
 
 
 def _amounts(pairs: tuple[str, ...]) -> dict[str, int]:
     amounts = {}
     for resource_class, text in parse_pairs(pairs, "CLASS=AMOUNT", upper=False).items():
         try:
-            amounts[resource_class] = int(text)
+            amount = int(text)
         except ValueError:
-            raise click.BadParameter(f"{resource_class}={text}: a whole number") from None
+            amount = -1
+        if amount < 0:
+            raise click.BadParameter(
+                f"{resource_class}={text}: the amount is a whole number, 0 or more",
+                param_hint="--resource",
+            )
+        amounts[resource_class] = amount
     return amounts
 
 
@@ -223,8 +272,37 @@ def _request_of(**fields: Any) -> PlacementRequest:
         raise click.UsageError(f"not a valid request: {error}") from None
 
 
+@dataclass(frozen=True)
+class Shown:
+    """How the outcome is printed: ``--json`` (the whole record), else ``-f``/``-c``."""
+
+    as_json: bool
+    output_format: str = "table"
+    columns: tuple[str, ...] = ()
+
+    @property
+    def as_text(self) -> bool:
+        """The human lines: the table format with no columns picked."""
+        return not self.as_json and self.output_format == "table" and not self.columns
+
+
+#: a placement's row per allocation; field names as in ``--json``'s ``allocations``
+PLACEMENT_COLUMNS = (
+    Column("request_id", "request", numeric=False),
+    Column("node", "node", numeric=False),
+    Column("allocation_id", "allocation", numeric=False),
+    Column("resources", "resources", show=lambda v: _amounts_shown(v), numeric=False),
+    Column("numa_cells", "NUMA cells", show=lambda v: ",".join(map(str, v)), numeric=False),
+    Column("pci_devices", "PCI devices", show=lambda v: " ".join(v), numeric=False),
+)
+
+
+def _amounts_shown(resources: dict[str, int]) -> str:
+    return ", ".join(f"{rc}={n}" for rc, n in sorted(resources.items()))
+
+
 def _place_and_print(
-    spec: PlacementRequest, broker_url: str | None, timeout_s: float, as_json: bool
+    spec: PlacementRequest, broker_url: str | None, timeout_s: float, shown: Shown
 ) -> None:
     """The placement printed, or the failure printed and exit status 1. Ctrl-C or SIGTERM
     while it is placed ends it (the requestor's close releases what it holds); once it is
@@ -235,20 +313,23 @@ def _place_and_print(
         placement = requestor.reserve(spec, timeout_s=timeout_s)
     except PlacementError as error:
         requestor.close()
-        _print_failure(error, as_json)
+        _print_failure(error, shown)
         sys.exit(EXIT_NOT_PLACED)
     except BaseException:
         requestor.close()
         raise
     with deferred():
         requestor.close()
-        _print_placement(placement, as_json)
+        _print_placement(placement, shown)
 
 
-def _print_failure(error: PlacementError, as_json: bool) -> None:
+def _print_failure(error: PlacementError, shown: Shown) -> None:
     explanation = error.explanation
-    if not as_json:
+    if not shown.as_json:
         click.echo(f"not placed: {explanation}", err=True)
+        if not shown.as_text:
+            # what the format prints for no allocation at all (json: [], csv: the header)
+            emit([], PLACEMENT_COLUMNS, shown.output_format, shown.columns)
         return
     failure = {
         "placed": False,
@@ -262,11 +343,25 @@ def _print_failure(error: PlacementError, as_json: bool) -> None:
     click.echo(json.dumps(failure, sort_keys=True))
 
 
-def _print_placement(placement: Placement, as_json: bool) -> None:
-    if as_json:
+def _print_placement(placement: Placement, shown: Shown) -> None:
+    if shown.as_json:
         from reservoir.runtime.auditor import placement_record
 
         click.echo(json.dumps(placement_record(placement), sort_keys=True))
+        return
+    if not shown.as_text:
+        rows = [
+            {
+                "request_id": placement.request_id,
+                "node": a.node,
+                "allocation_id": a.allocation_id,
+                "resources": dict(sorted(a.resources.items())),
+                "numa_cells": list(a.numa.cells) if a.numa is not None else None,
+                "pci_devices": list(a.numa.devices) if a.numa is not None else None,
+            }
+            for a in placement.allocations
+        ]
+        emit(rows, PLACEMENT_COLUMNS, shown.output_format, shown.columns)
         return
     placed = len(placement.allocations)
     partly = f" (partial: {placed} of {placement.requested} asked for)" if placement.partial else ""
@@ -275,12 +370,12 @@ def _print_placement(placement: Placement, as_json: bool) -> None:
         f"after tiers {', '.join(f'{t}%' for t in placement.tiers_tried)}"
     )
     for allocation in placement.allocations:
-        shown = ", ".join(f"{rc}={n}" for rc, n in sorted(allocation.resources.items()))
+        resources = _amounts_shown(dict(allocation.resources))
         numa = allocation.numa
         if numa is not None and numa.devices:
             cells = ",".join(map(str, numa.cells)) or "-"
-            shown += f"; PCI {' '.join(numa.devices)} (NUMA cell {cells})"
-        click.echo(f"  {allocation.node}  {allocation.allocation_id}  {shown}")
+            resources += f"; PCI {' '.join(numa.devices)} (NUMA cell {cells})"
+        click.echo(f"  {allocation.node}  {allocation.allocation_id}  {resources}")
 
 
 #: a dry run's row per node; field names as in ``--json``'s ``nodes``

@@ -8,12 +8,14 @@ import sys
 
 import click
 
+from reservoir.cli.formats import Column, emit, format_options, picked
 from reservoir.cli.options import (
     broker_option,
     json_option,
     open_requestor,
     parse_pairs,
     seconds_option,
+    within,
 )
 from reservoir.exit_status import EXIT_INTERRUPTED, EXIT_NOT_PLACED, EXIT_TASK_NOT_RUN
 from reservoir.protocol.messages import TaskState
@@ -22,11 +24,15 @@ from reservoir.protocol.placement import PlacementError
 
 @click.command(context_settings={"allow_interspersed_args": False})
 @broker_option()
-@click.option("--vcpus", type=click.IntRange(0), help="VCPUs per instance.")
-@click.option("--memory-mb", type=click.IntRange(0), help="Memory per instance, MiB.")
-@click.option("--disk-gb", type=click.IntRange(0), help="Disk per instance, GiB.")
+@click.option("--vcpus", type=within("vcpus"), help="VCPUs per instance.")
+@click.option("--memory-mb", type=within("memory_mb"), help="Memory per instance, MiB.")
+@click.option("--disk-gb", type=within("disk_gb"), help="Disk per instance, GiB.")
 @click.option(
-    "--count", default=1, show_default=True, type=click.IntRange(1), help="Instances to run."
+    "--count",
+    default=1,
+    show_default=True,
+    type=within("count", minimum=1),
+    help="Instances to run.",
 )
 @click.option("--image", help="Run COMMAND in a container of this image (the docker driver).")
 @click.option(
@@ -73,6 +79,8 @@ def run(
         reservoir run --vcpus 1 --memory-mb 256 -- sh -c 'exit 3'
 
     Ctrl-C releases the placement, which stops the task."""
+    from reservoir.runtime.requestor import FreeIncomplete
+
     variables = parse_pairs(env, "KEY=VALUE", upper=False)
 
     def show(state: TaskState) -> None:
@@ -117,7 +125,16 @@ def run(
             task_run.wait()
         except KeyboardInterrupt:
             click.echo(f"interrupted: releasing {placement.request_id}", err=True)
-            requestor.release(placement)
+            try:
+                requestor.release(placement)
+            except (FreeIncomplete, TimeoutError) as error:
+                # said as it is: the task goes on until its node frees the allocation
+                click.echo(
+                    f"interrupted: the release of {placement.request_id} is not confirmed "
+                    f"({error or 'no answer in time'}); free it with reservoir free "
+                    f"--request-id {placement.request_id}",
+                    err=True,
+                )
             sys.exit(EXIT_INTERRUPTED)
     code = task_run.exit_code
     sys.exit(EXIT_TASK_NOT_RUN if code is None else code)
@@ -154,22 +171,41 @@ def _record(state: TaskState) -> dict[str, object]:
     }
 
 
+#: a row per task; field names as ``--json`` has them
+TASK_COLUMNS = (
+    Column("node", "node", numeric=False),
+    Column("request_id", "request", numeric=False),
+    Column("allocation_id", "allocation", numeric=False),
+    Column("state", "state", numeric=False),
+    Column("exit_code", "exit code"),
+    Column("reason", "reason", numeric=False),
+)
+
+
 @click.command("tasks")
 @broker_option()
 @click.option("--request-id", help="Only the tasks of this request.")
 @seconds_option("--wait", 0.5, "Gather the nodes' answers this long.")
 @json_option("Print one JSON object per task, one a line.")
+@format_options
 def tasks_command(
-    broker_url: str | None, request_id: str | None, wait_s: float, as_json: bool
+    broker_url: str | None,
+    request_id: str | None,
+    wait_s: float,
+    as_json: bool,
+    output_format: str,
+    columns: tuple[str, ...],
 ) -> None:
-    """List the tasks the nodes know of (running, and lately ended) with their node and
-    state."""
+    """List the tasks the nodes know of (running, and lately ended): a row per task with
+    its node, request, allocation, state, exit code and reason (-f table|json|yaml|csv|
+    value, -c COLUMN; --json: a JSON object per line)."""
     from reservoir.broker import BrokerError
     from reservoir.cli.options import cannot_reach_broker, load_settings
     from reservoir.protocol.messages import InvalidField
     from reservoir.runtime.backoff import quietly_connecting
     from reservoir.runtime.task_query import ask_tasks
 
+    picked(TASK_COLUMNS, columns)
     settings = load_settings(broker_url=broker_url)
     try:
         with quietly_connecting():
@@ -182,12 +218,8 @@ def tasks_command(
         for state in states:
             click.echo(json.dumps(_record(state), sort_keys=True))
         return
-    if not states:
-        click.echo("no tasks")
+    if not states and output_format == "table":
+        # nodes with no task to tell of stay silent: so much is known, and no more
+        click.echo(f"no tasks: no node answered with one within {wait_s:g} s")
         return
-    for state in states:
-        code = "" if state.exit_code is None else f" exit {state.exit_code}"
-        why = f" ({state.reason})" if state.reason else ""
-        click.echo(
-            f"{state.sender}  {state.request_id}  {state.allocation_id}  {state.state}{code}{why}"
-        )
+    emit([_record(state) for state in states], TASK_COLUMNS, output_format, columns)

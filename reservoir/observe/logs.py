@@ -24,6 +24,7 @@ from datetime import UTC, datetime
 from typing import Final, Literal
 
 __all__ = [
+    "CLIENT_LIBRARY_LOGGERS",
     "LOG_FORMATS",
     "REQUEST_ID",
     "ConversationFilter",
@@ -91,15 +92,20 @@ class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
 _format: LogFormat = "text"
 
 
+#: the AMQP client libraries' loggers: their own narration of every frame
+CLIENT_LIBRARY_LOGGERS: Final = ("pika", "kombu", "amqp")
+
+
 def configure(verbose: int, log_format: LogFormat = "text") -> None:
     """Log to stderr at WARNING, INFO with ``-v``, DEBUG with ``-vv``, as text or JSON.
-    pika's and kombu's own narration is kept for ``-vv``: the adapters say in one line
-    what matters."""
+    The AMQP client libraries (pika, kombu) narrate every frame at DEBUG, hundreds of
+    lines for one request: their loggers stay silent unless ``-vvv`` asks for them too
+    (the adapters say in one line what matters)."""
     global _format
     _format = log_format
     level = max(logging.WARNING - 10 * verbose, logging.DEBUG)
-    for chatty in ("pika", "kombu", "amqp"):
-        logging.getLogger(chatty).setLevel(logging.DEBUG if verbose >= 2 else logging.CRITICAL)
+    for chatty in CLIENT_LIBRARY_LOGGERS:
+        logging.getLogger(chatty).setLevel(logging.DEBUG if verbose >= 3 else logging.CRITICAL)
     handler = _StderrHandler(sys.stderr)
     handler.addFilter(ConversationFilter())
     handler.setFormatter(

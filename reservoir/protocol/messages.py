@@ -84,6 +84,7 @@ __all__ = [
     "TASK_STATES",
     "TRAIT_MAX_LENGTH",
     "TRAIT_PATTERN",
+    "UNTRUSTED_ID",
     "Accepted",
     "AllocationInfo",
     "AlreadyPlaced",
@@ -122,6 +123,7 @@ __all__ = [
     "TaskSpec",
     "TaskState",
     "TaskStateName",
+    "Untrusted",
     "bucket_bitmap",
     "buckets_in",
     "check_ids",
@@ -158,6 +160,8 @@ MAX_SAMPLE: Final = 256
 ROSTER_ID: Final = "roster"
 #: The ``request_id`` of audit messages.
 AUDIT_ID: Final = "audit"
+#: The ``request_id`` of :class:`Untrusted` messages.
+UNTRUSTED_ID: Final = "untrusted"
 #: Request ids hash into this many lookup buckets: a node that is back names the buckets
 #: of the ids it holds (``NodeStatus.rejoined_buckets``, a bitmap of this many bits), so
 #: that requestors look up again the ids they placed in them. (Lookups themselves go to
@@ -750,6 +754,22 @@ class Refused(_Message, tag="refused", frozen=True, kw_only=True):
     reason: Annotated[str, Meta(max_length=500)]
 
 
+class Untrusted(_Message, tag="untrusted", frozen=True, kw_only=True):
+    """A requestor refused a message sent in this node's name because of the key that
+    signed it (``reason``: ``impersonation``, another node's key; ``unknown_key``, a key
+    the node keyring does not list for this node), and says so to the node it claimed to
+    be, which cannot see it otherwise: its offers are dropped before any requestor acts
+    on them. At most one a minute per reason and node from each requestor. Its
+    ``request_id`` is :data:`UNTRUSTED_ID`: it belongs to no conversation."""
+
+    kind: ClassVar[Literal["untrusted"]] = "untrusted"
+    reason: Literal["impersonation", "unknown_key"]
+    #: the id of the key that signed the refused message: this node's own (its key is
+    #: not the one the keyring lists for it), or another's (someone signs in its name)
+    key_id: Annotated[str, Meta(min_length=1, max_length=300)]
+    detail: Annotated[str, Meta(max_length=500)]
+
+
 class Free(_Message, tag="free", frozen=True, kw_only=True):
     """Free allocations of the request: the ones named; else those that came of
     ``reservation_id`` (and the reservation itself); else everything the request holds
@@ -993,6 +1013,7 @@ Message = (
     | LedgerReport
     | TaskState
     | TaskQuery
+    | Untrusted
 )
 
 #: Every message class: a machine takes an event of exactly one of these (they are final),
@@ -1014,6 +1035,7 @@ REQUESTOR_KINDS: Final = frozenset(
         "roster_sample",
         "keeper_up",
         "task_query",
+        "untrusted",
     }
 )
 NODE_KINDS: Final = frozenset(

@@ -23,6 +23,7 @@ from reservoir.protocol.messages import (
 )
 
 __all__ = [
+    "FRONT_DOOR_LIMITS",
     "SHORTHAND_CLASSES",
     "Explanation",
     "Holdings",
@@ -77,6 +78,17 @@ SHORTHAND_CLASSES: Final[Mapping[str, str]] = {
     "vcpus": "VCPU",
     "memory_mb": "MEMORY_MB",
     "disk_gb": "DISK_GB",
+}
+
+#: The most one request through a front door may ask for: ``POST /v1/reservations``
+#: refuses more (its body's limits, reservoir/service/shapes.py), and ``reservoir
+#: request`` and ``reservoir run`` refuse the same, so that no front door takes what
+#: another refuses. (The wire allows more instances, 10,000: the library's own callers.)
+FRONT_DOOR_LIMITS: Final[Mapping[str, int]] = {
+    "count": 1000,
+    "vcpus": 2**20,
+    "memory_mb": 2**40,
+    "disk_gb": 2**40,
 }
 
 

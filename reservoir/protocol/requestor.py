@@ -54,6 +54,7 @@ earlier one is freed, or, when ours is the earlier, ours is forgotten).
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import Counter, OrderedDict
 from collections.abc import Hashable, Iterable
@@ -611,6 +612,22 @@ class RequestorMachine:
             self._nobody_came(conversation, now, effects)
         return effects
 
+    def on_refused_answer(
+        self, request_id: str, sender: str, attempt: int, now: float
+    ) -> list[Effect]:
+        """An offer or decline the driver refused for the key that signed it (another
+        node's: a node started with the wrong key). Nothing in it is believed, but a node
+        answered: the tier is decided as soon as its other answers are in, rather than
+        waited out to the widening wait for an offer that will never be usable."""
+        effects: list[Effect] = []
+        c = self._heard_answer(request_id)
+        if c is not None:
+            if not c.note:
+                c.note = f"an answer signed in the name of {sender} was refused (its key)"
+            self._answered(c, attempt, now, effects)
+            self._heard_from(c, sender, attempt, now, effects)
+        return effects
+
     def on_timer(self, key: Hashable, now: float) -> list[Effect]:
         effects: list[Effect] = []
         if type(key) is FreeTimer:
@@ -721,7 +738,9 @@ class RequestorMachine:
 
     def _request(self, c: Conversation, tier: int) -> ReservationRequest:
         if tier not in c.tiers_tried:
-            c.tiers_tried.append(tier)
+            # in the ladder's order, as a broadcast widens, whichever asked first (a probe
+            # round asks up to the widest tier of the nodes it samples)
+            bisect.insort(c.tiers_tried, tier)
         return ReservationRequest(
             request_id=c.request_id,
             sender=self.config.requestor_id,

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import re
 import threading
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
@@ -47,6 +48,7 @@ from reservoir.broker import Broker, BrokerClosed, BrokerError, Delivery, Endpoi
 from reservoir.clock import Scheduler, ThreadScheduler, Timer
 from reservoir.observe.logs import REQUEST_ID
 from reservoir.observe.metrics import Metrics
+from reservoir.protocol.addresses import node_address
 from reservoir.protocol.effects import (
     Bind,
     CancelTimer,
@@ -67,7 +69,16 @@ from reservoir.protocol.effects import (
     Unbind,
     Unclaim,
 )
-from reservoir.protocol.messages import AUDIT_ID, REQUESTOR_KINDS, ROSTER_ID, Message
+from reservoir.protocol.messages import (
+    AUDIT_ID,
+    IDENTIFIER_MAX_LENGTH,
+    IDENTIFIER_PATTERN,
+    REQUESTOR_KINDS,
+    ROSTER_ID,
+    UNTRUSTED_ID,
+    Message,
+    Untrusted,
+)
 from reservoir.runtime.keys import Role
 from reservoir.runtime.settings import Settings
 from reservoir.runtime.wire import DecodeError, DropWarnings
@@ -78,7 +89,7 @@ __all__ = ["Driver"]
 log = logging.getLogger("reservoir.driver")
 
 #: request ids of messages that belong to no conversation (membership, audits)
-_NOT_A_CONVERSATION = frozenset({ROSTER_ID, AUDIT_ID})
+_NOT_A_CONVERSATION = frozenset({ROSTER_ID, AUDIT_ID, UNTRUSTED_ID})
 
 #: what is handed on after the machine's lock is released: a caller's outcome, or a
 #: task to start or stop (a node agent's, after its Accepted went out)
@@ -92,6 +103,11 @@ _BINDING = frozenset({Bind, Unbind})
 _CLAIMING = frozenset({Claim, Unclaim})
 #: threads asking a remote broker for claims at once (it answers them one at a time)
 CLAIM_THREADS = 4
+
+
+def _could_be_a_name(name: str) -> bool:
+    """Whether ``name`` is an id a participant could have (so a message can go to it)."""
+    return len(name) <= IDENTIFIER_MAX_LENGTH and re.fullmatch(IDENTIFIER_PATTERN, name) is not None
 
 
 class Driver:
@@ -127,6 +143,7 @@ class Driver:
         self._signing = self.codec.signing
         self._drop_warnings = DropWarnings(log)
         self._warn_about_private_keys_of_others(endpoint_name)
+        self._check_own_key()
         self.metrics = metrics if metrics is not None else Metrics()
         self._lock = threading.Lock()
         #: what the machine asked to send, bind or unbind, in order, not yet transmitted
@@ -207,6 +224,10 @@ class Driver:
                 ", ".join(private),
             )
 
+    def _check_own_key(self) -> None:
+        """Before the endpoint opens: whether what we sign with will be believed (a node
+        holding the node keyring checks its own key against it: NodeAgent)."""
+
     def _on_delivery(self, delivery: Delivery) -> None:
         # Where it arrived: the routing key it was published with, or our own address for
         # a direct send. Our own returned messages may have been meant for anywhere.
@@ -221,8 +242,14 @@ class Driver:
         except DecodeError as error:
             self.metrics.inc("dropped", error.reason)
             name = self._endpoint_name
-            if not self._drop_warnings.dropped(name, error, self.scheduler.clock.now()):
+            warned = self._drop_warnings.dropped(name, error, self.scheduler.clock.now())
+            if not warned:
                 log.debug("%s dropped a message: %s", name, error)
+            if error.node_key and self.role == "requestor":
+                if warned:  # as rarely as the warning: once a minute per reason and node
+                    self._tell_the_node(error)
+                if error.signed_body is not None:
+                    self._refused_answer(error.signed_body)
             return
         if (
             self._senders_checked
@@ -243,6 +270,27 @@ class Driver:
             self._call(self._handle_returned, message)
         else:
             self._call(self._handle_message, message)
+
+    def _tell_the_node(self, error: DecodeError) -> None:
+        """Tell the node a message in its name was refused for the key that signed it: it
+        cannot see that itself (nothing answers its offers), and its operator reads its
+        log, not every requestor's."""
+        node = error.sender
+        if node is None or error.key_id is None or not _could_be_a_name(node):
+            return  # no name a node could have: nobody to tell
+        notice = Untrusted(
+            request_id=UNTRUSTED_ID,
+            sender=self._endpoint_name,
+            reason="impersonation" if error.reason == "impersonation" else "unknown_key",
+            key_id=error.key_id,
+            detail=error.detail[:500],
+        )
+        self._run(lambda now: [Send(node_address(node), notice)])
+
+    def _refused_answer(self, body: bytes) -> None:
+        """A message refused as ``impersonation``: signed by a real key, another node's.
+        A requestor hears of it as of an answer it cannot use (see Requestor); others
+        ignore it."""
 
     def _trusted(self, message: Message, user_id: str | None) -> bool:
         """Whether the broker-authenticated sender may send this kind of message. Only

@@ -44,12 +44,15 @@ from reservoir.protocol.messages import (
     ROSTER_TOPIC,
     Message,
     NodeStatus,
+    Untrusted,
     is_resource_class,
 )
 from reservoir.protocol.node import NodeConfig, NodeMachine
 from reservoir.protocol.numa import NumaTopology
 from reservoir.protocol.placement import SHORTHAND_CLASSES
 from reservoir.runtime.driver import Driver, Outcome
+from reservoir.runtime.keys import KeyConfigError
+from reservoir.runtime.keys.nodes import key_standing
 from reservoir.runtime.plugins import load_filters, load_weighers
 from reservoir.runtime.settings import Settings
 from reservoir.runtime.store import AllocationStore, MemoryStore, SqliteStore
@@ -69,6 +72,9 @@ __all__ = ["REJOIN_CHECK_S", "NodeAgent", "node_address"]
 
 # the logger's name predates the runtime package: operators' logging configs name it
 log = logging.getLogger("reservoir.node_agent")
+
+#: how often a node says again that requestors refuse its messages, per reason
+UNTRUSTED_WARNING_INTERVAL_S: Final = 60.0
 
 #: How often a node agent on a broker that can lose its connection looks whether it came
 #: back (:attr:`Broker.connections`), to announce itself again (NodeMachine.rejoined).
@@ -177,6 +183,8 @@ class NodeAgent(Driver):
         self._task_work: concurrent.futures.ThreadPoolExecutor | None = None
         self._task_watch: threading.Thread | None = None
         self._tasks_done = threading.Event()
+        #: reason -> when a requestor's Untrusted about it was last said in the log
+        self._untrusted_said: dict[str, float] = {}
         try:
             super().__init__(
                 broker=broker,
@@ -349,7 +357,56 @@ class NodeAgent(Driver):
 
     # -- driver hooks ------------------------------------------------------------------
 
+    def _check_own_key(self) -> None:
+        keys = self.codec.keys
+        key = keys.signing_key("node") if keys is not None else None
+        if keys is None or keys.node_identities is None or key is None:
+            return  # no keyring here to check against: requestors will say (Untrusted)
+        standing = key_standing(keys.node_identities, self.machine.name, key)
+        if standing is None:
+            return
+        if standing.another_nodes:
+            raise KeyConfigError(f"node {self.machine.name}: {standing.problem}")
+        log.warning("node %s: %s", self.machine.name, standing.problem)
+
+    def _told_untrusted(self, notice: Untrusted, now: float) -> None:
+        """A requestor refused a message in this node's name for the key that signed it:
+        said once a minute per reason, in words the operator can act on (nothing else
+        would show it here: the node's offers simply go unanswered)."""
+        said = self._untrusted_said.get(notice.reason)
+        if said is not None and now - said < UNTRUSTED_WARNING_INTERVAL_S:
+            return
+        self._untrusted_said[notice.reason] = now
+        keys = self.codec.keys
+        key = keys.signing_key("node") if keys is not None else None
+        if key is not None and key.key_id == notice.key_id:
+            log.warning(
+                "node %s: requestor %s refuses this node's messages: %s (%s); this node "
+                "signs with key %r (--node-key, RESERVOIR_NODE_KEY), which the requestors' "
+                "node keyring does not list for %s: nothing is placed here until it does",
+                self.name,
+                notice.sender,
+                notice.reason,
+                notice.detail,
+                key.key_id,
+                self.name,
+            )
+        else:
+            log.warning(
+                "node %s: requestor %s refused a message sent in this node's name with "
+                "another key than this node's: %s (%s); someone else signs as %s",
+                self.name,
+                notice.sender,
+                notice.reason,
+                notice.detail,
+                self.name,
+            )
+
     def _handle_message(self, message: Message, now: float) -> list[Effect]:
+        if message.kind == "untrusted":
+            assert isinstance(message, Untrusted)
+            self._told_untrusted(message, now)
+            return []
         if getattr(message, "traceparent", None) is not None:
             effects = tracing.node_span(
                 self.name, message, lambda: self.machine.handle(message, now)

@@ -76,17 +76,29 @@ class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     pass
 
 
+_HEX_ID = r"^(?:[0-9A-Fa-f]{4})?\Z"
+_ALIAS = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z"
+#: a PCI vendor or product id as the kernel shows it (``10de``): 4 hex digits, or none
+#: (any); a longer or shorter one would match no device, silently
+HexId = Annotated[str, Meta(pattern=_HEX_ID)]
+#: what msgspec's "Expected `str` matching regex ..." means, in words
+_PATTERN_WORDS = {
+    _HEX_ID: "expected 4 hex digits, as lspci -n shows them (e.g. 10de)",
+    _ALIAS: "expected 1 to 64 letters, digits and ._- (not starting with . _ or -)",
+}
+
+
 class PciAliasConfig(_Section):
-    name: Annotated[str, Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")]
-    vendor_id: str = ""
-    product_id: str = ""
+    name: Annotated[str, Meta(pattern=_ALIAS)]
+    vendor_id: HexId = ""
+    product_id: HexId = ""
 
 
 class DeviceSpec(_Section):
     #: a PCI address or a glob of them (``0000:3b:*``)
     address: str = "*"
-    vendor_id: str = ""
-    product_id: str = ""
+    vendor_id: HexId = ""
+    product_id: HexId = ""
     #: the alias the matched devices go by (else an alias entry matching them)
     alias: str = ""
     #: a device written by hand (no discovery): its NUMA cell
@@ -162,6 +174,8 @@ def load_node_file(path: Path) -> NodeFile:
     except msgspec.ValidationError as error:
         message = str(error)
         problem, _, where = message.partition(" - at `")
+        for pattern, words in _PATTERN_WORDS.items():
+            problem = problem.replace(f"Expected `str` matching regex {pattern!r}", words)
         steps = re.findall(r"\.(\w+)|\[(\d+)\]", where.rstrip("`"))
         unknown = re.search(r"unknown field `([^`]+)`", problem)
         keys = [name for name, _ in steps if name]
@@ -299,6 +313,8 @@ class HostInventory:
     totals: dict[str, int]
     reserved: dict[str, int] = field(default_factory=dict)
     traits: frozenset[str] = frozenset()
+    #: why the CPU's traits were not read (the ``host`` extra is missing), or None
+    traits_unread: str | None = None
 
 
 def host_inventories(host: Host, config: NodeFile) -> HostInventory:
@@ -310,16 +326,36 @@ def host_inventories(host: Host, config: NodeFile) -> HostInventory:
     totals = {"VCPU": len(cpus), "PCPU": len(cpus), "MEMORY_MB": host.memory_mb}
     if host.disk_gb is not None:
         totals["DISK_GB"] = host.disk_gb
-    traits = set(cpu_traits(host.cpu_flags, host.cpu_architecture))
+    traits: set[str] = set()
+    unread = None
+    try:
+        traits.update(cpu_traits(host.cpu_flags, host.cpu_architecture))
+    except ImportError as error:
+        # The traits are the optional part: CPUs, memory, disk and devices are read
+        # without them (the caller says what is missing).
+        unread = str(error)
     if any(len(s) > 1 for s in host.siblings.values()):
         traits.add("HW_CPU_HYPERTHREADING")
     reserved = {"MEMORY_MB": min(config.discovery.reserved_memory_mb, host.memory_mb)}
-    return HostInventory(totals=totals, reserved=reserved, traits=frozenset(traits))
+    return HostInventory(
+        totals=totals, reserved=reserved, traits=frozenset(traits), traits_unread=unread
+    )
 
 
 def discover_for(config: NodeFile, root: str | None = None) -> Host:
-    """Discovery as ``config`` says (``root`` overrides its root)."""
-    return discover(root or config.discovery.root, config.discovery.disk_path)
+    """Discovery as ``config`` says (``root`` overrides its root). Raises ValueError, in
+    words, for a root that is no directory, and for one under which no online CPU is
+    found: a host with nothing is no host to offer, whatever the tree there holds."""
+    where = Path(root or config.discovery.root)
+    if not where.is_dir():
+        raise ValueError(f"root {where}: no such directory")
+    host = discover(where, config.discovery.disk_path)
+    if not host.cpus:
+        raise ValueError(
+            f"no online CPU under {where} ({where / 'sys/devices/system/cpu/online'} is "
+            "missing or empty): is it a host's root?"
+        )
+    return host
 
 
 def inventories_of(

@@ -27,6 +27,7 @@ import threading
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 from msgspec.structs import replace as msgspec_replace
 
 from brokers import BrokerUrl
@@ -37,7 +38,16 @@ from reservoir.observe.logs import REQUEST_ID
 from reservoir.observe.metrics import Metrics, default_participant
 from reservoir.protocol.addresses import node_address, requestor_address
 from reservoir.protocol.effects import Effect, Failed, FreeCompleted, Placed, Send
-from reservoir.protocol.messages import Message, TaskQuery, TaskSpec, TaskState
+from reservoir.protocol.messages import (
+    Decline,
+    InvalidField,
+    Message,
+    Offer,
+    TaskQuery,
+    TaskSpec,
+    TaskState,
+    decode_message,
+)
 from reservoir.protocol.placement import (
     Explanation,
     Holdings,
@@ -173,7 +183,8 @@ class Requestor(Driver):
             )
         )
         self._placing: dict[str, list[concurrent.futures.Future[Placement]]] = {}
-        self._freeing: dict[str, list[concurrent.futures.Future[None]]] = {}
+        #: request id -> the callers waiting for its frees; each gets the ids freed
+        self._freeing: dict[str, list[concurrent.futures.Future[tuple[str, ...]]]] = {}
         #: request id -> its reservoir.place spans (one per caller joining it), if tracing
         self._spans: dict[str, list[Any]] = {}
         #: request ids answered from the machine's memory, not placed again
@@ -385,17 +396,22 @@ class Requestor(Driver):
 
     # -- freeing -----------------------------------------------------------------------
 
-    def release_future(self, placement: Placement) -> concurrent.futures.Future[None]:
+    def release_future(self, placement: Placement) -> concurrent.futures.Future[tuple[str, ...]]:
+        """Free ``placement``'s allocations: resolves to the ids of those the nodes freed
+        (``FreeIncomplete`` if a node does not confirm within the free attempts)."""
         return self._start(
             self._freeing, placement.request_id, lambda now: self.machine.free(placement, now)
         )
 
     def free_future(
         self, request_id: str, node: str, allocation_ids: Iterable[str] = ()
-    ) -> concurrent.futures.Future[None]:
+    ) -> concurrent.futures.Future[tuple[str, ...]]:
         """Free a request's allocations on the node called ``node``: those named, or all
-        of them. Resolves once the node confirms (``FreeIncomplete`` if it does not within
-        the free attempts; the requestor goes on trying)."""
+        of them. Resolves, once the node confirms, to the ids of the allocations it freed:
+        empty when it held none of them (``FreeIncomplete`` if it does not confirm within
+        the free attempts; the requestor goes on trying). The ids are the node's answer to
+        the first Free it took: were that answer lost and the Free sent again, the node
+        would answer that it held nothing any more."""
         address, ids = node_address(node), tuple(allocation_ids)
         return self._start(
             self._freeing,
@@ -616,6 +632,17 @@ class Requestor(Driver):
     def _handle_returned(self, message: Message, now: float) -> list[Effect]:
         return self.machine.on_unroutable(message, now)
 
+    def _refused_answer(self, body: bytes) -> None:
+        # An offer or decline signed with another node's key: nothing in it is believed,
+        # but it did answer, so the tier it answered is not waited out for it.
+        try:
+            message = decode_message(body)
+        except (msgspec.DecodeError, InvalidField, UnicodeDecodeError, RecursionError):
+            return
+        if type(message) is Offer or type(message) is Decline:
+            request_id, sender, attempt = message.request_id, message.sender, message.attempt
+            self._run(lambda now: self.machine.on_refused_answer(request_id, sender, attempt, now))
+
     def _handle_timer(self, key: Hashable, now: float) -> list[Effect]:
         if self.machine.claims_held:
             self._notice_claims_lost()
@@ -691,7 +718,7 @@ class Requestor(Driver):
                     if outcome.missing:
                         done.set_exception(FreeIncomplete(outcome.request_id, outcome.missing))
                     else:
-                        done.set_result(None)
+                        done.set_result(outcome.freed)
 
     @staticmethod
     def _log_placed(request_id: str, placement: Placement) -> None:

@@ -91,11 +91,28 @@ class DecodeError(ValueError):
     got that far (unverified unless the reason is about the message after its
     signature)."""
 
-    def __init__(self, reason: str, detail: str, sender: str | None = None) -> None:
+    def __init__(
+        self,
+        reason: str,
+        detail: str,
+        sender: str | None = None,
+        *,
+        node_key: bool = False,
+        key_id: str | None = None,
+        signed_body: bytes | None = None,
+    ) -> None:
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
         self.detail = detail
         self.sender = sender
+        #: a node message refused for its key against the node keyring (``impersonation``
+        #: or ``unknown_key``): the node it claims to be can be told (it cannot see it)
+        self.node_key = node_key
+        #: the id of the key that signed it, for a ``node_key`` refusal
+        self.key_id = key_id
+        #: for ``impersonation``, the message's JSON, which a real key of another node
+        #: signed: not to be believed, only to tell which request it answered
+        self.signed_body = signed_body
 
 
 class Codec:
@@ -308,14 +325,19 @@ class Codec:
             if key.verify(header[: -len(signature) - 1] + b"\n" + body, signature):
                 raise DecodeError(
                     "impersonation",
-                    f"signed with node {holder!r}'s key {key_id!r}, claims to be {sender!r}",
+                    f"signed with the key {key_id!r} of node {holder!r}, claims to be {sender!r}",
                     sender,
+                    node_key=True,
+                    key_id=key_id,
+                    signed_body=body,
                 )
         raise DecodeError(
             "unknown_key",
             f"node {sender!r} has no key {key_id!r} in the node keyring (a new node, or a "
             "key rolled over?)",
             sender,
+            node_key=True,
+            key_id=key_id,
         )
 
     def _forget_before(self, oldest_s: float) -> None:

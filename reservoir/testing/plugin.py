@@ -4,11 +4,21 @@ Fixtures:
 
 - ``reservoir_simulation``: a :class:`~reservoir.testing.Simulation` that, when the test
   ends, settles the run and audits the invariants (the test fails if one is broken);
-- ``reservoir_amqp_url``: the URL of a real RabbitMQ: ``RESERVOIR_TEST_AMQP_URL`` if set,
-  else a testcontainers ``RabbitMqContainer``; without either the test is skipped, except
-  when ``CI`` is set, where a missing broker fails the test. A ``RESERVOIR_TEST_AMQP_URL``
-  where nothing answers fails the fixture with one line (repeated, as pytest does, for each
-  test that asks for it) rather than each test's client library failing at length.
+- ``reservoir_amqp_url``: the URL of a real RabbitMQ on an exchange of the test's own
+  (``?exchange=reservoir-test-<random>``), deleted with its inbox exchange when the test
+  ends. A test on it reaches only the nodes it starts itself: nodes of a deployment
+  sharing the broker (another exchange, ``reservoir`` by default) never see its requests,
+  and nothing of the test is left on the broker. The ``?exchange=`` parameter is
+  reservoir's: give the URL to reservoir (``brokers.connect``, ``NodeAgent``,
+  ``Requestor``, the ``reservoir`` commands), not to a client library;
+- ``reservoir_amqp_broker_url``: the broker under those, found once per session:
+  ``RESERVOIR_TEST_AMQP_URL`` if set, else a testcontainers ``RabbitMqContainer``;
+  without either the test is skipped, except when ``CI`` is set, where a missing broker
+  fails the test. A ``RESERVOIR_TEST_AMQP_URL`` where nothing answers fails the fixture
+  with one line (repeated, as pytest does, for each test that asks for it) rather than
+  each test's client library failing at length. Its URL is the broker's as found, shared
+  by every test of the session: for a test that makes exchanges, users or vhosts of its
+  own and removes them.
 
 It adds fixtures and nothing else: no command-line option, no marker and no collection
 hook, so it never clashes with a project's own ``--run-slow`` or ``slow`` marker and never
@@ -22,7 +32,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from reservoir.testing.rabbitmq import amqp_url_for_tests
+from reservoir.testing.rabbitmq import amqp_url_for_tests, private_exchange
 from reservoir.testing.simulation import Simulation
 
 
@@ -34,6 +44,12 @@ def reservoir_simulation() -> Iterator[Simulation]:
 
 
 @pytest.fixture(scope="session")
-def reservoir_amqp_url() -> Iterator[str]:
+def reservoir_amqp_broker_url() -> Iterator[str]:
     with amqp_url_for_tests() as url:
+        yield url
+
+
+@pytest.fixture
+def reservoir_amqp_url(reservoir_amqp_broker_url: str) -> Iterator[str]:
+    with private_exchange(reservoir_amqp_broker_url) as url:
         yield url

@@ -14,7 +14,11 @@ This module owns that choice and the container's whole life:
   ``org.reservoir.test-run=<RESERVOIR_TEST_RUN>`` so a CI run can remove whatever a
   crashed test left, and removed when the fixture ends;
 - :func:`rabbitmqctl_command`: how to run ``rabbitmqctl`` on the broker a URL reaches
-  (``docker exec`` into our container, or the machine's own ``rabbitmqctl``).
+  (``docker exec`` into our container, or the machine's own ``rabbitmqctl``);
+- :func:`private_exchange`: the found broker's URL on exchanges of one test's own
+  (``?exchange=reservoir-test-<random>``), deleted when the test ends: what the users'
+  ``reservoir_amqp_url`` hands out, so that a test never reaches the nodes of a
+  deployment that shares the broker, nor leaves anything on it.
 """
 
 from __future__ import annotations
@@ -33,11 +37,13 @@ import pytest
 __all__ = [
     "IMAGE_ENV",
     "LOCAL_IMAGE_REPOSITORY",
+    "PRIVATE_EXCHANGE_PREFIX",
     "RABBITMQ_IMAGE",
     "RUN_ENV",
     "RUN_LABEL",
     "amqp_url_for_tests",
     "configure_testcontainers",
+    "private_exchange",
     "rabbitmq_image",
     "rabbitmqctl_command",
     "run_id",
@@ -57,6 +63,8 @@ RUN_LABEL = "org.reservoir.test-run"
 RUN_ENV = "RESERVOIR_TEST_RUN"
 
 _PROCESS_RUN = f"pytest-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+#: the start of the name of every exchange :func:`private_exchange` makes
+PRIVATE_EXCHANGE_PREFIX = "reservoir-test-"
 #: URL -> the container serving it, while it runs (for rabbitmqctl_command)
 _RUNNING: dict[str, Any] = {}
 
@@ -217,3 +225,19 @@ def amqp_url_for_tests() -> Iterator[str]:
     finally:
         _RUNNING.pop(served, None)
         container.stop()
+
+
+@contextlib.contextmanager
+def private_exchange(url: str) -> Iterator[str]:
+    """``url`` on a fresh exchange of the caller's own, with its inbox exchange: the URL
+    names it (``?exchange=reservoir-test-<random>``, replacing any exchange ``url``
+    names), and both are deleted when the block ends. Every reservoir participant and
+    command given the URL publishes and binds on that exchange alone, so nodes of
+    another deployment on the same broker (on their own exchange, ``reservoir`` by
+    default) neither take its requests nor answer them. A ``memory://`` URL comes back as
+    it is."""
+    from brokers import BrokerUrl, own_exchange
+
+    name = f"{PRIVATE_EXCHANGE_PREFIX}{uuid.uuid4().hex[:16]}"
+    with own_exchange(BrokerUrl.parse(url).with_exchange(name), name=name) as private:
+        yield private.given

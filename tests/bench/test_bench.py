@@ -198,19 +198,19 @@ def names_listed_by_rabbitmqctl(what: str) -> list[str]:
 
 @pytest.mark.rabbitmq
 def test_a_short_run_on_rabbitmq_reports_every_figure_and_leaves_nothing_behind(
-    reservoir_amqp_url: str,
+    reservoir_amqp_broker_url: str,
 ) -> None:
-    result = short_run(reservoir_amqp_url, "--node-processes", "2")
+    result = short_run(reservoir_amqp_broker_url, "--node-processes", "2")
     assert_sane(result)
     assert result["node_mode"] == "processes"
     assert result["node_processes"] == 2
-    if urlsplit(reservoir_amqp_url).password:
+    if urlsplit(reservoir_amqp_broker_url).password:
         assert urlsplit(result["broker"]).password == "***"  # masked
     main, full = result["exchanges"]
     run_id = main.rsplit(".", 1)[-1]
     assert full == f"{main}.full"
     for name in (main, f"{main}.inbox", full, f"{full}.inbox"):
-        assert not exchange_exists(reservoir_amqp_url, name), name
+        assert not exchange_exists(reservoir_amqp_broker_url, name), name
     for what in ("exchanges", "queues"):
         left = [name for name in names_listed_by_rabbitmqctl(what) if run_id in name]
         assert left == [], f"{what} left behind: {left}"
@@ -218,10 +218,10 @@ def test_a_short_run_on_rabbitmq_reports_every_figure_and_leaves_nothing_behind(
 
 @pytest.mark.rabbitmq
 def test_requestors_in_processes_of_their_own_taking_rosters_from_a_keeper(
-    reservoir_amqp_url: str,
+    reservoir_amqp_broker_url: str,
 ) -> None:
     result = short_run(
-        reservoir_amqp_url, "--node-processes", "1", "--requestor-processes", "2",
+        reservoir_amqp_broker_url, "--node-processes", "1", "--requestor-processes", "2",
         "--keepers", "1",
     )  # fmt: skip
     assert_sane(result)
@@ -300,10 +300,10 @@ def test_without_kill_keeper_there_is_no_outage_run() -> None:
 
 @pytest.mark.rabbitmq
 def test_one_of_two_keeper_processes_killed_during_a_run_on_rabbitmq_loses_no_placement(
-    reservoir_amqp_url: str,
+    reservoir_amqp_broker_url: str,
 ) -> None:
     result = short_run(
-        reservoir_amqp_url, "--node-processes", "1", "--keepers", "2", "--kill-keeper"
+        reservoir_amqp_broker_url, "--node-processes", "1", "--keepers", "2", "--kill-keeper"
     )
     assert_sane(result)
     assert_the_outage_lost_nothing(result, 2)

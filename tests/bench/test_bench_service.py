@@ -15,11 +15,11 @@ pytestmark = [pytest.mark.rabbitmq]
 
 
 def test_a_short_run_measures_the_service_beside_the_library_and_audits_the_nodes(
-    reservoir_amqp_url: str,
+    reservoir_amqp_broker_url: str,
 ) -> None:
     result = CliRunner().invoke(
         bench_service,
-        ["--broker", reservoir_amqp_url, "--nodes", "3", "--node-processes", "1",
+        ["--broker", reservoir_amqp_broker_url, "--nodes", "3", "--node-processes", "1",
          "--replicas", "2", "--clients", "4", "--sequential", "10", "--cycles", "24", "--json"],
     )  # fmt: skip
     assert result.exit_code == 0, result.stderr

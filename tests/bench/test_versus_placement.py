@@ -105,14 +105,14 @@ def running_ones() -> set[tuple[int, str]]:
 
 @pytest.mark.rabbitmq
 def test_a_short_run_measures_both_side_by_side_and_leaves_nothing_behind(
-    reservoir_amqp_url: str,
+    reservoir_amqp_broker_url: str,
 ) -> None:
     needs_the_incumbent()
     before = ours("reservoir-versus-placement-*")
     running_before = running_ones()
     result = CliRunner().invoke(
         versus,
-        ["placement", "--broker", reservoir_amqp_url, "--nodes", "6", "--requestors", "2",
+        ["placement", "--broker", reservoir_amqp_broker_url, "--nodes", "6", "--requestors", "2",
          "--placements", "30", "--incumbent-placements", "12", "--json"],
     )  # fmt: skip
     assert result.exit_code == 0, result.stderr
@@ -187,15 +187,15 @@ def test_placement_and_its_database_are_gone_when_a_run_is_interrupted() -> None
 
 @pytest.mark.rabbitmq
 def test_sigterm_mid_run_exits_130_and_stops_the_schedulers_placement_and_mariadb(
-    reservoir_amqp_url: str,
+    reservoir_amqp_broker_url: str,
 ) -> None:
     needs_the_incumbent()
     running_before = running_ones()
     before = ours("reservoir-versus-placement-*")
     command = subprocess.Popen(
-        [sys.executable, "-m", "reservoir", "versus", "placement", "--broker", reservoir_amqp_url,
-         "--nodes", "2", "--requestors", "2", "--placements", "10",
-         "--incumbent-placements", "100000"],
+        [sys.executable, "-m", "reservoir", "versus", "placement",
+         "--broker", reservoir_amqp_broker_url, "--nodes", "2", "--requestors", "2",
+         "--placements", "10", "--incumbent-placements", "100000"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=child_env(),
     )  # fmt: skip
     assert command.stderr is not None

@@ -2,7 +2,7 @@
 
 To put another broker under contract, add one ``pytest.param`` to ``BROKERS``: a factory
 that takes the fixture request and returns a connected :class:`~reservoir.broker.Broker`
-(it may ask the request for fixtures such as ``reservoir_amqp_url``, which skips when no
+(it may ask the request for fixtures such as ``reservoir_amqp_broker_url``, which skips when no
 broker is reachable, and register finalizers, which run after the broker is closed), an
 id, and a mark such as ``pytest.mark.rabbitmq`` if it needs one.
 
@@ -62,7 +62,7 @@ def _on_rabbitmq(adapter: str) -> Callable[[pytest.FixtureRequest], Broker]:
     of its own, deleted afterwards."""
 
     def open_broker(request: pytest.FixtureRequest) -> Broker:
-        amqp_url: str = request.getfixturevalue("reservoir_amqp_url")
+        amqp_url: str = request.getfixturevalue("reservoir_amqp_broker_url")
         separator = "&" if "?" in amqp_url else "?"
         url = f"{amqp_url}{separator}exchange=contract-{uuid.uuid4().hex}"
         broker = connect(f"kombu+{url}" if adapter == "kombu" else url)
@@ -249,24 +249,26 @@ def driver(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-def amqp_exchange(reservoir_amqp_url: str) -> Iterator[str]:
+def amqp_exchange(reservoir_amqp_broker_url: str) -> Iterator[str]:
     """An exchange name of the test's own; it and its inbox exchange are deleted after."""
     name = f"contract-{uuid.uuid4().hex}"
     yield name
-    topology = admin(BrokerUrl.parse(reservoir_amqp_url).with_exchange(name))
+    topology = admin(BrokerUrl.parse(reservoir_amqp_broker_url).with_exchange(name))
     assert topology is not None
     topology.delete_reservoir_exchanges()
 
 
 @pytest.fixture
-def open_amqp(driver: str, reservoir_amqp_url: str, amqp_exchange: str) -> Iterator[OpenAmqp]:
+def open_amqp(
+    driver: str, reservoir_amqp_broker_url: str, amqp_exchange: str
+) -> Iterator[OpenAmqp]:
     """``open_amqp(url=None, **options)``: the driver on the test's exchange (``url``: the
     RabbitMQ URL to use instead, e.g. with other credentials); closed after the test."""
     opened: list[AmqpBroker] = []
     driver_class = {"pika": PikaBroker, "kombu": KombuBroker}[driver]
 
     def open_one(url: str | None = None, **options: Any) -> AmqpBroker:
-        base = BrokerUrl.parse(driver_url(driver, url or reservoir_amqp_url))
+        base = BrokerUrl.parse(driver_url(driver, url or reservoir_amqp_broker_url))
         broker = driver_class(base.with_exchange(amqp_exchange), **options)
         opened.append(broker)
         return broker
@@ -303,7 +305,7 @@ class Ctl:
 
 
 @pytest.fixture(scope="session")
-def ctl(reservoir_amqp_url: str) -> Ctl:
+def ctl(reservoir_amqp_broker_url: str) -> Ctl:
     """:class:`Ctl`, once a connection of ours is seen through it (so it manages the
     RabbitMQ the URL reaches, not another one)."""
 
@@ -312,11 +314,13 @@ def ctl(reservoir_amqp_url: str) -> Ctl:
             pytest.fail(f"CI must be able to manage its RabbitMQ: {reason}", pytrace=False)
         pytest.skip(f"rabbitmqctl cannot manage the RabbitMQ under test: {reason}")
 
-    command = rabbitmqctl_command(reservoir_amqp_url)
+    command = rabbitmqctl_command(reservoir_amqp_broker_url)
     if shutil.which(command[0]) is None:
         unavailable(f"{command[0]} is not on PATH")
     ctl = Ctl(command)
-    probe_url = BrokerUrl.parse(reservoir_amqp_url).with_exchange(f"ctl-probe-{uuid.uuid4().hex}")
+    probe_url = BrokerUrl.parse(reservoir_amqp_broker_url).with_exchange(
+        f"ctl-probe-{uuid.uuid4().hex}"
+    )
     probe = connect(probe_url)
     try:
         seen = ctl.pids_named(probe.connection_name)  # type: ignore[attr-defined]
@@ -341,14 +345,14 @@ class RestrictedUser:
 
 @pytest.fixture
 def restricted_user(
-    ctl: Ctl, reservoir_amqp_url: str, amqp_exchange: str
+    ctl: Ctl, reservoir_amqp_broker_url: str, amqp_exchange: str
 ) -> Iterator[Callable[[str], RestrictedUser]]:
     """``restricted_user(may_send_to)``: a user of the test's own who may do everything on
     the vhost but send (on the test's inbox exchange) only to addresses matching the regex
     ``may_send_to``; deleted after the test, whatever happened."""
     made: list[str] = []
-    parts = urlsplit(reservoir_amqp_url)
-    vhost = BrokerUrl.parse(reservoir_amqp_url).vhost
+    parts = urlsplit(reservoir_amqp_broker_url)
+    vhost = BrokerUrl.parse(reservoir_amqp_broker_url).vhost
 
     def make(may_send_to: str) -> RestrictedUser:
         name = f"reservoir-contract-{uuid.uuid4().hex[:12]}"
@@ -358,7 +362,9 @@ def restricted_user(
         ctl("set_permissions", "-p", vhost, name, ".*", ".*", ".*")
         ctl("set_topic_permissions", "-p", vhost, name, f"{amqp_exchange}.inbox", may_send_to, ".*")
         host = f"{parts.hostname}:{parts.port or 5672}"
-        url = urlsplit(reservoir_amqp_url)._replace(netloc=f"{quote(name)}:{password}@{host}")
+        url = urlsplit(reservoir_amqp_broker_url)._replace(
+            netloc=f"{quote(name)}:{password}@{host}"
+        )
         return RestrictedUser(name, url.geturl())
 
     yield make

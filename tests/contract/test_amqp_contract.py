@@ -51,9 +51,9 @@ def ns() -> str:
 
 
 @pytest.fixture
-def plain(reservoir_amqp_url: str) -> Any:
+def plain(reservoir_amqp_broker_url: str) -> Any:
     """A plain pika connection, for doing what the drivers would not (or must not) do."""
-    connection = pika.BlockingConnection(pika.URLParameters(reservoir_amqp_url))
+    connection = pika.BlockingConnection(pika.URLParameters(reservoir_amqp_broker_url))
     yield connection
     if connection.is_open:
         connection.close()
@@ -79,12 +79,12 @@ def _get_one(channel: Any, queue_name: str) -> tuple[Any, Any, bytes]:
 
 
 def test_the_url_is_shown_with_its_password_masked(
-    open_amqp: OpenAmqp, amqp_exchange: str, reservoir_amqp_url: str
+    open_amqp: OpenAmqp, amqp_exchange: str, reservoir_amqp_broker_url: str
 ) -> None:
     broker = open_amqp()
     assert broker.exchange == amqp_exchange
     assert f"exchange={amqp_exchange}" in broker.url
-    password = urlsplit(reservoir_amqp_url).password
+    password = urlsplit(reservoir_amqp_broker_url).password
     assert password and f":{password}@" not in broker.url
     assert ":***@" in broker.url
 
@@ -96,9 +96,9 @@ def test_an_unreachable_broker_fails_the_constructor(driver: str) -> None:
 
 
 def test_wrong_credentials_fail_at_once_without_retrying(
-    driver: str, reservoir_amqp_url: str
+    driver: str, reservoir_amqp_broker_url: str
 ) -> None:
-    parts = urlsplit(reservoir_amqp_url)
+    parts = urlsplit(reservoir_amqp_broker_url)
     wrong = parts._replace(netloc=f"nobody:wrong@{parts.hostname}:{parts.port or 5672}")
     with pytest.raises(BrokerError, match="ACCESS_REFUSED"):
         # Five attempts five seconds apart would outlast the test's timeout.
@@ -115,8 +115,8 @@ def test_an_exchange_of_another_type_is_refused_at_once(
         open_amqp(connect_attempts=5, reconnect_initial_s=5.0)
 
 
-def test_amq_exchanges_are_refused(driver: str, reservoir_amqp_url: str) -> None:
-    url = BrokerUrl.parse(driver_url_of(driver, reservoir_amqp_url))
+def test_amq_exchanges_are_refused(driver: str, reservoir_amqp_broker_url: str) -> None:
+    url = BrokerUrl.parse(driver_url_of(driver, reservoir_amqp_broker_url))
     with pytest.raises(ValueError, match=r"amq\.topic\.inbox"):
         url.with_exchange("amq.topic")
 
@@ -191,10 +191,10 @@ def test_generated_addresses_have_one_shape(
 
 
 def test_delete_exchanges_deletes_both_before_or_after_close_and_is_idempotent(
-    driver: str, reservoir_amqp_url: str, ns: str, new_collector: NewCollector
+    driver: str, reservoir_amqp_broker_url: str, ns: str, new_collector: NewCollector
 ) -> None:
     for when in ("open", "closed"):
-        url = BrokerUrl.parse(driver_url_of(driver, reservoir_amqp_url)).with_exchange(
+        url = BrokerUrl.parse(driver_url_of(driver, reservoir_amqp_broker_url)).with_exchange(
             f"contract-delete-{when}-{uuid.uuid4().hex}"
         )
         topology = admin(url)
@@ -551,10 +551,12 @@ def driver_url_of(driver: str, amqp_url: str) -> str:
 
 
 def test_a_run_of_its_own_refuses_an_exchange_that_exists_and_leaves_it_alone(
-    driver: str, reservoir_amqp_url: str, amqp_exchange: str, open_amqp: OpenAmqp
+    driver: str, reservoir_amqp_broker_url: str, amqp_exchange: str, open_amqp: OpenAmqp
 ) -> None:
     someone_else = open_amqp()  # a live deployment on the exchange
-    url = BrokerUrl.parse(driver_url_of(driver, reservoir_amqp_url)).with_exchange(amqp_exchange)
+    url = BrokerUrl.parse(driver_url_of(driver, reservoir_amqp_broker_url)).with_exchange(
+        amqp_exchange
+    )
     with pytest.raises(ExchangeInUse, match=amqp_exchange), own_exchange(url, name="unused"):
         pytest.fail("the run must not start")
     topology = admin(url)
@@ -564,10 +566,10 @@ def test_a_run_of_its_own_refuses_an_exchange_that_exists_and_leaves_it_alone(
 
 
 def test_a_run_of_its_own_makes_and_deletes_a_private_exchange(
-    driver: str, reservoir_amqp_url: str, new_collector: NewCollector
+    driver: str, reservoir_amqp_broker_url: str, new_collector: NewCollector
 ) -> None:
     name = f"contract-own-{uuid.uuid4().hex}"
-    with own_exchange(driver_url_of(driver, reservoir_amqp_url), name=name) as url:
+    with own_exchange(driver_url_of(driver, reservoir_amqp_broker_url), name=name) as url:
         assert url.exchange == name
         broker = DRIVERS[driver](url)
         try:
@@ -603,11 +605,11 @@ def test_a_claim_held_on_one_connection_is_refused_on_another_until_let_go(
 
 
 def test_claims_are_scoped_to_the_exchange(
-    open_amqp: OpenAmqp, reservoir_amqp_url: str, driver: str, ns: str
+    open_amqp: OpenAmqp, reservoir_amqp_broker_url: str, driver: str, ns: str
 ) -> None:
     """Two deployments (two exchanges) sharing a RabbitMQ claim their keys apart."""
     here = open_amqp().open_endpoint(lambda delivery: None)
-    base = BrokerUrl.parse(driver_url_of(driver, reservoir_amqp_url))
+    base = BrokerUrl.parse(driver_url_of(driver, reservoir_amqp_broker_url))
     elsewhere = DRIVERS[driver](base.with_exchange(f"{ns}-elsewhere"))
     try:
         there = elsewhere.open_endpoint(lambda delivery: None)

@@ -13,10 +13,10 @@ pytestmark = [pytest.mark.rabbitmq, pytest.mark.e2e]
 
 
 def test_a_short_chaos_run_meets_every_fault_and_every_count_is_zero(
-    reservoir_amqp_url: str,
+    reservoir_amqp_broker_url: str,
 ) -> None:
     result = run_chaos(
-        broker_url=reservoir_amqp_url,
+        broker_url=reservoir_amqp_broker_url,
         seconds=15.0,
         seed=2026,
         nodes=6,
@@ -39,8 +39,8 @@ def test_a_short_chaos_run_meets_every_fault_and_every_count_is_zero(
 # Placing stops after at most 600 s (the harness's default), then reservations must expire
 # and the audits run: 390-440 s when measured, past the suite's default of 300.
 @pytest.mark.timeout(900)
-def test_the_acceptance_chaos_run(reservoir_amqp_url: str) -> None:
-    result = run_chaos(broker_url=reservoir_amqp_url, progress=print)
+def test_the_acceptance_chaos_run(reservoir_amqp_broker_url: str) -> None:
+    result = run_chaos(broker_url=reservoir_amqp_broker_url, progress=print)
     summary = result.as_json()
     assert result.ok, summary
     assert result.placements >= 10_000, summary

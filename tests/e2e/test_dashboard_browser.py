@@ -104,10 +104,10 @@ def _free_port() -> int:
 
 
 @pytest.fixture
-def service(reservoir_amqp_url: str, tmp_path: Path) -> Iterator[str]:
+def service(reservoir_amqp_broker_url: str, tmp_path: Path) -> Iterator[str]:
     """The base URL of a ``reservoir serve`` before three node processes."""
-    separator = "&" if "?" in reservoir_amqp_url else "?"
-    url = f"{reservoir_amqp_url}{separator}exchange=e2e-dash-{uuid.uuid4().hex[:10]}"
+    separator = "&" if "?" in reservoir_amqp_broker_url else "?"
+    url = f"{reservoir_amqp_broker_url}{separator}exchange=e2e-dash-{uuid.uuid4().hex[:10]}"
     env = {**os.environ, "RESERVOIR_BROKER_URL": url}  # PYTHONPATH: this tree's reservoir
     children = [
         Child(name, ["node", "--name", name, "--vcpus", str(4 * (i + 1)), "--memory-mb",

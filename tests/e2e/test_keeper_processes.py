@@ -133,10 +133,10 @@ def wait_until(condition: Any, timeout_s: float = READY_TIMEOUT_S) -> None:
 
 
 @pytest.fixture
-def deployment(reservoir_amqp_url: str, tmp_path: Path) -> Iterator[Deployment]:
+def deployment(reservoir_amqp_broker_url: str, tmp_path: Path) -> Iterator[Deployment]:
     exchange = f"e2e-keepers-{uuid.uuid4().hex[:10]}"
-    separator = "&" if "?" in reservoir_amqp_url else "?"
-    url = f"{reservoir_amqp_url}{separator}exchange={exchange}"
+    separator = "&" if "?" in reservoir_amqp_broker_url else "?"
+    url = f"{reservoir_amqp_broker_url}{separator}exchange={exchange}"
     env = {**os.environ, "RESERVOIR_BROKER_URL": url}
     env.pop("RESERVOIR_ROSTER_FROM", None)  # the default, as deployed
     built = Deployment(env, tmp_path)

@@ -70,9 +70,9 @@ class Node:
 
 
 @pytest.fixture
-def env(reservoir_amqp_url: str) -> Iterator[dict[str, str]]:
-    separator = "&" if "?" in reservoir_amqp_url else "?"
-    url = f"{reservoir_amqp_url}{separator}exchange=identity-e2e-{uuid.uuid4().hex[:10]}"
+def env(reservoir_amqp_broker_url: str) -> Iterator[dict[str, str]]:
+    separator = "&" if "?" in reservoir_amqp_broker_url else "?"
+    url = f"{reservoir_amqp_broker_url}{separator}exchange=identity-e2e-{uuid.uuid4().hex[:10]}"
     clean = {k: v for k, v in os.environ.items() if not k.startswith("RESERVOIR_")}
     yield {**clean, "RESERVOIR_BROKER_URL": url}
     with connect(url) as broker:

@@ -41,9 +41,9 @@ class Outage:
 
 
 @pytest.fixture
-def outage(reservoir_amqp_url: str) -> Iterator[Outage]:
+def outage(reservoir_amqp_broker_url: str) -> Iterator[Outage]:
     exchange = f"e2e-outage-{uuid.uuid4().hex[:10]}"
-    parts = urlsplit(reservoir_amqp_url)
+    parts = urlsplit(reservoir_amqp_broker_url)
     query = f"{parts.query}&" if parts.query else ""
     direct = urlunsplit(parts._replace(query=f"{query}exchange={exchange}"))
     with TcpProxy(parts.port or 5672) as proxy:

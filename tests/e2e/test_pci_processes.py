@@ -81,10 +81,10 @@ def start_node(config: Path, env: dict[str, str]) -> tuple[subprocess.Popen[str]
 
 
 @pytest.fixture
-def env(reservoir_amqp_url: str) -> Iterator[dict[str, str]]:
+def env(reservoir_amqp_broker_url: str) -> Iterator[dict[str, str]]:
     exchange = f"e2e-pci-{uuid.uuid4().hex[:10]}"
-    separator = "&" if "?" in reservoir_amqp_url else "?"
-    url = f"{reservoir_amqp_url}{separator}exchange={exchange}"
+    separator = "&" if "?" in reservoir_amqp_broker_url else "?"
+    url = f"{reservoir_amqp_broker_url}{separator}exchange={exchange}"
     yield {**os.environ, "RESERVOIR_BROKER_URL": url}
     with connect(url) as broker:
         broker.delete_exchanges()  # type: ignore[attr-defined]

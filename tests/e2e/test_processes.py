@@ -110,10 +110,10 @@ class Cluster:
 
 
 @pytest.fixture
-def cluster(reservoir_amqp_url: str, tmp_path: Path) -> Iterator[Cluster]:
+def cluster(reservoir_amqp_broker_url: str, tmp_path: Path) -> Iterator[Cluster]:
     exchange = f"e2e-{uuid.uuid4().hex[:10]}"
-    separator = "&" if "?" in reservoir_amqp_url else "?"
-    url = f"{reservoir_amqp_url}{separator}exchange={exchange}"
+    separator = "&" if "?" in reservoir_amqp_broker_url else "?"
+    url = f"{reservoir_amqp_broker_url}{separator}exchange={exchange}"
     env = {**os.environ, "RESERVOIR_BROKER_URL": url}
     cluster = Cluster(url, tmp_path, env)
     yield cluster

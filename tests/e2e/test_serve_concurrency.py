@@ -45,11 +45,11 @@ class Service:
 
 
 @pytest.fixture
-def service(reservoir_amqp_url: str, tmp_path: Path) -> Iterator[Service]:
+def service(reservoir_amqp_broker_url: str, tmp_path: Path) -> Iterator[Service]:
     """Four node processes and two replicas of ``reservoir serve``."""
     exchange = f"e2e-concurrent-{uuid.uuid4().hex[:10]}"
-    separator = "&" if "?" in reservoir_amqp_url else "?"
-    url = f"{reservoir_amqp_url}{separator}exchange={exchange}"
+    separator = "&" if "?" in reservoir_amqp_broker_url else "?"
+    url = f"{reservoir_amqp_broker_url}{separator}exchange={exchange}"
     path = os.pathsep.join(p for p in (TREE, os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "RESERVOIR_BROKER_URL": url, "PYTHONPATH": path}
     nodes = {name: Process.start(name, node_args(name, tmp_path), env) for name in NODES}

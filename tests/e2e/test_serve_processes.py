@@ -118,10 +118,10 @@ def sample(text: str, name: str, **labels: str) -> float:
 
 
 @pytest.fixture
-def deployment(reservoir_amqp_url: str, tmp_path: Path) -> Iterator[Deployment]:
+def deployment(reservoir_amqp_broker_url: str, tmp_path: Path) -> Iterator[Deployment]:
     exchange = f"e2e-serve-{uuid.uuid4().hex[:10]}"
-    separator = "&" if "?" in reservoir_amqp_url else "?"
-    url = f"{reservoir_amqp_url}{separator}exchange={exchange}"
+    separator = "&" if "?" in reservoir_amqp_broker_url else "?"
+    url = f"{reservoir_amqp_broker_url}{separator}exchange={exchange}"
     # PYTHONPATH passes through, so the children run this tree's reservoir
     env = {**os.environ, "RESERVOIR_BROKER_URL": url}
     metrics_port = free_port()

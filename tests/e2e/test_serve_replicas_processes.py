@@ -60,10 +60,10 @@ class Cluster:
 
 
 @pytest.fixture
-def cluster(reservoir_amqp_url: str, tmp_path: Path) -> Iterator[Cluster]:
+def cluster(reservoir_amqp_broker_url: str, tmp_path: Path) -> Iterator[Cluster]:
     exchange = f"e2e-replicas-{uuid.uuid4().hex[:10]}"
-    separator = "&" if "?" in reservoir_amqp_url else "?"
-    url = f"{reservoir_amqp_url}{separator}exchange={exchange}"
+    separator = "&" if "?" in reservoir_amqp_broker_url else "?"
+    url = f"{reservoir_amqp_broker_url}{separator}exchange={exchange}"
     path = os.pathsep.join(p for p in (TREE, os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "RESERVOIR_BROKER_URL": url, "PYTHONPATH": path}
     nodes = [Process.start(name, node_args(name, tmp_path), env) for name in NODES]

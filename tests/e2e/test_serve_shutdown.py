@@ -37,9 +37,9 @@ def free_port() -> int:
 
 
 @pytest.fixture
-def exchange_url(reservoir_amqp_url: str) -> Iterator[str]:
-    separator = "&" if "?" in reservoir_amqp_url else "?"
-    url = f"{reservoir_amqp_url}{separator}exchange=e2e-stop-{uuid.uuid4().hex[:10]}"
+def exchange_url(reservoir_amqp_broker_url: str) -> Iterator[str]:
+    separator = "&" if "?" in reservoir_amqp_broker_url else "?"
+    url = f"{reservoir_amqp_broker_url}{separator}exchange=e2e-stop-{uuid.uuid4().hex[:10]}"
     yield url
     topology = admin(url)
     assert topology is not None

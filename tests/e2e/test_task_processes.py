@@ -103,10 +103,10 @@ class TaskCluster:
 
 
 @pytest.fixture
-def cluster(reservoir_amqp_url: str, tmp_path: Path) -> Iterator[TaskCluster]:
+def cluster(reservoir_amqp_broker_url: str, tmp_path: Path) -> Iterator[TaskCluster]:
     exchange = f"e2e-tasks-{uuid.uuid4().hex[:10]}"
-    separator = "&" if "?" in reservoir_amqp_url else "?"
-    url = f"{reservoir_amqp_url}{separator}exchange={exchange}"
+    separator = "&" if "?" in reservoir_amqp_broker_url else "?"
+    url = f"{reservoir_amqp_broker_url}{separator}exchange={exchange}"
     cluster = TaskCluster(url, tmp_path, {**os.environ, "RESERVOIR_BROKER_URL": url},
                           token=f"tok{uuid.uuid4().hex[:8]}")  # fmt: skip
     yield cluster

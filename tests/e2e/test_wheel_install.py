@@ -1,7 +1,8 @@
 """``pip install`` of the ``reservoir-scheduler`` wheel built from this checkout gives the
 ``reservoir`` command: the wheel is built as CI and the image build do (``pip wheel
 --no-deps``, from a copy of the tracked files), installed into a fresh venv, and the venv's
-own ``reservoir`` answers ``--version`` and imports the package from the venv."""
+own ``reservoir`` answers ``--version`` and imports the package from the venv, and its
+hints for a missing extra name what the wheel's metadata lists for it."""
 
 from __future__ import annotations
 
@@ -81,6 +82,13 @@ def test_the_wheel_installs_as_reservoir_scheduler_and_gives_the_reservoir_comma
     ).stdout.split()  # fmt: skip
     assert Path(where[0]).is_relative_to(env)
     assert where[1] == __version__
+    # installed from the wheel, a missing extra's hint names the packages the wheel's own
+    # metadata lists for it: a command that works with no release on an index
+    hint = subprocess.run(
+        [str(python), "-c", "from reservoir.version import install_hint as h; print(h('signing'))"],
+        capture_output=True, text=True, check=True, cwd=tmp_path, env=clean,
+    ).stdout.strip()  # fmt: skip
+    assert hint == "pip install 'cryptography>=38' (the signing extra)"
     # the dashboard's page ships as package data
     ui = Path(where[0]).parent / "service" / "ui"
     assert sorted(p.name for p in ui.iterdir()) == ["dashboard.css", "dashboard.js", "index.html"]

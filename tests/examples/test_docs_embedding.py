@@ -58,9 +58,9 @@ SNIPPETS = {
 
 
 @pytest.fixture
-def run_url(reservoir_amqp_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    separator = "&" if "?" in reservoir_amqp_url else "?"
-    url = f"{reservoir_amqp_url}{separator}exchange=docs-embed-{uuid.uuid4().hex[:10]}"
+def run_url(reservoir_amqp_broker_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    separator = "&" if "?" in reservoir_amqp_broker_url else "?"
+    url = f"{reservoir_amqp_broker_url}{separator}exchange=docs-embed-{uuid.uuid4().hex[:10]}"
     monkeypatch.setenv("RESERVOIR_BROKER_URL", url)
     try:
         yield url

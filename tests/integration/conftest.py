@@ -1,6 +1,6 @@
 """Fixtures the integration tests share on a real RabbitMQ.
 
-- ``amqp_url``: the RabbitMQ under test (``reservoir_amqp_url``, which skips without one);
+- ``amqp_url``: the RabbitMQ under test (``reservoir_amqp_broker_url``, which skips without one);
 - ``exchange``: a topic exchange name of the test's own; it and its inbox exchange are
   deleted afterwards;
 - ``rabbitmqctl``: ``rabbitmqctl -q <args>`` (stdin optional), once it is known to manage
@@ -30,8 +30,8 @@ Rabbitmqctl = Callable[..., str]
 
 
 @pytest.fixture
-def amqp_url(reservoir_amqp_url: str) -> str:
-    return reservoir_amqp_url
+def amqp_url(reservoir_amqp_broker_url: str) -> str:
+    return reservoir_amqp_broker_url
 
 
 @pytest.fixture
@@ -86,16 +86,16 @@ def _where(url: str) -> str:
 
 
 @pytest.fixture(scope="session")
-def rabbitmqctl(reservoir_amqp_url: str) -> Rabbitmqctl:
+def rabbitmqctl(reservoir_amqp_broker_url: str) -> Rabbitmqctl:
     """Runs ``rabbitmqctl -q <args>`` (``stdin=`` optional) and returns its output; raises
     RuntimeError when it fails. Skips (fails under ``CI``) where rabbitmqctl is missing or
     manages another node than the one the URL reaches."""
-    command = rabbitmqctl_command(reservoir_amqp_url)
+    command = rabbitmqctl_command(reservoir_amqp_broker_url)
     if shutil.which(command[0]) is None:
         _unavailable(f"{command[0]} is not on PATH")
     rabbitmqctl = _rabbitmqctl_on(command)
     probe_name = f"reservoir-test-probe-{uuid.uuid4().hex}"
-    parameters = pika.URLParameters(reservoir_amqp_url)
+    parameters = pika.URLParameters(reservoir_amqp_broker_url)
     parameters.client_properties = {"connection_name": probe_name}
     probe = pika.BlockingConnection(parameters)
     try:
@@ -105,9 +105,8 @@ def rabbitmqctl(reservoir_amqp_url: str) -> Rabbitmqctl:
     finally:
         probe.close()
     if probe_name not in listing:
-        _unavailable(
-            f"rabbitmqctl manages another RabbitMQ than the one at {_where(reservoir_amqp_url)}"
-        )
+        where = _where(reservoir_amqp_broker_url)
+        _unavailable(f"rabbitmqctl manages another RabbitMQ than the one at {where}")
     return rabbitmqctl
 
 

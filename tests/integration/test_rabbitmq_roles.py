@@ -131,7 +131,7 @@ def _wait_imported(rabbitmqctl: Callable[..., str], vhost: str, topic_permission
 
 @pytest.fixture(scope="module")
 def roles(
-    reservoir_amqp_url: str,
+    reservoir_amqp_broker_url: str,
     rabbitmqctl: Callable[..., str],
 ) -> Iterator[Roles]:
     run_id = uuid.uuid4().hex[:12]
@@ -141,7 +141,7 @@ def roles(
         "reservoir-node": f"reservoir-node-{run_id}",
         "reservoir-keeper": f"reservoir-keeper-{run_id}",
     }
-    parts = urlsplit(reservoir_amqp_url)
+    parts = urlsplit(reservoir_amqp_broker_url)
     try:
         definitions = renamed_definitions(vhost, users)
         # On stdin (no file argument): rabbitmqctl may run as the rabbitmq user, who could

@@ -44,8 +44,8 @@ def _url(base: str) -> str:
 
 
 @pytest.fixture(params=["pika", "kombu"])
-def any_broker(request: pytest.FixtureRequest, reservoir_amqp_url: str) -> Iterator[Broker]:
-    url = _url(reservoir_amqp_url)
+def any_broker(request: pytest.FixtureRequest, reservoir_amqp_broker_url: str) -> Iterator[Broker]:
+    url = _url(reservoir_amqp_broker_url)
     opened = connect(url if request.param == "pika" else "kombu+" + url)
     yield opened
     opened.delete_exchanges()  # type: ignore[attr-defined]
@@ -53,8 +53,8 @@ def any_broker(request: pytest.FixtureRequest, reservoir_amqp_url: str) -> Itera
 
 
 @pytest.fixture
-def broker(reservoir_amqp_url: str) -> Iterator[Broker]:
-    opened = connect(_url(reservoir_amqp_url))
+def broker(reservoir_amqp_broker_url: str) -> Iterator[Broker]:
+    opened = connect(_url(reservoir_amqp_broker_url))
     yield opened
     opened.delete_exchanges()  # type: ignore[attr-defined]
     opened.close()
@@ -153,13 +153,13 @@ def test_an_award_forged_with_a_node_key_is_dropped_and_counted_by_the_node(
 
 
 def test_an_offer_sniffed_off_the_broker_and_replayed_is_dropped_and_counted_by_the_requestor(
-    broker: Broker, reservoir_amqp_url: str
+    broker: Broker, reservoir_amqp_broker_url: str
 ) -> None:
     node = NodeAgent(broker, name=name("replayed"), vcpus=8, settings=PER_ROLE)
     requestor = Requestor(broker, settings=PER_ROLE)
     inbox_exchange: str = broker.inbox_exchange  # type: ignore[attr-defined]
     # someone hostile on the broker binds a queue of its own to the requestor's inbox
-    sniffer = pika.BlockingConnection(pika.URLParameters(reservoir_amqp_url))
+    sniffer = pika.BlockingConnection(pika.URLParameters(reservoir_amqp_broker_url))
     try:
         channel = sniffer.channel()
         tap = channel.queue_declare("", exclusive=True).method.queue

@@ -100,6 +100,24 @@ def test_a_request_nothing_can_take_fails_with_the_tiers_and_reasons(
     assert "trait HW_GPU missing on 4 node(s)" in str(failed.value)
 
 
+def test_tiers_tried_are_reported_in_the_ladders_order_after_a_probe_of_a_fuller_tier(
+    reservoir_simulation: Simulation,
+) -> None:
+    # Nodes filled to different tiers: the requestor's first probes sample nodes up to the
+    # 50 % tier, before the broadcasts widen from 10 %. The report is the tiers asked, in
+    # the order a request widens, not in the order they were first reached.
+    sim = reservoir_simulation
+    sim.add_nodes(6, vcpus=8, memory_mb=16384)
+    requestor = sim.add_requestor()
+    placed = [sim.place(requestor, vcpus=size, memory_mb=256) for size in (1, 3, 5, 7, 8)]
+    with pytest.raises(PlacementError) as failed:
+        sim.place(requestor, vcpus=6, memory_mb=256, count=3)
+    explanation = failed.value.explanation
+    assert explanation.tiers_tried == (10, 25, 50, 75, 100)
+    assert "tiers tried: 10%, 25%, 50%, 75%, 100%" in str(explanation)
+    sim.finish(placed)
+
+
 def test_a_multi_instance_request_spreads_over_nodes(reservoir_simulation: Simulation) -> None:
     sim = reservoir_simulation
     sim.add_nodes(4, vcpus=16)

@@ -36,8 +36,43 @@ def test_pyproject_names_the_distribution_reservoir_version_owns() -> None:
     assert project["version"] == __version__
 
 
-def test_the_hints_name_the_distribution_with_the_extra() -> None:
-    assert install_hint("api") == "pip install 'reservoir-scheduler[api]'"
+def extras() -> dict[str, list[str]]:
+    extras: dict[str, list[str]] = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    return extras
+
+
+def test_each_hint_names_the_packages_of_its_extra_which_install_however_reservoir_was() -> None:
+    # not 'reservoir-scheduler[api]', which no index has until a release is published
+    assert install_hint("api") == (
+        "pip install 'fastapi>=0.110' 'uvicorn>=0.29' 'prometheus-client>=0.20' (the api extra)"
+    )
+    for extra, packages in extras().items():
+        assert install_hint(extra) == (
+            f"pip install {' '.join(repr(p) for p in packages)} (the {extra} extra)"
+        )
+
+
+def test_every_hint_in_the_code_names_an_extra_there_is() -> None:
+    named = re.compile(r"install_hint\(['\"]([^'\"]+)['\"]\)")
+    hinted = {
+        extra
+        for path in sorted((ROOT / "reservoir").rglob("*.py"))
+        for extra in named.findall(path.read_text())
+    }
+    assert hinted, "no install_hint call found"
+    assert hinted <= set(extras()), hinted - set(extras())
+
+
+@pytest.mark.parametrize("path", ["README.md", "docs/getting-started.md"])
+def test_the_install_instructions_list_every_extra_and_install_from_a_checkout(path: str) -> None:
+    page = (ROOT / path).read_text()
+    assert "python -m pip install '.[api]'" in page
+    assert "python -m pip wheel --no-deps -w dist ." in page
+    listed = page[page.index("The extras: ") :].split("\n\n", 1)[0]
+    missing = [extra for extra in extras() if f"`{extra}`" not in listed]
+    assert missing == []
 
 
 def test_every_install_with_extras_in_docs_and_code_names_the_distribution() -> None:

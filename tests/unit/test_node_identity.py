@@ -199,10 +199,21 @@ def test_a_node_forging_another_nodes_offer_and_accepted_is_dropped_and_counted_
     peer.close()
 
     assert requestor.metrics.get("dropped", "impersonation") == 2
-    warnings = [r.getMessage() for r in caplog.records if "impersonation" in r.getMessage()]
+    warnings = [
+        r.getMessage()
+        for r in caplog.records
+        if "impersonation" in r.getMessage() and r.name == "reservoir.driver"
+    ]
     assert len(warnings) == 1  # one line per sender and interval, not one per message
     assert "'victim'" in warnings[0]
     assert "node 'mallory'" in warnings[0]
+    # and the node whose name was used is told, once, that someone else signs as it
+    (told,) = [r.getMessage() for r in caplog.records if r.name == "reservoir.node_agent"]
+    assert told.startswith(
+        "node victim: requestor reservoir.requestor.web refused a message sent in this node's "
+        "name with another key than this node's: impersonation (signed with the key 'm1' of "
+        "node 'mallory', claims to be 'victim'); someone else signs as victim"
+    )
     assert "victim" not in placement.nodes
     assert sim.nodes["victim"].allocations() == []
     sim.finish([placement], allow_orphans=False)  # the placement is what the nodes hold

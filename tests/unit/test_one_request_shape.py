@@ -215,3 +215,22 @@ def test_every_field_of_the_request_is_reachable_over_http() -> None:
     # request_id comes as the Idempotency-Key header or in the body; the rest by name
     assert set(PlacementRequest.__struct_fields__) <= set(ReservationIn.model_fields)
     assert msgspec.structs.fields(PlacementRequest)  # a struct, read by its fields
+
+
+def test_the_command_line_refuses_what_the_http_api_refuses_with_the_same_bounds() -> None:
+    """``FRONT_DOOR_LIMITS`` are ``POST /v1/reservations``'s own: an amount the HTTP API
+    refuses is refused by ``reservoir request`` and ``reservoir run`` too."""
+    from annotated_types import Le
+
+    from reservoir.cli.request import request as request_command
+    from reservoir.cli.run import run as run_command
+    from reservoir.protocol.placement import FRONT_DOOR_LIMITS
+    from reservoir.service.shapes import ReservationIn
+
+    for field, limit in FRONT_DOOR_LIMITS.items():
+        bounds = [m.le for m in ReservationIn.model_fields[field].metadata if isinstance(m, Le)]
+        assert bounds == [limit], field
+    for command in (request_command, run_command):
+        options = {p.name: p for p in command.params}
+        for field, limit in FRONT_DOOR_LIMITS.items():
+            assert getattr(options[field].type, "max", None) == limit, (command.name, field)

@@ -39,6 +39,7 @@ from reservoir.protocol.messages import (
     RosterSample,
     TaskQuery,
     TaskState,
+    Untrusted,
     encode_message,
 )
 from reservoir.runtime.keys import Key, Keyring, generate, parse_keys
@@ -102,6 +103,9 @@ EVERY_KIND: dict[str, Message] = {
         NodeStatus(sender="n1", reply_to="node.n1", tier=10),
         TaskState(request_id="r1", sender="n1", reply_to="req", allocation_id="a", state="exited"),
         TaskQuery(request_id="r1", sender="req", reply_to="req"),
+        Untrusted(
+            request_id="untrusted", sender="req", reason="unknown_key", key_id="k", detail="a"
+        ),
     ]
 }
 

@@ -404,9 +404,10 @@ def generate(key_id: str, *, ed25519: bool) -> tuple[str, str]:
         entry = f"{key_id}:{secrets.token_urlsafe(32)}"
         Key(key_id, hmac_secret=entry.partition(":")[2].encode())  # checks the id
         return entry, entry
+    key_class = _ed25519()  # first: says what to install when cryptography is missing
     from cryptography.hazmat.primitives import serialization
 
-    private = _ed25519().generate()
+    private = key_class.generate()
     raw = private.private_bytes(
         serialization.Encoding.Raw,
         serialization.PrivateFormat.Raw,

@@ -18,6 +18,7 @@ import secrets
 import stat
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
@@ -25,9 +26,11 @@ from reservoir.runtime.keys import Key, KeyConfigError, parse_keys, read_key_fil
 
 __all__ = [
     "NODE_KEYRING_SUFFIX",
+    "KeyStanding",
     "NodeKeyFile",
     "NodeKeyring",
     "add_node_key",
+    "key_standing",
     "load_node_key",
     "node_keyring_file",
     "parse_node_file",
@@ -302,6 +305,44 @@ class NodeKeyring:
 
     def __repr__(self) -> str:
         return f"NodeKeyring({str(self.directory)!r}, {len(self._keys)} node(s))"
+
+
+@dataclass(frozen=True)
+class KeyStanding:
+    """Why requestors holding a node keyring would refuse what a node signs with its key:
+    ``another_nodes`` when the keyring lists the key for another node (every message is
+    ``impersonation``: the node must not run so), else a key the keyring does not list
+    for it (``unknown_key``: a keyring not updated yet, here or there)."""
+
+    problem: str
+    another_nodes: bool
+
+
+def key_standing(keyring: NodeKeyring, node: str, key: Key) -> KeyStanding | None:
+    """What ``keyring`` says of ``node`` signing with ``key``: None when it lists that key
+    for ``node``."""
+    listed = keyring.nodes()
+    fingerprint = key.fingerprint
+    if any(k.key_id == key.key_id and k.fingerprint == fingerprint for k in listed.get(node, ())):
+        return None
+    owners = sorted(
+        name
+        for name, keys in listed.items()
+        if name != node and any(k.fingerprint == fingerprint for k in keys)
+    )
+    if owners:
+        return KeyStanding(
+            f"its key {key.key_id!r} is node {owners[0]}'s in the node keyring "
+            f"({node_keyring_file(keyring.directory, owners[0])}), not {node}'s: requestors "
+            f"would refuse every message of {node} as impersonation (give it a key of its "
+            f"own: reservoir keys add-node {node})",
+            another_nodes=True,
+        )
+    return KeyStanding(
+        f"the node keyring ({keyring.directory}) lists no key {key.key_id!r} for {node}: "
+        "requestors reading it would refuse its messages as unknown_key until it does",
+        another_nodes=False,
+    )
 
 
 def node_keyring_file(directory: Path, node: str) -> Path:

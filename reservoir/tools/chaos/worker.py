@@ -101,7 +101,7 @@ class Worker:
         self.held: dict[str, Placement] = {
             p.request_id: p for p in read_placements(json.dumps(h) for h in record.held.values())
         }
-        self.frees_in_flight: dict[str, Future[None]] = {}
+        self.frees_in_flight: dict[str, Future[tuple[str, ...]]] = {}
         self.frees_to_resume = sorted(record.freeing & set(self.held))
         #: names the run in the tasks' commands (empty: no tasks)
         self.task_token = task_token

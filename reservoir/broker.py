@@ -105,6 +105,23 @@ class Endpoint(ABC):
     def close(self) -> None:
         """Delete the inbox and its bindings. Idempotent."""
 
+    #: whether :meth:`bind_ordered` and :meth:`unbind_ordered` are the broker's own (they
+    #: wait for nothing, and may be called on its IO thread); else they are ``bind`` and
+    #: ``unbind``, which wait
+    binds_in_order: ClassVar[bool] = False
+
+    def bind_ordered(self, pattern: str) -> None:
+        """Bind ``pattern`` without waiting for the broker: whatever this broker's
+        endpoints send or publish after this call leaves only once the binding is in
+        place (a refusal is logged, and the messages go anyway). The default is
+        :meth:`bind`, which waits."""
+        self.bind(pattern)
+
+    def unbind_ordered(self, pattern: str) -> None:
+        """Unbind ``pattern`` without waiting for the broker. The default is
+        :meth:`unbind`, which waits."""
+        self.unbind(pattern)
+
     def claim(self, key: str) -> bool | None:
         """Hold ``key`` for this endpoint alone, for as long as its broker connection lasts
         or until :meth:`unclaim`: True once it is held (or was already held here), False

@@ -14,6 +14,10 @@ This module owns, for both RabbitMQ drivers (:mod:`brokers.pika_broker`,
 - the **replay order**: after a reconnect the unconfirmed messages go out again before the
   ones queued after them, and only once the topology is back (so a replay finds its
   bindings); delivery across a reconnect is at least once;
+- **ordered binds** (``bind_ordered``): a binding asked for without waiting, before which
+  nothing accepted after it is published (a barrier in the outbox, let go by the
+  binding's answer): a node binds an id's lookup topic and sends its offer behind it, on
+  its IO thread, with no thread waiting out the round trip;
 - **flow control**: while RabbitMQ says ``connection.blocked`` nothing is written;
 - the **403 on a publish**: RabbitMQ closes the publish channel and ignores what followed
   the refused message, so the unconfirmed messages before it count as delivered, the refused
@@ -337,6 +341,13 @@ class _Endpoint(Generic[W]):
 
 
 @dataclass(eq=False, slots=True)
+class _Barrier:
+    """Outbox entries ahead of it go out; the rest wait for its control call's answer."""
+
+    ahead: int
+
+
+@dataclass(eq=False, slots=True)
 class _Call:
     """One control method, and what its answer means."""
 
@@ -423,6 +434,8 @@ class Session(Generic[W]):
         self._claims: dict[str, str] = {}
 
         self._outbox: deque[Message] = deque()
+        #: ordered binds not yet answered, oldest first (see ``bind_ordered``)
+        self._barriers: list[_Barrier] = []
         self._tag = 0
         self._unconfirmed: OrderedDict[int, Message] = OrderedDict()
         self._close_sent = False
@@ -500,6 +513,58 @@ class Session(Generic[W]):
         self._call_or_defer(
             BindQueue(endpoint.address, self.exchange, pattern), waiter, refused, endpoint
         )
+
+    def bind_ordered(self, token: str, pattern: str) -> None:
+        """Bind without a waiter: what is accepted from now on is published only once
+        RabbitMQ has answered (the binding in place, or refused: logged, and the messages
+        go anyway). Disconnected, the restore after the reconnect binds it before anything
+        is published again."""
+        endpoint = self._endpoint(token)
+        if pattern in endpoint.patterns:
+            return
+        endpoint.patterns[pattern] = None
+        if not (self._live() and endpoint.live):
+            return
+        barrier = _Barrier(len(self._outbox))
+        self._barriers.append(barrier)
+
+        def let_go() -> None:
+            if barrier in self._barriers:
+                self._barriers.remove(barrier)
+                self._flush()
+
+        def refused(code: int, text: str) -> None:
+            endpoint.patterns.pop(pattern, None)
+            log.warning("%s: RabbitMQ refused binding %r: %s %s", self.name, pattern, code, text)
+            let_go()
+
+        self._calls.append(
+            _Call(
+                BindQueue(endpoint.address, self.exchange, pattern),
+                ok=let_go,
+                refused=refused,
+                dropped=let_go,
+            )
+        )
+        self._issue()
+
+    def unbind_ordered(self, token: str, pattern: str) -> None:
+        """Unbind without a waiter (nothing waits for it: a publish that still reaches the
+        queue meanwhile is one its endpoint handles as it would any)."""
+        endpoint = self._endpoint(token)
+        if pattern not in endpoint.patterns:
+            return
+        del endpoint.patterns[pattern]
+        if not (self._live() and endpoint.live):
+            return
+
+        def refused(code: int, text: str) -> None:
+            log.warning("%s: RabbitMQ refused unbinding %r: %s %s", self.name, pattern, code, text)
+
+        self._calls.append(
+            _Call(UnbindQueue(endpoint.address, self.exchange, pattern), refused=refused)
+        )
+        self._issue()
 
     def unbind(self, token: str, pattern: str, waiter: W) -> None:
         endpoint = self._endpoint(token)
@@ -1038,11 +1103,16 @@ class Session(Generic[W]):
         if not self._outbox or not self._publishable():
             return
         outbox, unconfirmed, actions = self._outbox, self._unconfirmed, self._actions
-        while outbox:
+        barriers = self._barriers
+        # up to the oldest ordered bind not yet answered
+        going = min(min(b.ahead for b in barriers), len(outbox)) if barriers else len(outbox)
+        for _ in range(going):
             message = outbox.popleft()
             self._tag += 1
             unconfirmed[self._tag] = message
             actions.append(Publish(self._tag, message, self.publish_channel))
+        for barrier in barriers:
+            barrier.ahead -= going
 
     def _publish_refused(self, reply_text: str) -> None:
         """RabbitMQ handles a channel's publishes in order and ignores what follows a
@@ -1062,6 +1132,8 @@ class Session(Generic[W]):
             # protocol survives lost messages).
             routed, refused, kept = 0, unconfirmed, []
         self._outbox.extendleft(reversed(kept))
+        for barrier in self._barriers:
+            barrier.ahead += len(kept)  # they were ahead of it
         self.stats.confirmed += routed
         self.stats.refused += len(refused)
         self.stats.republished += len(kept)
@@ -1082,8 +1154,10 @@ class Session(Generic[W]):
         self.publish_channel += 1
         self._blocked = False
         self._issued = False
-        # exclusive queues die with their connection: every claim with them
+        # exclusive queues die with their connection: every claim with them; and the
+        # restore binds every pattern before anything is published again
         self._claims.clear()
+        self._barriers.clear()
         calls, self._calls = self._calls, deque()
         for call in calls:
             if call.lost is not None:

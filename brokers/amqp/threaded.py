@@ -127,6 +127,17 @@ class AmqpEndpoint(Endpoint):
         pattern = check_key(pattern, "binding pattern")
         self._broker._wait(self, f"unbind {pattern!r}", Session.unbind, self._token, pattern)
 
+    #: bind_ordered and unbind_ordered wait for nothing (see Endpoint.binds_in_order)
+    binds_in_order = True
+
+    def bind_ordered(self, pattern: str) -> None:
+        pattern = check_key(pattern, "binding pattern")
+        self._broker._order(self, Session.bind_ordered, pattern)
+
+    def unbind_ordered(self, pattern: str) -> None:
+        pattern = check_key(pattern, "binding pattern")
+        self._broker._order(self, Session.unbind_ordered, pattern)
+
     def claim(self, key: str) -> bool:
         key = check_key(key, "claim")
         try:
@@ -416,6 +427,19 @@ class AmqpBroker(Broker, ABC):
             call(self._session, token, pattern, future)
         self._wake()
         self._result(future, what)
+
+    def _order(
+        self,
+        endpoint: AmqpEndpoint,
+        call: Callable[[Session[Future], str, str], None],
+        pattern: str,
+    ) -> None:
+        """A control call nobody waits for (an ordered bind or unbind): safe on any thread,
+        the IO thread's included."""
+        with self._lock:
+            self._check_usable(endpoint)
+            call(self._session, endpoint._token, pattern)
+        self._wake()
 
     def _result(self, future: Future, what: str) -> None:
         try:

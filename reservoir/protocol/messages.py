@@ -593,9 +593,15 @@ class ReservationRequest(InstanceShape, tag_field="kind", tag="request", frozen=
     #: the node that is gone.
     probed_node: Identifier | None = None
     #: another requestor may look this id up (the caller chose it, or another requestor
-    #: places it too): the node binds the id's lookup bucket while it holds anything of
-    #: it. Generated ids are never looked up, and spare the node (and RabbitMQ) the bind.
+    #: places it too): the node binds the id's lookup topic while it holds anything of
+    #: it, *before* it offers, so that two requestors placing the id find each other.
+    #: Generated ids are never looked up by a placement, and spare the node the bind.
     findable: bool = False
+    #: what is placed of this (generated) id must be found by id (a service answers GET
+    #: and DELETE for it): the node binds the id's lookup topic too, but after it offers,
+    #: and answers an award only once the binding is in place, so the offer waits for no
+    #: broker round trip
+    findable_when_placed: bool = False
     #: every node that hears it and cannot take it says so (a compact Decline), as a
     #: probed node does: set by the exhaustive step, after sampling the roster found too
     #: little, so that a full cluster is told apart from one where nobody listens and the

@@ -698,15 +698,19 @@ class NodeMachine:
             request_count=request.count,
             group=request.group.name if request.group else None,
             numa=evaluation.numa or (),
-            findable=request.findable,
+            findable=request.findable or request.findable_when_placed,
             task=request.task,
         )
         members_before = self._group_members(request)
         self.ledger.add_reservation(reservation)
         self.counters["reserved"] += 1
         self._expire_by(reservation.deadline, effects)
-        # Findable by a Lookup for the id before anyone hears of the offer.
-        self._sync_lookups(effects)
+        if request.findable:
+            # Findable by a Lookup for the id before anyone hears of the offer: another
+            # requestor placing the id finds this reservation. (Findable only once placed,
+            # it is bound after the offer, by handle(): what is sent after the binding,
+            # the award's Accepted, leaves once it is in place.)
+            self._sync_lookups(effects)
         effects.append(
             Send(
                 request.reply_to,

@@ -202,8 +202,9 @@ class RequestorConfig:
     roster_limit: int = 1024
     #: every placement findable by its id (``Lookup``), generated ids too, not only the
     #: caller-chosen ones: what a service answering GET/DELETE from the nodes needs. It
-    #: adds no lookup before placing a generated id; a node binds the id's lookup bucket
-    #: before it offers (a broker round trip per reservation, docs/design.md "Lookups")
+    #: adds no lookup before placing a generated id; a node binds the id's lookup topic
+    #: once it has offered, and accepts an award once the binding is in place
+    #: (``findable_when_placed``, docs/design.md "Finding a placement from any replica")
     findable: bool = False
     #: claim a caller-chosen id before placing it (:mod:`~reservoir.protocol.contention`):
     #: while the claim holds, no decision waits for a lookup's answers; False (or a broker
@@ -748,7 +749,8 @@ class RequestorMachine:
             tier=tier,
             attempt=c.attempt,
             ttl_s=c.ttl_s,
-            findable=self.config.findable or c.contention.looks_up,
+            findable=c.contention.looks_up,
+            findable_when_placed=self.config.findable and not c.contention.looks_up,
             declines_wanted=c.exhaustive,
             traceparent=c.traceparent,
             **c.spec.shape_fields(),

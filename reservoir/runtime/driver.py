@@ -16,7 +16,10 @@ Deliveries run on the broker's IO thread where it has one (the endpoint is ``inl
 :mod:`reservoir.broker`): a message is decoded, handled and answered there with no hand-over
 between threads. That thread must not wait for the broker, so a bind or unbind it finds at
 the head of the outbox goes, with everything queued after it, to a thread of the driver's
-own (``<name>:binds``, started the first time), and the IO thread carries on. Binds are
+own (``<name>:binds``, started the first time), and the IO thread carries on, unless the
+broker binds in order (``Endpoint.binds_in_order``, RabbitMQ's adapters): then a bind is
+asked for without waiting, and what follows it leaves the broker only once it is in
+place, with no thread waiting out the round trip. Binds are
 rare (a node's tier changes, a lookup topic for a findable id); sends are not.
 
 A requestor's claim of a caller-chosen id waits for the broker too, but nothing it sends
@@ -177,6 +180,8 @@ class Driver:
         except BaseException:
             self._let_go_of_owned()
             raise
+        #: binds asked for without waiting, what follows them held back by the broker
+        self._binds_in_order = self.endpoint.binds_in_order
         if self.endpoint.address != endpoint_name:
             self.endpoint.close()
             self._let_go_of_owned()
@@ -468,8 +473,9 @@ class Driver:
         up to the first bind or unbind, which goes to the binder thread with what follows
         it (False: the binder drains the rest)."""
         outbox = self._outbox
+        in_order = self._binds_in_order
         while outbox:
-            if type(outbox[0]) in _BINDING:
+            if not in_order and type(outbox[0]) in _BINDING:
                 self._hand_to_binder()
                 return False
             self._transmit_one(outbox.popleft())
@@ -515,7 +521,12 @@ class Driver:
             body = self.codec.encode(effect.message, wall_s, destination=effect.topic)
             self.endpoint.publish(effect.topic, body)
         elif type(effect) is Bind:
-            self.endpoint.bind(effect.topic)
+            if self._binds_in_order:
+                self.endpoint.bind_ordered(effect.topic)
+            else:
+                self.endpoint.bind(effect.topic)
+        elif self._binds_in_order:
+            self.endpoint.unbind_ordered(effect.topic)
         else:
             self.endpoint.unbind(effect.topic)
 

@@ -54,6 +54,25 @@ def test_closing_an_endpoint_lets_go_of_its_claims(inbox: Inbox, ns: str) -> Non
     assert other.ep.claim(f"{ns}-key") is True
 
 
+def test_what_follows_an_ordered_bind_leaves_once_the_binding_is_in_place(
+    inbox: Inbox, ns: str
+) -> None:
+    """A node binds an id's topic and sends its offer at once, without waiting: whoever
+    hears the offer and publishes on the topic must reach the node."""
+    node, asker = inbox(), inbox()
+    for round_ in range(20):
+        node.ep.bind_ordered(f"{ns}.lookup.{round_}")
+        node.ep.send(asker.address, f"offer {round_}".encode())
+        asker.wait_for_body(f"offer {round_}".encode())
+        asker.ep.publish(f"{ns}.lookup.{round_}", f"lookup {round_}".encode())
+        node.wait_for_body(f"lookup {round_}".encode())
+    assert not [d for d in asker.deliveries if d.returned]
+    node.ep.unbind_ordered(f"{ns}.lookup.0")
+    node.ep.bind(f"{ns}.marker")  # waits: the broker's control calls go one at a time
+    asker.ep.publish(f"{ns}.lookup.0", b"after the unbind")
+    asker.wait_for_return(b"after the unbind")
+
+
 # -- topic routing ----------------------------------------------------------------------------
 
 

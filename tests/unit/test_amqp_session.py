@@ -799,3 +799,60 @@ def test_claim_queues_are_named_per_exchange_and_a_requestors_user_may_declare_t
     here, there = claim_queue("reservoir", "order-1"), claim_queue("other", "order-1")
     assert here != there
     assert here.startswith("reservoir.requestor.")
+
+
+# -- ordered binds ----------------------------------------------------------------------
+
+
+def test_what_is_accepted_after_an_ordered_bind_waits_for_its_answer() -> None:
+    link = ready_link()
+    open_endpoint(link, "1", "node-a")
+    link.publish("1", "before", b"before")
+    link.session.bind_ordered("1", "lookup.abc")
+    link.publish("1", "after", b"offer")
+    actions = link.actions()
+    assert BindQueue("node-a", EXCHANGE, "lookup.abc") in actions
+    assert [a.message.body for a in actions if isinstance(a, Publish)] == [b"before"]
+    link.session.replied(link.gen)  # bind-ok
+    assert [p.message.body for p in link.published()] == [b"offer"]
+
+
+def test_a_refused_ordered_bind_lets_what_waited_go_and_forgets_the_pattern() -> None:
+    link = ready_link()
+    open_endpoint(link, "1", "node-a")
+    link.session.bind_ordered("1", "lookup.abc")
+    link.publish("1", "after", b"offer")
+    link.actions()
+    link.session.channel_closed(link.gen, "control", 403, "ACCESS_REFUSED")
+    link.settle()
+    assert [a.message.body for a in link.log if isinstance(a, Publish)] == [b"offer"]
+    link.session.bind_ordered("1", "lookup.abc")  # not bound: asked again
+    assert BindQueue("node-a", EXCHANGE, "lookup.abc") in link.actions()
+
+
+def test_an_ordered_bind_cut_by_a_reconnect_is_restored_before_anything_is_published() -> None:
+    link = ready_link()
+    open_endpoint(link, "1", "node-a")
+    link.session.bind_ordered("1", "lookup.abc")
+    link.publish("1", "after", b"offer")
+    link.actions()
+    link.session.lost(link.gen, link.now_s, "reset")
+    link.now_s += 60
+    link.session.tick(link.now_s)
+    link.connect()
+    log = link.log
+    bind = max(i for i, a in enumerate(log) if a == BindQueue("node-a", EXCHANGE, "lookup.abc"))
+    published = [i for i, a in enumerate(log) if isinstance(a, Publish)]
+    assert published and min(published) > bind
+
+
+def test_an_ordered_unbind_waits_for_nothing_and_forgets_the_pattern() -> None:
+    link = ready_link()
+    open_endpoint(link, "1", "node-a")
+    link.session.bind_ordered("1", "lookup.abc")
+    link.settle()
+    link.session.unbind_ordered("1", "lookup.abc")
+    link.publish("1", "after", b"freed")
+    actions = link.actions()
+    assert UnbindQueue("node-a", EXCHANGE, "lookup.abc") in actions
+    assert [a.message.body for a in actions if isinstance(a, Publish)] == [b"freed"]

@@ -473,9 +473,7 @@ def test_an_id_findable_only_once_placed_is_offered_first_and_bound_before_any_a
     assert offer < bind  # the offer waits for no round trip; the Accepted goes behind it
     accepted = node.handle(award(the_offer(effects)), T0)
     assert [a.findable for a in node.ledger.allocations.values()] == [True]
-    assert not any(
-        isinstance(e, Unbind | Bind) and e.topic.startswith("lookup.") for e in accepted
-    )
+    assert not any(isinstance(e, Unbind | Bind) and e.topic.startswith("lookup.") for e in accepted)
 
 
 def test_a_released_or_expired_reservation_leaves_its_lookup_bucket() -> None:

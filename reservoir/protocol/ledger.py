@@ -125,6 +125,8 @@ class Reservation:
     superseded_by: str | None = None
     #: a Lookup for the id must find it (see ``ReservationRequest.findable``)
     findable: bool = False
+    #: a Lookup must find what it becomes (``ReservationRequest.findable_when_placed``)
+    findable_when_placed: bool = False
     #: the work each instance runs once awarded
     task: TaskSpec | None = None
 

@@ -698,19 +698,18 @@ class NodeMachine:
             request_count=request.count,
             group=request.group.name if request.group else None,
             numa=evaluation.numa or (),
-            findable=request.findable or request.findable_when_placed,
+            findable=request.findable,
+            findable_when_placed=request.findable_when_placed,
             task=request.task,
         )
         members_before = self._group_members(request)
         self.ledger.add_reservation(reservation)
         self.counters["reserved"] += 1
         self._expire_by(reservation.deadline, effects)
-        if request.findable:
-            # Findable by a Lookup for the id before anyone hears of the offer: another
-            # requestor placing the id finds this reservation. (Findable only once placed,
-            # it is bound after the offer, by handle(): what is sent after the binding,
-            # the award's Accepted, leaves once it is in place.)
-            self._sync_lookups(effects)
+        # Findable by a Lookup for the id before anyone hears of the offer: another
+        # requestor placing the id finds this reservation. (Findable only once placed,
+        # it is bound when awarded, before the Accepted: see _on_award.)
+        self._sync_lookups(effects)
         effects.append(
             Send(
                 request.reply_to,
@@ -811,7 +810,7 @@ class NodeMachine:
                 request_count=award.instances or reservation.request_count,
                 group=reservation.group,
                 numa=reservation.numa[index] if index < len(reservation.numa) else None,
-                findable=reservation.findable,
+                findable=reservation.findable or reservation.findable_when_placed,
                 requested_at_s=award.requested_at_s,
                 task=reservation.task,
                 reply_to=reservation.reply_to if reservation.task is not None else None,
@@ -819,6 +818,9 @@ class NodeMachine:
             self.ledger.add_allocation(allocation)
             allocations.append(allocation)
             effects.append(StoreAllocation(allocation))
+        # Found by a Lookup for the id before the requestor hears it is placed: what is
+        # sent after a bind leaves once the binding is in place.
+        self._sync_lookups(effects)
         effects.append(self._accepted(award.reply_to, reservation.reservation_id, allocations))
         # The work starts once the allocation is stored and Accepted is on its way.
         for allocation in allocations:

@@ -465,15 +465,15 @@ def test_a_node_binds_the_lookup_bucket_of_what_it_holds_before_it_offers() -> N
     assert Unbind(lookup_topic("r1")) in node.handle(free, T0)
 
 
-def test_an_id_findable_only_once_placed_is_offered_first_and_bound_before_any_award() -> None:
+def test_an_id_findable_only_once_placed_is_bound_when_awarded_before_it_is_accepted() -> None:
     node = a_node()
-    effects = node.handle(a_request(findable_when_placed=True), T0)
-    offer = next(i for i, e in enumerate(effects) if isinstance(e, Send))
-    bind = effects.index(Bind(lookup_topic("r1")))
-    assert offer < bind  # the offer waits for no round trip; the Accepted goes behind it
-    accepted = node.handle(award(the_offer(effects)), T0)
+    offered = node.handle(a_request(findable_when_placed=True), T0)
+    assert not [e for e in offered if isinstance(e, Bind) and e.topic.startswith("lookup.")]
+    accepted = node.handle(award(the_offer(offered)), T0)
+    bind = accepted.index(Bind(lookup_topic("r1")))
+    answer = next(i for i, e in enumerate(accepted) if isinstance(e, Send))
+    assert bind < answer  # found by a Lookup before the requestor hears it is placed
     assert [a.findable for a in node.ledger.allocations.values()] == [True]
-    assert not any(isinstance(e, Unbind | Bind) and e.topic.startswith("lookup.") for e in accepted)
 
 
 def test_a_released_or_expired_reservation_leaves_its_lookup_bucket() -> None:

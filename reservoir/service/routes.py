@@ -13,6 +13,7 @@ them into problem+json in whichever app includes them.
 """
 
 from typing import Annotated, Any
+from urllib.parse import quote
 
 from fastapi import APIRouter, Header, Query, Request, Response
 
@@ -60,9 +61,28 @@ def service_of(request: Request) -> ReservoirService:
     return service
 
 
+def placement_response(out: PlacementOut, status_code: int = 200, **headers: str) -> Response:
+    """``out`` as the answer, serialized once: returned as a ``Response``, FastAPI does
+    not validate it against the route's model again (the routes declare the model, for
+    the OpenAPI document)."""
+    return Response(
+        out.model_dump_json(), status_code=status_code, media_type="application/json",
+        headers=headers or None,
+    )  # fmt: skip
+
+
+def _location(request: Request, request_id: str) -> str:
+    """The reservation's URL, from the POST route's own path (any prefix the router was
+    included under is in it): ``url_for`` would search every route for it."""
+    route = request.scope.get("route")
+    path = getattr(route, "path", "/v1/reservations").lstrip("/")
+    return f"{request.base_url}{path}/{quote(request_id, safe='')}"
+
+
 @router.post(
     "/v1/reservations",
     status_code=201,
+    response_model=PlacementOut,
     responses={
         201: {
             "description": "placed; Location is the reservation's URL",
@@ -75,9 +95,8 @@ def service_of(request: Request) -> ReservoirService:
 async def create_reservation(
     body: ReservationIn,
     request: Request,
-    response: Response,
     idempotency_key: Annotated[str | None, Header()] = None,
-) -> PlacementOut:
+) -> Response:
     """Place a request. The ``Idempotency-Key`` header (or the body's ``request_id``)
     is its request id: 201 with the placement when this call placed it (or found it on
     the nodes); 200 with the same placement when this process already answered for
@@ -90,14 +109,12 @@ async def create_reservation(
     if key is not None:
         replayed = await _replay(service, key, body)
         if replayed is not None:
-            response.status_code = 200
-            return PlacementOut.of(replayed)
+            return placement_response(PlacementOut.of(replayed))
     placement = await _place(service, spec, key, body.timeout_s)
     request.state.request_id = placement.request_id
-    response.headers["Location"] = str(
-        request.url_for("get_reservation", request_id=placement.request_id)
+    return placement_response(
+        PlacementOut.of(placement), 201, Location=_location(request, placement.request_id)
     )
-    return PlacementOut.of(placement)
 
 
 def _idempotency_key(body: ReservationIn, header: str | None) -> str | None:
@@ -183,8 +200,10 @@ async def _find(service: ReservoirService, request_id: str, where: str) -> Holdi
         ) from None
 
 
-@router.get("/v1/reservations/{request_id}", responses=RESERVATION_PROBLEMS)
-async def get_reservation(request_id: str, request: Request) -> PlacementOut:
+@router.get(
+    "/v1/reservations/{request_id}", response_model=PlacementOut, responses=RESERVATION_PROBLEMS
+)
+async def get_reservation(request_id: str, request: Request) -> Response:
     """The placement the nodes hold under ``request_id``, whichever replica placed it
     (asked of the nodes: one lookup on the id's topic, answered by each holder), with
     the state of its tasks if it carried one (``tasks``; a task that ended freed its
@@ -194,7 +213,9 @@ async def get_reservation(request_id: str, request: Request) -> PlacementOut:
     holdings = await _find(service_of(request), request_id, "path.request_id")
     if not holdings.held:
         raise Problem(404, "no such reservation", f"no node holds {request_id!r}")
-    return PlacementOut.of(holdings.placement, list(holdings.tasks), request_id=request_id)
+    return placement_response(
+        PlacementOut.of(holdings.placement, list(holdings.tasks), request_id=request_id)
+    )
 
 
 @router.delete(

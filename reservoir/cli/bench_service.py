@@ -80,6 +80,14 @@ def _parse_url(ctx: click.Context, param: click.Parameter, value: str) -> Broker
     help="POST, GET, DELETE cycles of the concurrent clients, unkeyed and again keyed.",
 )
 @click.option(
+    "--load-seconds",
+    "load_s",
+    default=4,
+    show_default=True,
+    type=click.IntRange(1, 600),
+    help="How long wrk POSTs in each throughput run (with wrk installed).",
+)
+@click.option(
     "--json",
     "as_json",
     is_flag=True,
@@ -93,6 +101,7 @@ def bench_service(
     clients: int,
     sequential: int,
     cycles: int,
+    load_s: int,
     as_json: bool,
 ) -> None:
     """Measure reservoir serve as its users meet it, over real HTTP with concurrent
@@ -131,6 +140,7 @@ def bench_service(
                 clients=clients,
                 sequential=sequential,
                 cycles=cycles,
+                load_s=load_s,
                 progress=progress,
             )
     except BrokerError as error:

@@ -5,6 +5,7 @@ audit at the end, clear errors. A short run; no timing is asserted."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 from click.testing import CliRunner
@@ -20,7 +21,8 @@ def test_a_short_run_measures_the_service_beside_the_library_and_audits_the_node
     result = CliRunner().invoke(
         bench_service,
         ["--broker", reservoir_amqp_broker_url, "--nodes", "3", "--node-processes", "1",
-         "--replicas", "2", "--clients", "4", "--sequential", "10", "--cycles", "24", "--json"],
+         "--replicas", "2", "--clients", "4", "--sequential", "10", "--cycles", "24",
+         "--load-seconds", "1", "--json"],
     )  # fmt: skip
     assert result.exit_code == 0, result.stderr
     found = json.loads(result.stdout)
@@ -41,6 +43,7 @@ def test_a_short_run_measures_the_service_beside_the_library_and_audits_the_node
         "duplicate_placements": 0,
     }
     assert set(found["targets"]) >= {"post_p50_over_library", "get_p50_other_ms", "held_at_end"}
+    assert found["load_tool"] == ("wrk" if shutil.which("wrk") else "httpx")
 
 
 def test_memory_is_refused_in_one_line() -> None:

@@ -16,8 +16,10 @@ This module owns one run, in order:
      library's, and the replicas' CPU per POST and DELETE against the library's per
      placement and release); GET of a placement on the replica that placed it, on
      another, and of ids nobody holds;
-   - ``--clients`` clients at once POSTing on one replica (placements per second against
-     the library's), then on every replica;
+   - ``--clients`` connections at once POSTing on one replica (placements per second
+     against the library's), then on every replica: driven by wrk, a C load tool, where
+     it is installed (a Python client's own CPU would be a large share of the machine's),
+     else by httpx clients of this process, which the result says (``load_tool``);
    - ``--clients`` clients at once, each POST then GET (on the next replica) then DELETE,
      ``--cycles`` times, unkeyed and keyed: every answer counted by status, and any 404
      for an id that was just placed is a failure of the run;
@@ -31,17 +33,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import secrets
+import shutil
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Final
 
 from brokers import BrokerUrl
@@ -63,6 +69,8 @@ HTTP_TIMEOUT_S: Final = 30.0
 WARMUP: Final = 20
 #: unknown ids a GET asks for
 UNKNOWN_GETS: Final = 100
+#: how long wrk POSTs in a throughput run, by default
+WRK_DURATION_S: Final = 4
 
 Progress = Callable[[str], None]
 
@@ -108,7 +116,7 @@ class ServiceBenchResult:
     #: the service, one request at a time (the replica that placed, and another)
     http: dict[str, float]
     #: placements per second with ``clients`` at once: the library's requestor, one
-    #: replica, every replica
+    #: replica, every replica (the replicas' driven by ``load_tool``)
     library_per_s: float
     post_per_s_one_replica: float
     post_per_s_every_replica: float
@@ -124,6 +132,8 @@ class ServiceBenchResult:
     not_found_for_held: int
     #: instances the nodes hold at the end (every placement was deleted)
     held_at_end: int
+    #: what drove the concurrent POSTs: ``wrk`` (a C load tool), else ``httpx``
+    load_tool: str
     audit: dict[str, int]
     elapsed_s: float
     ratios: dict[str, float] = field(default_factory=dict)
@@ -143,6 +153,7 @@ def run_service_bench(
     clients: int = 16,
     sequential: int = 300,
     cycles: int = 1000,
+    load_s: int = WRK_DURATION_S,
     progress: Progress = lambda message: None,
 ) -> ServiceBenchResult:
     """One run; see the module docstring. Raises :class:`BenchError` when the run cannot
@@ -154,7 +165,8 @@ def run_service_bench(
     run_id = secrets.token_hex(4)
     exchange, _ = run_exchanges(url, run_id)
     run_url = url.with_exchange(exchange)
-    slots = 4 * (sequential * 6 + cycles * 2 + clients * 200) // nodes + 64
+    # what the run holds at once at most: wrk's POSTs (at up to 3,000 a second) are the most
+    slots = 4 * (sequential * 6 + cycles * 2 + clients * 200 + 3000 * load_s) // nodes + 64
     with contextlib.ExitStack() as stack:
         stack.callback(_delete_exchanges, run_url)
         progress(f"starting {nodes} node agents in {node_processes} processes")
@@ -173,7 +185,13 @@ def run_service_bench(
         progress(f"starting {replicas} reservoir serve replica(s)")
         bases = [stack.enter_context(_replica(run_url, index)) for index in range(replicas)]
         progress("the service over HTTP")
-        service = asyncio.run(_service(bases, sequential, cycles, clients, progress))
+
+        def held_ids() -> list[str]:
+            return sorted({r for ledger in host.ledgers() for r in ledger["instances"]})
+
+        service = asyncio.run(
+            _service(bases, sequential, cycles, clients, load_s, progress, held_ids)
+        )
         ledgers = host.ledgers()
     audit = audit_ledgers(ledgers)
     held = sum(count for s in ledgers for count, _asked in s["instances"].values())
@@ -197,6 +215,7 @@ def run_service_bench(
         cycle_per_s=service.cycle_per_s,
         not_found_for_held=service.not_found_for_held,
         held_at_end=held,
+        load_tool=service.load_tool,
         audit=audit,
         elapsed_s=round(time.perf_counter() - started, 1),
         notes=service.notes,
@@ -383,6 +402,8 @@ class _Service:
     statuses: dict[str, dict[str, int]] = field(default_factory=dict)
     cycle_per_s: dict[str, float] = field(default_factory=dict)
     not_found_for_held: int = 0
+    #: what drove the concurrent POSTs: wrk where it is installed, else httpx
+    load_tool: str = "httpx"
     notes: list[str] = field(default_factory=list)
 
 
@@ -390,7 +411,13 @@ BODY: Final = {"vcpus": VCPUS, "memory_mb": MEMORY_MB}
 
 
 async def _service(
-    bases: list[str], sequential: int, cycles: int, clients: int, progress: Progress
+    bases: list[str],
+    sequential: int,
+    cycles: int,
+    clients: int,
+    load_s: int,
+    progress: Progress,
+    held_ids: Callable[[], list[str]],
 ) -> _Service:
     measured = _Service()
     pids = [_REPLICA_PIDS[base] for base in bases]
@@ -430,13 +457,32 @@ async def _service(
             **_summary("get_unknown", unknown),
         }
         progress(f"{clients} clients at once on one replica, then on every replica")
-        alone = [_client(bases[0]) for _ in range(clients)]
-        spread = [_client(bases[i % len(bases)]) for i in range(clients)]
-        opened.extend(alone + spread)
-        measured.per_s_one, measured.cpu_ms_per_post = await _throughput(
-            alone, sequential * 2, pids
-        )
-        measured.per_s_every, _ = await _throughput(spread, sequential * 2, pids)
+        if shutil.which("wrk") is not None:
+            measured.per_s_one, measured.cpu_ms_per_post = await _wrk_throughput(
+                bases[:1], clients, load_s, pids, opened
+            )
+            measured.per_s_every, _ = await _wrk_throughput(bases, clients, load_s, pids, opened)
+            measured.load_tool = "wrk"
+            # wrk hangs up on the POSTs in flight when its time is up: the replicas place
+            # them all the same (a client going away does not undo a placement), and
+            # nobody heard their ids. Once no replica has a placement in flight, whatever
+            # the nodes hold is theirs: freed as any caller would, by DELETE.
+            await _until_idle(opened[: len(bases)])
+            for request_id in held_ids():
+                await _delete(first, request_id)
+        else:
+            alone = [_client(bases[0]) for _ in range(clients)]
+            spread = [_client(bases[i % len(bases)]) for i in range(clients)]
+            opened.extend(alone + spread)
+            measured.per_s_one, measured.cpu_ms_per_post = await _throughput(
+                alone, sequential * 2, pids
+            )
+            measured.per_s_every, _ = await _throughput(spread, sequential * 2, pids)
+            measured.notes.append(
+                "wrk is not installed: the concurrent POSTs were httpx clients of this "
+                "process, whose own CPU (about 0.6 ms a request here) the machine's cores "
+                "spend beside the service's"
+            )
         for keyed_cycles in (False, True):
             label = "keyed" if keyed_cycles else "unkeyed"
             progress(f"{clients} clients at once: POST, GET, DELETE, {cycles} cycles, {label}")
@@ -527,6 +573,73 @@ async def _throughput(clients: list[Any], posts: int, pids: list[int]) -> tuple[
         by_client.setdefault(id(client), (client, []))[1].append(request_id)
     await asyncio.gather(*(free(client, ids) for client, ids in by_client.values()))
     return round(len(placed) / elapsed, 1), round(cpu_ms, 3)
+
+
+WRK_SCRIPT: Final = Path(__file__).with_name("post.lua")
+
+
+async def _wrk_throughput(
+    bases: list[str], clients: int, seconds: int, pids: list[int], opened: list[Any]
+) -> tuple[float, float]:
+    """``clients`` connections of wrk (a C load tool: its own CPU is a small part of what
+    an HTTP client in Python spends), split over ``bases``, POST for ``seconds``;
+    then every placement they made is deleted. Placements per second, and the replicas'
+    CPU per POST."""
+    with tempfile.TemporaryDirectory(prefix="reservoir-wrk-") as folder:
+        ids_at = str(Path(folder) / "ids")
+        share = [clients // len(bases) + (i < clients % len(bases)) for i in range(len(bases))]
+        cpu_before = _cpu_s(pids)
+        ran = await asyncio.gather(
+            *(
+                asyncio.to_thread(_run_wrk, base, connections, seconds, f"{ids_at}-{i}", f"{i}")
+                for i, (base, connections) in enumerate(zip(bases, share, strict=True))
+                if connections
+            )
+        )
+        cpu_s = _cpu_s(pids) - cpu_before
+        requests = sum(r["requests"] for r in ran)
+        refused = sum(r["non_2xx"] + r["errors"] for r in ran)
+        if refused:
+            raise BenchError(f"wrk's POSTs: {refused} of {requests} were not answered 201")
+        ids = [line for path in Path(folder).glob("ids-*") for line in path.read_text().split()]
+    took_s = max(r["duration_us"] for r in ran) / 1e6
+    by_base = {base: _client(base) for base in bases}
+    opened.extend(by_base.values())
+    # freed on the replica that placed each (any replica would do): 16 at a time
+    lanes: list[list[str]] = [ids[i :: max(clients, 1)] for i in range(max(clients, 1))]
+    first = by_base[bases[0]]
+
+    async def free(lane: list[str]) -> None:
+        for request_id in lane:
+            await _delete(first, request_id)
+
+    await asyncio.gather(*(free(lane) for lane in lanes))
+    return round(len(ids) / took_s, 1), round(cpu_s / max(len(ids), 1) * 1000, 3)
+
+
+async def _until_idle(replicas: list[Any]) -> None:
+    """Until no replica has a placement or release in flight (``/healthz``)."""
+    for _ in range(600):
+        answers = [await replica.get("/healthz") for replica in replicas]
+        if all(a.status_code == 200 and a.json().get("in_flight") == 0 for a in answers):
+            return
+        await asyncio.sleep(0.05)
+    raise BenchError("the replicas still had placements in flight after 30 s")
+
+
+def _run_wrk(base: str, connections: int, seconds: int, ids_at: str, tag: str) -> dict[str, int]:
+    threads = max(1, min(2, connections))
+    done = subprocess.run(
+        ["wrk", "-t", str(threads), "-c", str(connections), "-d", f"{seconds}s",
+         "--latency", "-s", str(WRK_SCRIPT), f"{base}/v1/reservations", "--", ids_at, tag],
+        capture_output=True, text=True, timeout=seconds + 60, check=False,
+    )  # fmt: skip
+    last = done.stdout.strip().splitlines()[-1:] or [""]
+    try:
+        found: dict[str, int] = json.loads(last[0])
+    except ValueError:
+        raise BenchError(f"wrk said no summary: {done.stderr.strip()[-300:]}") from None
+    return found
 
 
 async def _cycles(

@@ -4,6 +4,7 @@ same nodes in the same run (:mod:`reservoir.tools.bench.service` does the run)."
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import click
@@ -212,6 +213,12 @@ def _print_table(result: object) -> None:
         f"x{ratios['post_per_s_over_library']:.2f}")  # fmt: skip
     row(f"  on {r.replicas} replica(s)", "", f"{r.post_per_s_every_replica:,.0f}")
     row("  the replicas' CPU per POST", "", f"{r.serve_cpu_ms_per_post_under_load:.2f} ms")
+    library_cpu = sum(r.library_cpu_ms_per_placement.values())
+    service_cpu = sum(r.service_cpu_ms_per_post.values())
+    row("  CPU per placement, every process", f"{library_cpu:.2f} ms", f"{service_cpu:.2f} ms")
+    cores = os.cpu_count()
+    row(f"  placements/s {cores} cores allow at that", f"{r.library_cpu_bound_per_s:,.0f}",
+        f"{r.service_cpu_bound_per_s:,.0f}")  # fmt: skip
     for label, per_s in r.cycle_per_s.items():
         statuses = ", ".join(f"{k}: {v}" for k, v in r.cycle_statuses[label].items())
         row(f"cycles/s, {label} ({statuses})", "", f"{per_s:,.0f}")
@@ -219,5 +226,10 @@ def _print_table(result: object) -> None:
     row("instances held at the end", "", str(r.held_at_end), "held_at_end")
     console.print(table)
     console.print(f"audit: {r.audit}")
+    console.print(f"the concurrent POSTs were driven by {r.load_tool}")
+    library_parts = ", ".join(f"{k} {v:.3f}" for k, v in r.library_cpu_ms_per_placement.items())
+    service_parts = ", ".join(f"{k} {v:.3f}" for k, v in r.service_cpu_ms_per_post.items())
+    console.print(f"CPU per placement by part (ms): library {library_parts}")
+    console.print(f"  service {service_parts}")
     for note in r.notes:
         console.print(f"note: {note}")

@@ -35,6 +35,7 @@ import asyncio
 import contextlib
 import json
 import os
+import resource
 import secrets
 import shutil
 import socket
@@ -55,6 +56,7 @@ from reservoir.runtime.requestor import Requestor
 from reservoir.runtime.settings import Settings
 from reservoir.tools.bench.children import ProcessNodes, child_env
 from reservoir.tools.bench.errors import BenchError
+from reservoir.tools.bench.limits import broker_processes
 from reservoir.tools.bench.runner import audit_ledgers, bench_url, percentile, run_exchanges
 
 __all__ = ["ServiceBenchResult", "run_service_bench"]
@@ -125,6 +127,13 @@ class ServiceBenchResult:
     library_cpu_ms_per_cycle: float
     serve_cpu_ms_per_cycle: float
     serve_cpu_ms_per_post_under_load: float
+    #: CPU per placement of the concurrent runs by part (the library's requestor is "this
+    #: process"; the service's clients are the load tool), and the placements per second
+    #: the machine's cores allow at those costs
+    library_cpu_ms_per_placement: dict[str, float]
+    service_cpu_ms_per_post: dict[str, float]
+    library_cpu_bound_per_s: float
+    service_cpu_bound_per_s: float
     #: the concurrent cycles, unkeyed and keyed: answers by method and status
     cycle_statuses: dict[str, dict[str, int]]
     cycle_per_s: dict[str, float]
@@ -180,17 +189,19 @@ def run_service_bench(
         )
         stack.callback(host.stop)
         host.wait_ready(READY_TIMEOUT_S)
+        parts = _Parts({"nodes": host.pids, "broker": broker_processes(url)})
         progress("the library: one request at a time, then concurrently")
-        library = _library(run_url, sequential, clients)
+        library = _library(run_url, sequential, clients, parts)
         progress(f"starting {replicas} reservoir serve replica(s)")
         bases = [stack.enter_context(_replica(run_url, index)) for index in range(replicas)]
+        parts.parts["replicas"] = [_REPLICA_PIDS[base] for base in bases]
         progress("the service over HTTP")
 
         def held_ids() -> list[str]:
             return sorted({r for ledger in host.ledgers() for r in ledger["instances"]})
 
         service = asyncio.run(
-            _service(bases, sequential, cycles, clients, load_s, progress, held_ids)
+            _service(bases, sequential, cycles, clients, load_s, progress, held_ids, parts)
         )
         ledgers = host.ledgers()
     audit = audit_ledgers(ledgers)
@@ -211,6 +222,10 @@ def run_service_bench(
         library_cpu_ms_per_cycle=library.cpu_ms_per_cycle,
         serve_cpu_ms_per_cycle=service.cpu_ms_per_cycle,
         serve_cpu_ms_per_post_under_load=service.cpu_ms_per_post,
+        library_cpu_ms_per_placement=library.cpu_ms_per_placement,
+        service_cpu_ms_per_post=service.cpu_ms_per_post_by_part,
+        library_cpu_bound_per_s=_bound(library.cpu_ms_per_placement),
+        service_cpu_bound_per_s=_bound(service.cpu_ms_per_post_by_part),
         cycle_statuses=service.statuses,
         cycle_per_s=service.cycle_per_s,
         not_found_for_held=service.not_found_for_held,
@@ -253,6 +268,40 @@ def _ratios(result: ServiceBenchResult) -> dict[str, float]:
     }
 
 
+# -- what the machine spends ---------------------------------------------------------------
+
+
+class _Parts:
+    """The CPU the run's processes spend, by part: ``this process`` (the library's
+    requestor, or the HTTP clients), the replicas, the node processes, the broker and the
+    load tool (wrk, a child that has ended)."""
+
+    def __init__(self, parts: dict[str, list[int]]) -> None:
+        self.parts = parts
+
+    def read(self) -> dict[str, float]:
+        children = resource.getrusage(resource.RUSAGE_CHILDREN)
+        read = {part: _cpu_s(pids) for part, pids in self.parts.items() if pids}
+        read["this process"] = time.process_time()
+        read["load tool"] = children.ru_utime + children.ru_stime
+        return read
+
+    def per(self, before: dict[str, float], count: int) -> dict[str, float]:
+        """CPU (ms) per one of ``count`` since ``before``, by part."""
+        after = self.read()
+        return {
+            part: round((after[part] - before[part]) / max(count, 1) * 1000, 3)
+            for part in after
+            if part in before
+        }
+
+
+def _bound(per_ms: dict[str, float]) -> float:
+    """What the machine's cores allow at ``per_ms`` CPU (every part's) per placement."""
+    total = sum(per_ms.values())
+    return round((os.cpu_count() or 1) * 1000 / total, 1) if total > 0 else 0.0
+
+
 # -- the library ------------------------------------------------------------------------
 
 
@@ -261,9 +310,11 @@ class _Library:
     latencies: dict[str, float]
     per_s: float
     cpu_ms_per_cycle: float
+    #: CPU per placement of the concurrent run, by part
+    cpu_ms_per_placement: dict[str, float]
 
 
-def _library(url: BrokerUrl, sequential: int, clients: int) -> _Library:
+def _library(url: BrokerUrl, sequential: int, clients: int, parts: _Parts) -> _Library:
     """One requestor of this process, as an API worker embeds it."""
     with Requestor(url, settings=Settings(broker_url=url)) as requestor:
         for _ in range(WARMUP):
@@ -286,7 +337,7 @@ def _library(url: BrokerUrl, sequential: int, clients: int) -> _Library:
             )
             keyed.append(time.perf_counter() - began)
             requestor.release(placement)
-        per_s = _library_throughput(requestor, clients, sequential * 2)
+        per_s, by_part = _library_throughput(requestor, clients, sequential * 2, parts)
     return _Library(
         latencies={
             **_summary("reserve", reserve),
@@ -295,11 +346,15 @@ def _library(url: BrokerUrl, sequential: int, clients: int) -> _Library:
         },
         per_s=per_s,
         cpu_ms_per_cycle=round(cpu_ms, 3),
+        cpu_ms_per_placement=by_part,
     )
 
 
-def _library_throughput(requestor: Requestor, threads: int, placements: int) -> float:
-    """``threads`` threads place ``placements`` between them at once, then release them."""
+def _library_throughput(
+    requestor: Requestor, threads: int, placements: int, parts: _Parts
+) -> tuple[float, dict[str, float]]:
+    """``threads`` threads place ``placements`` between them at once (placements per
+    second, and the CPU per placement by part), then release them."""
     placed: list[Any] = []
     lock = threading.Lock()
     left = [placements]
@@ -319,14 +374,16 @@ def _library_throughput(requestor: Requestor, threads: int, placements: int) -> 
     workers = [threading.Thread(target=place) for _ in range(threads)]
     for worker in workers:
         worker.start()
+    before = parts.read()
     start.wait()
     began = time.perf_counter()
     for worker in workers:
         worker.join()
     per_s = len(placed) / (time.perf_counter() - began)
+    by_part = parts.per(before, len(placed))
     for placement in placed:
         requestor.release(placement)
-    return round(per_s, 1)
+    return round(per_s, 1), by_part
 
 
 # -- the service ------------------------------------------------------------------------
@@ -399,6 +456,7 @@ class _Service:
     per_s_every: float = 0.0
     cpu_ms_per_cycle: float = 0.0
     cpu_ms_per_post: float = 0.0
+    cpu_ms_per_post_by_part: dict[str, float] = field(default_factory=dict)
     statuses: dict[str, dict[str, int]] = field(default_factory=dict)
     cycle_per_s: dict[str, float] = field(default_factory=dict)
     not_found_for_held: int = 0
@@ -418,6 +476,7 @@ async def _service(
     load_s: int,
     progress: Progress,
     held_ids: Callable[[], list[str]],
+    parts: _Parts,
 ) -> _Service:
     measured = _Service()
     pids = [_REPLICA_PIDS[base] for base in bases]
@@ -458,10 +517,12 @@ async def _service(
         }
         progress(f"{clients} clients at once on one replica, then on every replica")
         if shutil.which("wrk") is not None:
-            measured.per_s_one, measured.cpu_ms_per_post = await _wrk_throughput(
-                bases[:1], clients, load_s, pids, opened
+            measured.per_s_one, by_part = await _wrk_throughput(
+                bases[:1], clients, load_s, opened, parts
             )
-            measured.per_s_every, _ = await _wrk_throughput(bases, clients, load_s, pids, opened)
+            measured.cpu_ms_per_post_by_part = by_part
+            measured.cpu_ms_per_post = by_part.get("replicas", 0.0)
+            measured.per_s_every, _ = await _wrk_throughput(bases, clients, load_s, opened, parts)
             measured.load_tool = "wrk"
             # wrk hangs up on the POSTs in flight when its time is up: the replicas place
             # them all the same (a client going away does not undo a placement), and
@@ -579,16 +640,16 @@ WRK_SCRIPT: Final = Path(__file__).with_name("post.lua")
 
 
 async def _wrk_throughput(
-    bases: list[str], clients: int, seconds: int, pids: list[int], opened: list[Any]
-) -> tuple[float, float]:
+    bases: list[str], clients: int, seconds: int, opened: list[Any], parts: _Parts
+) -> tuple[float, dict[str, float]]:
     """``clients`` connections of wrk (a C load tool: its own CPU is a small part of what
     an HTTP client in Python spends), split over ``bases``, POST for ``seconds``;
-    then every placement they made is deleted. Placements per second, and the replicas'
-    CPU per POST."""
+    then every placement they made is deleted. Placements per second, and the CPU per
+    POST by part, meanwhile."""
+    before = parts.read()
     with tempfile.TemporaryDirectory(prefix="reservoir-wrk-") as folder:
         ids_at = str(Path(folder) / "ids")
         share = [clients // len(bases) + (i < clients % len(bases)) for i in range(len(bases))]
-        cpu_before = _cpu_s(pids)
         ran = await asyncio.gather(
             *(
                 asyncio.to_thread(_run_wrk, base, connections, seconds, f"{ids_at}-{i}", f"{i}")
@@ -596,12 +657,12 @@ async def _wrk_throughput(
                 if connections
             )
         )
-        cpu_s = _cpu_s(pids) - cpu_before
         requests = sum(r["requests"] for r in ran)
         refused = sum(r["non_2xx"] + r["errors"] for r in ran)
         if refused:
             raise BenchError(f"wrk's POSTs: {refused} of {requests} were not answered 201")
         ids = [line for path in Path(folder).glob("ids-*") for line in path.read_text().split()]
+        by_part = parts.per(before, len(ids))
     took_s = max(r["duration_us"] for r in ran) / 1e6
     by_base = {base: _client(base) for base in bases}
     opened.extend(by_base.values())
@@ -614,7 +675,7 @@ async def _wrk_throughput(
             await _delete(first, request_id)
 
     await asyncio.gather(*(free(lane) for lane in lanes))
-    return round(len(ids) / took_s, 1), round(cpu_s / max(len(ids), 1) * 1000, 3)
+    return round(len(ids) / took_s, 1), by_part
 
 
 async def _until_idle(replicas: list[Any]) -> None:

@@ -425,8 +425,9 @@ class Requestor(Driver):
         attempts; the requestor goes on freeing there, less often, while it runs."""
         self.release_future(placement).result(timeout=timeout_s)
 
-    async def release_async(self, placement: Placement) -> None:
-        await asyncio.wrap_future(self.release_future(placement))
+    async def release_async(self, placement: Placement) -> tuple[str, ...]:
+        """:meth:`release_future`, awaited: the ids of the allocations the nodes freed."""
+        return await asyncio.wrap_future(self.release_future(placement))
 
     # -- finding -----------------------------------------------------------------------
 

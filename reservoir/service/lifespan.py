@@ -293,11 +293,23 @@ class ReservoirService:
 
     async def _release(self, request_id: str) -> None:
         try:
+            cached = self.placements.get(request_id)
+            freed: set[str] = set()
+            if cached is not None:
+                # What this process answered with, freed straight away, no lookup first:
+                # done if every holder freed exactly it.
+                freed = set(await self.requestor.release_async(cached))
+                if freed == {a.allocation_id for a in cached.allocations}:
+                    return
+            # Not placed here, or not all there any more (released through another
+            # replica, or placed again elsewhere): what do the nodes hold?
             holdings = await self.requestor.holdings_async(request_id)
             if not holdings.settled:
                 raise _not_known(holdings)
             found = holdings.placement
             if found is None:
+                if freed:
+                    return  # we freed part of what we placed; nothing else holds it
                 ended = " (its tasks ended and freed it)" if holdings.tasks else ""
                 raise Problem(404, "no such reservation", f"no node holds {request_id!r}{ended}")
             # FreeIncomplete: the requestor goes on freeing there; a retried DELETE frees

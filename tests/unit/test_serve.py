@@ -188,10 +188,10 @@ def test_a_key_being_released_is_not_placed_again_under_the_release(
         entered, gate = asyncio.Event(), asyncio.Event()
         release = service.requestor.release_async
 
-        async def gated_release(placement: Placement) -> None:
+        async def gated_release(placement: Placement) -> tuple[str, ...]:
             entered.set()
             await gate.wait()
-            await release(placement)
+            return await release(placement)
 
         monkeypatch.setattr(service.requestor, "release_async", gated_release)
         deleting = asyncio.create_task(client.delete("/v1/reservations/order-3"))

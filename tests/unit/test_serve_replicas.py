@@ -246,3 +246,50 @@ def test_a_bad_id_is_a_422_naming_the_path_and_a_down_broker_a_503(
         node.close()
         broker.close()
     audited(nodes, [])
+
+
+def lookups_sent(app: Any) -> int:
+    """Lookups the replica's requestor (and its finder, which counts in the same
+    metrics) has sent."""
+    service = app.state.reservoir
+    assert isinstance(service, ReservoirService)
+    return int(service.requestor.metrics.get("sent", "lookup"))
+
+
+def test_a_delete_on_the_replica_that_placed_frees_it_with_no_lookup(
+    broker: InProcessBroker, nodes: list[NodeAgent]
+) -> None:
+    app = create_app(broker)
+
+    async def main() -> None:
+        async with serving(app) as a:
+            created = await a.post("/v1/reservations", json={**SHAPE, "count": 2})
+            request_id = created.json()["request_id"]
+            assert (await a.get(f"/v1/reservations/{request_id}")).status_code == 200
+            before = lookups_sent(app)
+            assert before == 1  # the GET's: the counter counts what a find sends
+            assert (await a.delete(f"/v1/reservations/{request_id}")).status_code == 204
+            assert lookups_sent(app) == before  # it knew what it placed: freed at once
+            assert held(nodes) == 0
+            # a second DELETE, nothing held now, is a 404 from the nodes
+            assert (await a.delete(f"/v1/reservations/{request_id}")).status_code == 404
+
+    asyncio.run(main())
+    audited(nodes, [])
+
+
+def test_a_delete_of_what_another_replica_released_is_a_404_not_a_204(
+    broker: InProcessBroker, nodes: list[NodeAgent]
+) -> None:
+    async def scenario(a: Client, b: Client) -> None:
+        key = {"Idempotency-Key": "stale-1"}
+        created = await a.post("/v1/reservations", json=SHAPE, headers=key)
+        assert created.status_code == 201
+        assert (await b.delete("/v1/reservations/stale-1")).status_code == 204
+        # A still remembers it; the nodes freed nothing of it for A
+        gone = await a.delete("/v1/reservations/stale-1")
+        assert gone.status_code == 404, gone.text
+        assert held(nodes) == 0
+
+    two_replicas(broker, scenario)
+    audited(nodes, [])

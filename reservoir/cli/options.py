@@ -253,14 +253,16 @@ def ledgers(
 
 
 def open_requestor(broker_url: str | BrokerUrl | None) -> Requestor:
-    """A :class:`~reservoir.Requestor` on the command's broker, or the one line and exit 3."""
+    """A :class:`~reservoir.Requestor` on the command's broker, or the one line and exit 3.
+    What it places is findable by its id, generated ids too (``findable``): ``reservoir
+    serve``'s GET and DELETE, and ``reservoir free``, find it from any process."""
     from reservoir.runtime.backoff import quietly_connecting
     from reservoir.runtime.requestor import Requestor
 
     settings = load_settings(broker_url=broker_url)
     try:
         with quietly_connecting():
-            return Requestor(settings.broker_url, settings=settings)
+            return Requestor(settings.broker_url, settings=settings, findable=True)
     except BrokerError as error:
         cannot_reach_broker(error)
 

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from brokers import connect
+from reservoir.runtime.requestor import Requestor
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.e2e]
 
@@ -153,6 +154,12 @@ def test_a_request_places_on_one_of_two_nodes_and_an_oversized_one_fails(
     assert status == 0, placed
     assert placed["placed"] is True
     assert [a["node"] for a in placed["allocations"]] in (["a"], ["b"])
+    # its generated id is findable by any process (a replica of reservoir serve, say)
+    with Requestor(cluster.env["RESERVOIR_BROKER_URL"]) as other:
+        found = other.find(placed["request_id"])
+    assert found is not None and [a.node for a in found.allocations] == [
+        a["node"] for a in placed["allocations"]
+    ]
     status, failed = cluster.request("--vcpus", "64", "--memory-mb", "1024")
     assert status == 1
     assert failed["placed"] is False

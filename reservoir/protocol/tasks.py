@@ -56,20 +56,14 @@ class NodeTask:
             request_id=self.request_id,
             sender="-",
             reply_to="-",
-            allocation_id=self.allocation_id,
-            # "started" is news once; asked again, a task that started is running
-            state=cast(TaskStateName, "running" if self.state == "started" else self.state),
-            driver=self.driver,
-            exit_code=self.exit_code,
-            reason=self.reason,
-            limits=self.limits,
-            kept=self.keep_allocation,
+            **msgspec.structs.asdict(self.summary()),
         )
 
     def summary(self) -> TaskReport:
         """The task's state as a part of another answer (``AlreadyPlaced.tasks``)."""
         return TaskReport(
             allocation_id=self.allocation_id,
+            # "started" is news once; asked again, a task that started is running
             state=cast(TaskStateName, "running" if self.state == "started" else self.state),
             driver=self.driver,
             exit_code=self.exit_code,

@@ -46,8 +46,8 @@ def extras() -> dict[str, list[str]]:
 def test_each_hint_names_the_packages_of_its_extra_which_install_however_reservoir_was() -> None:
     # not 'reservoir-scheduler[api]', which no index has until a release is published
     assert install_hint("api") == (
-        "pip install 'fastapi>=0.110' 'uvicorn>=0.29' 'prometheus-client>=0.20' 'httpx>=0.27' "
-        "(the api extra)"
+        "pip install 'fastapi>=0.110' 'uvicorn>=0.29' \"uvloop>=0.19; sys_platform != 'win32'\" "
+        "'httptools>=0.6' 'prometheus-client>=0.20' 'httpx>=0.27' (the api extra)"
     )
     for extra, packages in extras().items():
         assert install_hint(extra) == (

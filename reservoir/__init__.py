@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from reservoir.protocol.numa import NumaCell, NumaTopology, PciDevice
     from reservoir.protocol.placement import (
         Explanation,
+        Holdings,
         PlacedAllocation,
         Placement,
         PlacementError,
@@ -40,7 +41,12 @@ if TYPE_CHECKING:
     from reservoir.protocol.tiers import TierLadder
     from reservoir.runtime.keeper import RosterKeeper
     from reservoir.runtime.node_agent import NodeAgent
-    from reservoir.runtime.requestor import FreeIncomplete, Requestor, RequestorClosed
+    from reservoir.runtime.requestor import (
+        FindIncomplete,
+        FreeIncomplete,
+        Requestor,
+        RequestorClosed,
+    )
     from reservoir.runtime.settings import Settings
     from reservoir.runtime.store import SqliteStore, StateError
 
@@ -56,7 +62,9 @@ _WHERE = {
     "Endpoint": "reservoir.broker",
     "Explanation": "reservoir.protocol.placement",
     "FakeClock": "reservoir.clock",
+    "FindIncomplete": "reservoir.runtime.requestor",
     "FreeIncomplete": "reservoir.runtime.requestor",
+    "Holdings": "reservoir.protocol.placement",
     "GroupSpec": "reservoir.protocol.messages",
     "Inventory": "reservoir.protocol.ledger",
     "NodeAgent": "reservoir.runtime.node_agent",
@@ -110,8 +118,10 @@ __all__ = [
     "Endpoint",
     "Explanation",
     "FakeClock",
+    "FindIncomplete",
     "FreeIncomplete",
     "GroupSpec",
+    "Holdings",
     "Inventory",
     "NodeAgent",
     "NodeSnapshot",

@@ -451,6 +451,12 @@ class Requestor(Driver):
         deadline_s = self.settings.max_widen_s if deadline_s is None else deadline_s
         return self._open_finder().find_future(request_id, deadline_s, expected=expected)
 
+    def holdings(self, request_id: str, *, deadline_s: float | None = None) -> Holdings:
+        """:meth:`holdings_future`, waited for (blocking; thread-safe)."""
+        future = self.holdings_future(request_id, deadline_s=deadline_s)
+        wait_s = self.settings.max_widen_s if deadline_s is None else deadline_s
+        return future.result(timeout=wait_s + _VERDICT_GRACE_S)
+
     async def holdings_async(self, request_id: str, *, deadline_s: float | None = None) -> Holdings:
         """:meth:`holdings_future` without blocking the running event loop."""
         if self._finder is None:
@@ -463,9 +469,7 @@ class Requestor(Driver):
         otherwise what they hold, ``requested`` being the instances held), or None when
         they hold none (blocking; thread-safe). Raises :class:`FindIncomplete` when not
         every holder answered before the deadline: see :meth:`holdings_future`."""
-        future = self.holdings_future(request_id, deadline_s=deadline_s)
-        wait_s = self.settings.max_widen_s if deadline_s is None else deadline_s
-        return _found(future.result(timeout=wait_s + _VERDICT_GRACE_S))
+        return _found(self.holdings(request_id, deadline_s=deadline_s))
 
     async def find_async(
         self, request_id: str, *, deadline_s: float | None = None

@@ -11,7 +11,8 @@ PROTOCOL = Path(reservoir.__file__).parent / "protocol"
 
 PUBLIC_NAMES = {
     "Allocation", "AuditFailed", "AuditReport", "Broker", "BrokerError", "Clock", "Delivery",
-    "Endpoint", "Explanation", "FakeClock", "FreeIncomplete", "GroupSpec", "Inventory",
+    "Endpoint", "Explanation", "FakeClock", "FindIncomplete", "FreeIncomplete", "GroupSpec",
+    "Holdings", "Inventory",
     "NodeAgent", "NodeSnapshot", "NumaCell", "NumaSpec", "NumaTopology", "PciDevice",
     "PlacedAllocation",
     "Placement",

@@ -187,6 +187,9 @@ class Conversation:
     expected: set[str] = field(default_factory=set)
     #: the caller's trace context (W3C traceparent), carried on requests and awards
     traceparent: str | None = None
+    #: the features the request uses (``ReservationRequest.needs``): only nodes that say
+    #: they know them are probed
+    needs: frozenset[str] = frozenset()
     #: the timers set and not yet fired or cancelled, by kind (the latest of each kind)
     armed: dict[TimerKind, ConversationTimer] = field(default_factory=dict)
 

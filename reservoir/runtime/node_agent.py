@@ -63,6 +63,7 @@ from reservoir.runtime.tasks import (
     drivers_by_name,
     load_task_drivers,
 )
+from reservoir.version import __version__
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -171,8 +172,11 @@ class NodeAgent(Driver):
             filters=tuple(filters) if filters is not None else load_filters(settings.filters),
             weighers=tuple(weighers) if weighers is not None else load_weighers(settings.weighers),
             numa=numa,
-            configuration=dict(configuration or {}),
+            # the release goes with the configuration, so that whoever asks for the
+            # ledger (reservoir nodes) learns it from a node of any release it runs beside
+            configuration={**(configuration or {}), "release": __version__},
             task_drivers=frozenset(drivers),
+            release=__version__,
         )
         self.machine = NodeMachine(config, allocations=self.store.load())
         #: allocation id -> the handle of its running task

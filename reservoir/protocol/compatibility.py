@@ -50,6 +50,7 @@ from reservoir.protocol.messages import (
 
 __all__ = [
     "ADDED",
+    "ADDED_KINDS",
     "FEATURES",
     "KNOWN_FEATURES",
     "OLDEST_RELEASE",
@@ -159,6 +160,13 @@ ADDED: Final[Mapping[type, Mapping[str, Added]]] = {
 }
 
 
+#: Every message kind added after 0.1.0, with the line that added it. A reader that does
+#: not know a kind drops it (``unknown_kind``): a kind that asks for an answer goes only
+#: to participants that said they know its feature (essential: never written for a line
+#: before its own); one whose loss is harmless (news) may go to anyone.
+ADDED_KINDS: Final[Mapping[str, Added]] = {}
+
+
 class Unwritable(ValueError):
     """A message holds an essential field its reader's release does not know: a bug in
     whoever built it (a requestor refuses such a request before it asks anyone)."""
@@ -174,6 +182,12 @@ def backport(message: _M, reader: str) -> _M:
     """``message`` as a reader of the line ``reader`` can read it: the fields it does not
     know left out when it refuses unknown fields (0.1), the message itself otherwise.
     Raises :class:`Unwritable` when an essential field would have to go."""
+    added = ADDED_KINDS.get(message.kind)
+    if added is not None and added.essential and line_key(added.line) > line_key(reader):
+        raise Unwritable(
+            f"a {message.kind!r} (added in {added.line}) cannot be written for a reader of "
+            f"{reader}, which does not know it"
+        )
     if reader not in STRICT_LINES:
         return message
     plan = _plan(reader, type(message))

@@ -1,0 +1,209 @@
+"""The golden wire fixtures: every message kind as release 0.1.0 writes it
+(``wire/0.1.0/<kind>.<minimal|full>.json``, from ``wire_examples.py``), kept here.
+
+This tree must read each of them and write it back as 0.1.0 wrote it; and what it writes
+for 0.1 (``compatible_with`` 0.1, the default), 0.1.0's own decoder, run in the venv of
+0.1.0's build, must take, meaning what this tree meant. Every field and kind 0.1.0 does
+not know must be declared (``compatibility.ADDED``, ``ADDED_KINDS``), since what is
+written for it leaves them out. A change the policy forbids (a field removed, renamed,
+made required, given another default or narrower bounds, a kind renamed, a new field
+written for 0.1) fails here (docs/design.md, "Upgrades: two releases at once")."""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+from typing import Any, get_args
+
+import msgspec
+import msgspec.structs
+import pytest
+
+from reservoir.protocol import messages
+from reservoir.protocol.compatibility import ADDED, ADDED_KINDS, Unwritable
+from reservoir.protocol.messages import (
+    Message,
+    NodeStatus,
+    ReservationRequest,
+    RosterMember,
+)
+from reservoir.runtime.wire import Codec
+from tests.upgrade.release_builds import PREVIOUS, ReleaseBuild
+from tests.upgrade.wire_examples import EXAMPLES, VARIANTS
+
+HERE = Path(__file__).parent
+FIXTURES = HERE / "wire" / PREVIOUS
+
+#: what to set each field this tree added to, to show what it writes for 0.1 without it
+ADDED_SAMPLES: dict[tuple[type, str], Any] = {
+    (NodeStatus, "release"): "0.2.0",
+    (NodeStatus, "features"): frozenset({"gpu-sharing"}),
+    (RosterMember, "release"): "0.2.0",
+    (RosterMember, "features"): frozenset({"gpu-sharing"}),
+    (ReservationRequest, "needs"): frozenset({"gpu-sharing"}),
+}
+
+
+def fixture_names() -> list[str]:
+    return [f"{kind}.{variant}" for kind in sorted(EXAMPLES) for variant in VARIANTS]
+
+
+def fixture(name: str) -> bytes:
+    return (FIXTURES / f"{name}.json").read_bytes().rstrip(b"\n")
+
+
+def read(body: bytes) -> Message:
+    """As a participant of this tree reads a body off the broker."""
+    return Codec().decode(body, 0.0, destination=None, check_replay=False)
+
+
+def written_for_0_1(message: Message) -> bytes:
+    """As a participant of this tree, writing for 0.1 (the default), writes it."""
+    return Codec(compatible_with="0.1").encode(message, 0.0, destination="anywhere")
+
+
+def with_added(value: Any, *, essential: bool) -> Any:
+    """``value`` (a message, or a part of one) with every field this tree added since
+    0.1.0 set to its sample: the advisory ones, or the essential ones too."""
+    if isinstance(value, tuple):
+        return tuple(with_added(v, essential=essential) for v in value)
+    if isinstance(value, dict):
+        return {k: with_added(v, essential=essential) for k, v in value.items()}
+    if not isinstance(value, msgspec.Struct):
+        return value
+    changes = {
+        name: with_added(getattr(value, name), essential=essential)
+        for name in value.__struct_fields__
+    }
+    for name, added in ADDED.get(type(value), {}).items():
+        if essential or not added.essential:
+            changes[name] = ADDED_SAMPLES[type(value), name]
+    return msgspec.structs.replace(value, **changes)
+
+
+def ask_release(release: ReleaseBuild, *args: str, bodies: list[bytes] | None = None) -> Any:
+    stdin = json.dumps([base64.b64encode(b).decode() for b in bodies or []])
+    done = release.run(str(HERE / "wire_probe.py"), *args, input=stdin)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+# -- this tree and the fixtures (no build of 0.1.0 needed) --------------------------------
+
+
+def test_every_kind_0_1_0_writes_is_kept_with_its_required_fields_and_with_all() -> None:
+    kept = sorted(p.name.removesuffix(".json") for p in FIXTURES.glob("*.json"))
+    assert kept == sorted(fixture_names())
+    for kind, (minimal, full) in EXAMPLES.items():
+        assert minimal["kind"] == full["kind"] == kind
+
+
+@pytest.mark.parametrize("name", fixture_names())
+def test_this_release_reads_each_message_0_1_0_writes_and_writes_it_back_as_0_1_0_did(
+    name: str,
+) -> None:
+    body = fixture(name)
+    message = read(body)
+    assert message.kind == name.split(".")[0]
+    assert json.loads(written_for_0_1(message)) == json.loads(body)
+
+
+def test_every_field_this_release_added_has_a_sample_here() -> None:
+    declared = {(cls, name) for cls, fields in ADDED.items() for name in fields}
+    assert declared == set(ADDED_SAMPLES)
+
+
+def test_an_essential_field_is_never_written_for_0_1_it_is_an_error_to_try() -> None:
+    for name in fixture_names():
+        message = read(fixture(name))
+        if any(added.essential for added in ADDED.get(type(message), {}).values()):
+            with pytest.raises(Unwritable):
+                written_for_0_1(with_added(message, essential=True))
+
+
+# -- with 0.1.0's own build ----------------------------------------------------------------
+
+
+@pytest.mark.e2e
+def test_the_fixtures_are_what_0_1_0_writes_and_every_field_of_it_is_in_a_full_one(
+    previous_release: ReleaseBuild, tmp_path: Path
+) -> None:
+    done = previous_release.run(str(HERE / "wire_examples.py"), str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    for name in fixture_names():
+        assert (tmp_path / f"{name}.json").read_bytes() == (FIXTURES / f"{name}.json").read_bytes()
+    described = ask_release(previous_release, "fields")
+    assert sorted(EXAMPLES) == described["kinds"]
+    in_parts = set().union(*(_keys(full) for _, full in EXAMPLES.values()))
+    for name, fields in described["fields"].items():
+        cls = getattr(messages, name)
+        if hasattr(cls, "kind"):
+            (full,) = [f for kind, (_, f) in EXAMPLES.items() if kind == cls.kind]
+            lacking = set(fields) - {"kind", "version"} - set(full)
+        else:  # a part of messages (a reason, an allocation...): somewhere in one
+            lacking = set(fields) - in_parts
+        assert not lacking, f"{name}: no full example sets {sorted(lacking)}"
+
+
+def _keys(value: Any) -> set[str]:
+    if isinstance(value, dict):
+        return set(value).union(*(_keys(v) for v in value.values()))
+    if isinstance(value, list):
+        return set().union(*(_keys(v) for v in value))
+    return set()
+
+
+@pytest.mark.e2e
+def test_0_1_0_reads_what_this_release_writes_for_it_and_takes_it_to_mean_the_same(
+    previous_release: ReleaseBuild,
+) -> None:
+    written = []
+    for name in fixture_names():
+        message = read(fixture(name))
+        written.append(written_for_0_1(message))
+        # with everything this release adds that may go to 0.1 (left out for it)
+        written.append(written_for_0_1(with_added(message, essential=False)))
+    answers = ask_release(previous_release, "decode", bodies=written)
+    for body, answer in zip(written, answers, strict=True):
+        assert answer["ok"], f"0.1.0 refused {body!r}: {answer}"
+        assert json.loads(answer["json"]) == json.loads(body)
+
+
+@pytest.mark.e2e
+def test_written_for_0_2_what_this_release_adds_is_refused_by_0_1_0_hence_the_default(
+    previous_release: ReleaseBuild,
+) -> None:
+    status = with_added(read(fixture("status.minimal")), essential=False)
+    body = Codec(compatible_with="0.2").encode(status, 0.0, destination="roster")
+    (answer,) = ask_release(previous_release, "decode", bodies=[body])
+    assert answer == {
+        "ok": False,
+        "reason": "invalid",
+        "detail": "message: Object contains unknown field `release`",
+    }
+
+
+@pytest.mark.e2e
+def test_every_field_and_kind_0_1_0_does_not_know_is_declared_and_none_it_knows_is_gone(
+    previous_release: ReleaseBuild,
+) -> None:
+    described = ask_release(previous_release, "fields")
+    theirs: dict[str, list[str]] = described["fields"]
+    ours = {
+        name: cls
+        for name, cls in vars(messages).items()
+        if isinstance(cls, type)
+        and issubclass(cls, msgspec.Struct)
+        and cls.__module__ == messages.__name__
+        and not name.startswith("_")
+    }
+    assert set(theirs) <= set(ours), "a struct 0.1.0 has is gone"
+    for name, fields in theirs.items():
+        cls = ours[name]
+        assert set(fields) <= set(cls.__struct_fields__), f"{name} lost a field 0.1.0 has"
+        added = set(cls.__struct_fields__) - set(fields)
+        assert added == set(ADDED.get(cls, {})), f"{name}: fields added since 0.1.0"
+    kinds = {cls.kind for cls in get_args(Message)}
+    assert set(described["kinds"]) <= kinds, "a kind 0.1.0 has is gone"
+    assert kinds - set(described["kinds"]) == set(ADDED_KINDS)

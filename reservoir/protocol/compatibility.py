@@ -41,6 +41,7 @@ import msgspec
 import msgspec.structs
 
 from reservoir.protocol.messages import (
+    NO_FEATURES,
     InstanceShape,
     Message,
     NodeStatus,
@@ -132,14 +133,15 @@ class Feature(NamedTuple):
 #: loss would make a node serve a request wrongly.)
 FEATURES: Final[Mapping[str, Feature]] = {}
 #: the features this code knows
-KNOWN_FEATURES: Final[frozenset[str]] = frozenset(FEATURES)
+KNOWN_FEATURES: Final[frozenset[str]] = frozenset(FEATURES) or NO_FEATURES
 
 
 def needed_by(shape: InstanceShape, features: Mapping[str, Feature] = FEATURES) -> frozenset[str]:
     """The features ``shape`` uses (``needs``), of those in ``features``."""
     if not features:
-        return frozenset()
-    return frozenset(name for name, feature in features.items() if feature.used_by(shape))
+        return NO_FEATURES
+    used = frozenset(name for name, feature in features.items() if feature.used_by(shape))
+    return used or NO_FEATURES
 
 
 class Added(NamedTuple):
@@ -219,22 +221,26 @@ def _make_plan(reader: str, cls: type) -> _Plan | None:
     if not newer and not nested:
         return None
 
+    # The default itself, not an equal value: the JSON leaves out a field holding its
+    # default object, and may write an equal one (an empty frozenset is not the one in
+    # the class), which a reader of 0.1 refuses.
+    for name in newer:
+        if defaults[name].default is msgspec.NODEFAULT:
+            raise TypeError(f"{cls.__name__}.{name}: a field added after 0.1 needs a default")
+
     def write(message: Any) -> Any:
         changes: dict[str, Any] = {}
         for name, added in newer.items():
-            info = defaults[name]
-            default = (
-                info.default_factory()
-                if info.default_factory is not msgspec.NODEFAULT
-                else info.default
-            )
-            if getattr(message, name) != default:
-                if added.essential:
-                    raise Unwritable(
-                        f"{cls.__name__}.{name} (added in {added.line}) cannot be written "
-                        f"for a reader of {reader}, which does not know it"
-                    )
-                changes[name] = default
+            default = defaults[name].default
+            value = getattr(message, name)
+            if value is default:
+                continue
+            if added.essential and value != default:
+                raise Unwritable(
+                    f"{cls.__name__}.{name} (added in {added.line}) cannot be written "
+                    f"for a reader of {reader}, which does not know it"
+                )
+            changes[name] = default
         for name, each in nested:
             value = getattr(message, name)
             written = each(value)

@@ -77,6 +77,7 @@ __all__ = [
     "MAX_SAMPLE",
     "MESSAGE_CLASSES",
     "NODE_KINDS",
+    "NO_FEATURES",
     "PCI_ALIAS_PATTERN",
     "PCI_POLICIES",
     "PROTOCOL_VERSION",
@@ -209,6 +210,10 @@ Amount = Annotated[int, Meta(ge=0, le=2**53)]
 #: a feature's name: something a request may use that a node must know
 FeatureName = Annotated[str, Meta(pattern=r"^[a-z0-9_.-]{1,64}\Z")]
 Features = Annotated[frozenset[FeatureName], Meta(max_length=MAX_FEATURES)]
+#: no feature: the default of every field of :data:`Features`. The JSON leaves a field out
+#: when it holds its default *object* (an equal empty set is written ``[]``, which a reader
+#: of 0.1 refuses): whoever means "none" passes this one
+NO_FEATURES: Final[frozenset[str]] = frozenset()
 #: a participant's release, as it says it (``0.2.0``); empty: it does not say (0.1.0)
 ReleaseName = Annotated[str, Meta(max_length=64, pattern=r"^[0-9A-Za-z.+-]*\Z")]
 #: what a PCI alias may be (an operator's name for a kind of device, e.g. ``gpu-a100``)
@@ -631,7 +636,7 @@ class ReservationRequest(InstanceShape, tag_field="kind", tag="request", frozen=
     #: the features the request uses that a node must know to serve it rightly
     #: (:mod:`reservoir.protocol.compatibility`): a node that does not know one declines,
     #: with the reason ``feature``. Set by the requestor, never by a caller.
-    needs: Features = frozenset()
+    needs: Features = NO_FEATURES
 
 
 class Lookup(_Message, tag="lookup", frozen=True, kw_only=True):
@@ -850,7 +855,7 @@ class NodeStatus(_Message, tag="status", frozen=True, kw_only=True):
     release: ReleaseName = ""
     #: the features it knows (:mod:`reservoir.protocol.compatibility`): a requestor
     #: probes it only for requests whose ``needs`` it knows
-    features: Features = frozenset()
+    features: Features = NO_FEATURES
 
 
 class RollCall(_Message, tag="roll_call", frozen=True, kw_only=True):
@@ -899,7 +904,7 @@ class RosterMember(_Frozen, frozen=True, kw_only=True):
     room: Room = field(default_factory=dict)
     #: the node's release and features, as its status said them
     release: ReleaseName = ""
-    features: Features = frozenset()
+    features: Features = NO_FEATURES
 
 
 class RosterSample(_Message, tag="roster_sample", frozen=True, kw_only=True):

@@ -25,6 +25,7 @@ import itertools
 from collections.abc import Collection, Mapping
 from typing import Final, NamedTuple, Protocol, TypeVar
 
+from reservoir.protocol.messages import NO_FEATURES
 from reservoir.protocol.room import RoomKey, may_fit, room_key
 from reservoir.protocol.tiers import TierLadder
 
@@ -89,7 +90,7 @@ class Member(NamedTuple):
     room: RoomKey = ()
     #: its release and the features it knows, as its status said them (empty: not said)
     release: str = ""
-    features: frozenset[str] = frozenset()
+    features: frozenset[str] = NO_FEATURES
 
 
 class _Entry:
@@ -111,7 +112,7 @@ class _Entry:
         tier_index: int,
         room: RoomKey,
         release: str = "",
-        features: frozenset[str] = frozenset(),
+        features: frozenset[str] = NO_FEATURES,
     ) -> None:
         self.name = name
         self.address = address
@@ -179,7 +180,7 @@ class Roster:
         room: Mapping[str, int] | None = None,
         *,
         release: str = "",
-        features: frozenset[str] = frozenset(),
+        features: frozenset[str] = NO_FEATURES,
     ) -> None:
         """Record ``name`` at ``tier_percent`` (a node's narrowest tier) with ``room``
         (None or empty: the room it told of before, if any), and the release and
@@ -263,7 +264,7 @@ class Roster:
         up_to_tier_index: int,
         exclude: Collection[str] = (),
         needs: Mapping[str, int] | None = None,
-        features: frozenset[str] = frozenset(),
+        features: frozenset[str] = NO_FEATURES,
     ) -> list[Member]:
         """Up to ``wanted`` distinct members in tiers ``0..up_to_tier_index``, none of them
         in ``exclude`` and, given ``needs`` (one instance's resources), none whose room

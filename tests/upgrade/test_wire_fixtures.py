@@ -82,6 +82,47 @@ def with_added(value: Any, *, essential: bool) -> Any:
     return msgspec.structs.replace(value, **changes)
 
 
+def machine_messages() -> list[Message]:
+    """What this tree's machines build in a conversation, a roll call, a keeper's answer
+    and a free: as they build them, not as a test would (an empty set that is not the
+    field's default object is written ``[]``, which 0.1.0 refuses)."""
+    from reservoir.protocol.effects import Publish, Send
+    from reservoir.protocol.keeper import KeeperConfig, KeeperMachine
+    from reservoir.protocol.ledger import Inventory
+    from reservoir.protocol.messages import RollCall, RosterQuery
+    from reservoir.protocol.node import NodeConfig, NodeMachine
+    from reservoir.protocol.placement import PlacementRequest
+    from reservoir.protocol.requestor import RequestorConfig, RequestorMachine
+
+    def said(effects: list[Any]) -> list[Message]:
+        return [e.message for e in effects if isinstance(e, Send | Publish)]
+
+    built: list[Message] = []
+    inventories = {"VCPU": Inventory(total=8)}
+    node = NodeMachine(
+        NodeConfig(name="n1", address="reservoir.node.n1", inventories=inventories, release="0.2")
+    )
+    built += said(node.start(0.0))
+    requestor = RequestorMachine(RequestorConfig(requestor_id="r", reply_to="r-inbox"))
+    built += said(requestor.start(0.0))
+    for message in said(node.handle(RollCall(sender="r", reply_to="r-inbox"), 0.0)):
+        built.append(message)
+        requestor.handle(message, 0.0)
+    keeper = KeeperMachine(KeeperConfig(keeper_id="k", reply_to="k-inbox"))
+    built += said(keeper.start(0.0))
+    keeper.handle(built[0], 0.0)
+    built += said(keeper.handle(RosterQuery(sender="r", reply_to="r-inbox", wanted=4), 0.0))
+    asked = said(requestor.place(PlacementRequest(resources={"VCPU": 1}), "job-1", 0.0, 30.0))
+    built += asked
+    for request in asked:
+        for answer in said(node.handle(request, 0.0)):
+            built.append(answer)
+            for award in said(requestor.handle(answer, 0.01)):
+                built.append(award)
+                built += said(node.handle(award, 0.01))
+    return built
+
+
 def ask_release(release: ReleaseBuild, *args: str, bodies: list[bytes] | None = None) -> Any:
     stdin = json.dumps([base64.b64encode(b).decode() for b in bodies or []])
     done = release.run(str(HERE / "wire_probe.py"), *args, input=stdin)
@@ -112,6 +153,19 @@ def test_this_release_reads_each_message_0_1_0_writes_and_writes_it_back_as_0_1_
 def test_every_field_this_release_added_has_a_sample_here() -> None:
     declared = {(cls, name) for cls, fields in ADDED.items() for name in fields}
     assert declared == set(ADDED_SAMPLES)
+
+
+def test_what_the_machines_build_written_for_0_1_holds_no_field_0_1_0_does_not_know() -> None:
+    known = {kind: set(full) for kind, (_, full) in EXAMPLES.items()}
+    built = machine_messages()
+    assert {"status", "request", "offer", "award", "accepted", "roster_sample"} <= {
+        m.kind for m in built
+    }
+    for message in built:
+        written = json.loads(written_for_0_1(message))
+        assert set(written) - {"version"} <= known[message.kind], written
+        for member in written.get("members", []):
+            assert set(member) <= {"name", "address", "tier", "room"}, member
 
 
 def test_an_essential_field_is_never_written_for_0_1_it_is_an_error_to_try() -> None:
@@ -164,6 +218,7 @@ def test_0_1_0_reads_what_this_release_writes_for_it_and_takes_it_to_mean_the_sa
         written.append(written_for_0_1(message))
         # with everything this release adds that may go to 0.1 (left out for it)
         written.append(written_for_0_1(with_added(message, essential=False)))
+    written += [written_for_0_1(message) for message in machine_messages()]
     answers = ask_release(previous_release, "decode", bodies=written)
     for body, answer in zip(written, answers, strict=True):
         assert answer["ok"], f"0.1.0 refused {body!r}: {answer}"

@@ -80,6 +80,7 @@ from reservoir.protocol.messages import (
     ROSTER_TOPIC,
     Accepted,
     AlreadyPlaced,
+    Assessment,
     Award,
     Decline,
     Free,
@@ -616,20 +617,20 @@ class NodeMachine:
             # (a requestor would wait for an answer that cannot come).
             self.counters["unknown_features"] += 1
             reason = self._unknown_features(unknown)
+            answer: Assessment | Decline
             if request.dry_run:
-                assessed = assess(
-                    request,
-                    self.view,
-                    self.config.filters,
-                    self.config.weighers,
-                    address=self.config.address,
+                answer = Assessment(
+                    request_id=request.request_id,
+                    sender=self.name,
+                    reply_to=self.config.address,
+                    slots=0,
+                    utilisation=self.ledger.utilisation(),
                     tier=self.tier(),
+                    reasons=(reason,),
                 )
-                assessed = msgspec.structs.replace(assessed, slots=0, busy=False, reasons=(reason,))
-                effects.append(Send(request.reply_to, assessed))
             else:
-                declined = msgspec.structs.replace(self._decline(request), reasons=(reason,))
-                effects.append(Send(request.reply_to, declined))
+                answer = msgspec.structs.replace(self._decline(request), reasons=(reason,))
+            effects.append(Send(request.reply_to, answer))
             return
         if request.dry_run:
             self.counters["dry_runs"] += 1

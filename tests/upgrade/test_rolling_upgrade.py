@@ -39,6 +39,7 @@ import pytest
 
 from brokers import connect
 from reservoir.version import __version__
+from tests.e2e.test_task_processes import processes_with
 from tests.upgrade.release_builds import ROOT, ReleaseBuild
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.e2e]
@@ -238,21 +239,6 @@ class Upgrade:
             name == node and ran == build and up <= ended and (down is None or down >= started)
             for name, ran, up, down in self.timeline
         )
-
-
-def processes_with(token: str) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if token in cmdline and state != "Z" and "pytest" not in cmdline:
-            found.append(int(entry.name))
-    return found
 
 
 @pytest.fixture

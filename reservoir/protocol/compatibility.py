@@ -102,18 +102,16 @@ def reads_features(line: str) -> bool:
 
 def release_traits(release: str) -> frozenset[str]:
     """The traits of a node of ``release``: ``RESERVOIR_RELEASE_<major>_<minor>`` for every
-    line this code knows from 0.2 to the node's own. ``required_traits`` naming one asks
-    for nodes of that line or later; ``forbidden_traits``, for nodes before it. An empty
-    or unknown release has none."""
+    line of its major version up to its own, from 0.2 on (0.1 had none: the mechanism
+    came after it), so that ``required_traits`` naming one asks for nodes of that line or
+    later, and ``forbidden_traits`` for nodes before it. An empty or unknown release has
+    none."""
     try:
-        own = line_key(line_of(release))
+        major, minor = line_key(line_of(release))
     except ValueError:
         return frozenset()
-    return frozenset(
-        "RESERVOIR_RELEASE_" + line.replace(".", "_")
-        for line in RELEASE_LINES
-        if line not in STRICT_LINES and line_key(line) <= own
-    )
+    first = 2 if major == 0 else 0
+    return frozenset(f"RESERVOIR_RELEASE_{major}_{m}" for m in range(first, minor + 1))
 
 
 class Feature(NamedTuple):

@@ -92,6 +92,10 @@ def test_a_release_line_is_its_first_two_numbers_and_anything_else_is_no_release
 
 def test_a_node_has_a_trait_per_release_line_from_0_2_to_its_own_and_0_1_has_none() -> None:
     assert release_traits("0.2.0.dev0") == {"RESERVOIR_RELEASE_0_2"}
+    # "0.2 or later" stays true of every later line, whatever lines a build knows
+    assert release_traits("0.4.1") == {
+        "RESERVOIR_RELEASE_0_2", "RESERVOIR_RELEASE_0_3", "RESERVOIR_RELEASE_0_4"
+    }  # fmt: skip
     assert release_traits("0.1.0") == frozenset()
     assert release_traits("") == frozenset()
 

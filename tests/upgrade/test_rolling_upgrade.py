@@ -151,6 +151,9 @@ class Upgrade:
             state = self.directory / "state" / name
             config.write_text(NODE_FILE.format(name=name, state_dir=state))
         args, env = self.command(build, "node", "--config", str(config), "--driver", "exec")
+        # From before it starts to after it exits: a canary's node must have run this
+        # tree at some moment of its placement, and nothing is served outside of these
+        spawned = time.monotonic()
         process = subprocess.Popen(
             args, env=env, cwd=self.directory, stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE, text=True,
@@ -160,16 +163,16 @@ class Upgrade:
         # this tree's node names its release; 0.1.0's does not
         assert (f"release {__version__}" in ready) == (build == NEW), ready
         self.nodes[name] = (build, process, lines)
-        self.timeline.append([name, build, time.monotonic(), None])
+        self.timeline.append([name, build, spawned, None])
 
     def stop_node(self, name: str) -> None:
         _, process, _ = self.nodes.pop(name)
-        stopping = time.monotonic()
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 130
+        exited = time.monotonic()
         for entry in self.timeline:
             if entry[0] == name and entry[3] is None:
-                entry[3] = stopping
+                entry[3] = exited
 
     def roll(self, name: str, to: str) -> None:
         self.stop_node(name)

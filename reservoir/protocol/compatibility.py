@@ -66,6 +66,8 @@ __all__ = [
     "needed_by",
     "reads_features",
     "release_traits",
+    "said_features",
+    "said_release",
 ]
 
 #: The release lines this code knows, oldest first, its own last. A cluster may run the
@@ -161,10 +163,26 @@ ADDED: Final[Mapping[type, Mapping[str, Added]]] = {
 
 
 #: Every message kind added after 0.1.0, with the line that added it. A reader that does
-#: not know a kind drops it (``unknown_kind``): a kind that asks for an answer goes only
-#: to participants that said they know its feature (essential: never written for a line
-#: before its own); one whose loss is harmless (news) may go to anyone.
+#: not know a kind drops it (``unknown_kind``): a kind that asks for an answer (essential)
+#: goes only to a participant known to know it, from its status or its ledger's
+#: configuration (:func:`said_features`), which every release answers; one whose loss is
+#: harmless (news) may go to anyone.
 ADDED_KINDS: Final[Mapping[str, Added]] = {}
+
+
+def said_release(configuration: Mapping[str, Any]) -> str:
+    """The release a node's configuration (its ledger report's, which every release
+    sends whatever it writes for) names: :data:`OLDEST_RELEASE` when it names none."""
+    release = configuration.get("release")
+    return release if isinstance(release, str) and release else OLDEST_RELEASE
+
+
+def said_features(configuration: Mapping[str, Any]) -> frozenset[str]:
+    """The features a node's configuration names (none for a node of 0.1.0)."""
+    features = configuration.get("features")
+    if not isinstance(features, list):
+        return NO_FEATURES
+    return frozenset(f for f in features if isinstance(f, str)) or NO_FEATURES
 
 
 class Unwritable(ValueError):
@@ -182,12 +200,6 @@ def backport(message: _M, reader: str) -> _M:
     """``message`` as a reader of the line ``reader`` can read it: the fields it does not
     know left out when it refuses unknown fields (0.1), the message itself otherwise.
     Raises :class:`Unwritable` when an essential field would have to go."""
-    added = ADDED_KINDS.get(message.kind)
-    if added is not None and added.essential and line_key(added.line) > line_key(reader):
-        raise Unwritable(
-            f"a {message.kind!r} (added in {added.line}) cannot be written for a reader of "
-            f"{reader}, which does not know it"
-        )
     if reader not in STRICT_LINES:
         return message
     plan = _plan(reader, type(message))

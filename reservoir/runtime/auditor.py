@@ -34,7 +34,7 @@ from reservoir.clock import Scheduler
 from reservoir.observe.metrics import Metrics
 from reservoir.protocol.addresses import node_address
 from reservoir.protocol.audit import AuditReport, NodeSnapshot, audit
-from reservoir.protocol.compatibility import OLDEST_RELEASE
+from reservoir.protocol.compatibility import said_release
 from reservoir.protocol.ledger import Allocation, Reservation, ResourceUsage
 from reservoir.protocol.messages import LedgerQuery, LedgerReport, Message
 from reservoir.protocol.placement import PlacedAllocation, Placement
@@ -68,10 +68,9 @@ def node_fields(snapshot: NodeSnapshot) -> dict[str, Any]:
     (``total``, ``reserved``: host-reserved, as Placement has it, ``allocation_ratio``),
     ``capacity`` ((total - reserved) x ratio), ``used`` by allocations, ``held`` by live
     reservations, and ``free``."""
-    release = snapshot.configuration.get("release")
     return {
         "name": snapshot.name,
-        "release": release if isinstance(release, str) and release else OLDEST_RELEASE,
+        "release": said_release(snapshot.configuration),
         "tier": snapshot.tier,
         "utilisation": round(snapshot.utilisation, 4),
         "allocations": len(snapshot.allocations),

@@ -13,6 +13,7 @@ import pytest
 
 from reservoir.protocol.compatibility import (
     ADDED,
+    KNOWN_FEATURES,
     RELEASE_LINES,
     Feature,
     Unwritable,
@@ -20,6 +21,8 @@ from reservoir.protocol.compatibility import (
     line_of,
     needed_by,
     release_traits,
+    said_features,
+    said_release,
 )
 from reservoir.protocol.effects import Effect, Failed, Placed, Publish, Send, SetTimer
 from reservoir.protocol.keeper import KeeperConfig, KeeperMachine
@@ -98,6 +101,24 @@ def test_a_node_has_a_trait_per_release_line_from_0_2_to_its_own_and_0_1_has_non
     }  # fmt: skip
     assert release_traits("0.1.0") == frozenset()
     assert release_traits("") == frozenset()
+
+
+def test_a_nodes_configuration_names_its_release_and_features_and_0_1_0s_names_neither(
+    reservoir_simulation: Any,
+) -> None:
+    from reservoir.runtime.auditor import LedgerCollector
+    from reservoir.version import __version__
+
+    reservoir_simulation.add_node("n1", vcpus=2)
+    collector = LedgerCollector(reservoir_simulation.broker)
+    collector.ask()
+    reservoir_simulation.scheduler.run_until_idle()
+    (snapshot,) = collector.collect(wait_s=1, expect_nodes=1)
+    collector.close()
+    assert said_release(snapshot.configuration) == __version__
+    assert said_features(snapshot.configuration) == KNOWN_FEATURES
+    assert (said_release({"vcpus": 8}), said_features({"vcpus": 8})) == ("0.1.0", frozenset())
+    assert said_features({"features": ["gpu-sharing", 3]}) == {"gpu-sharing"}
 
 
 # -- written for 0.1 ----------------------------------------------------------------------

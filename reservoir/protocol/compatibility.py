@@ -117,20 +117,20 @@ def release_traits(release: str) -> frozenset[str]:
 
 
 class Feature(NamedTuple):
-    """Something a request may use that a node must know to serve it rightly."""
+    """Something a node of a later release knows: a request field it must understand to
+    serve the request rightly, or a kind of message it answers."""
 
     name: str
     #: the release line that brought it: nodes of earlier lines do not know it
     line: str
     #: what it is, as a decline or a refusal says it ("task output")
     what: str
-    #: whether a request uses it
-    used_by: Callable[[InstanceShape], bool]
+    #: whether a request uses it (None: no request does; a kind of message it answers)
+    used_by: Callable[[InstanceShape], bool] | None = None
 
 
 #: The features brought after 0.1, by name: a request using one names it in ``needs``,
-#: nodes say which they know in their status. (None yet: the first is for a field whose
-#: loss would make a node serve a request wrongly.)
+#: nodes say which they know in their status and their configuration. (None yet.)
 FEATURES: Final[Mapping[str, Feature]] = {}
 #: the features this code knows
 KNOWN_FEATURES: Final[frozenset[str]] = frozenset(FEATURES) or NO_FEATURES
@@ -140,7 +140,11 @@ def needed_by(shape: InstanceShape, features: Mapping[str, Feature] = FEATURES) 
     """The features ``shape`` uses (``needs``), of those in ``features``."""
     if not features:
         return NO_FEATURES
-    used = frozenset(name for name, feature in features.items() if feature.used_by(shape))
+    used = frozenset(
+        name
+        for name, feature in features.items()
+        if feature.used_by is not None and feature.used_by(shape)
+    )
     return used or NO_FEATURES
 
 

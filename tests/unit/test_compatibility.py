@@ -255,6 +255,8 @@ def sharing() -> PlacementRequest:
 
 def test_a_request_using_a_feature_names_it_in_needs_and_a_plain_one_needs_nothing() -> None:
     assert needed_by(sharing(), LATER) == {"gpu-sharing"}
+    answering = Feature("task-output", "0.3", "task output")  # a kind nodes answer
+    assert needed_by(sharing(), {**LATER, "task-output": answering}) == {"gpu-sharing"}
     assert needed_by(PlacementRequest(resources={"VCPU": 1}), LATER) == frozenset()
     assert needed_by(sharing()) == frozenset()  # this tree knows no such feature
 

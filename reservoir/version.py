@@ -1,5 +1,6 @@
 """The release this tree is and the name it is distributed under: one definition each, read
-by the package, its tracer, ``reservoir --version`` and every "pip install" hint.
+by the package, its tracer, ``reservoir --version`` and every "pip install" hint. Which
+release runs beside which is :mod:`reservoir.protocol.compatibility`'s (docs/upgrading.md).
 
 The import package is ``reservoir``; the distribution (what ``pip install`` names) is
 ``reservoir-scheduler``, because the PyPI project ``reservoir`` belongs to someone else
@@ -13,10 +14,21 @@ import re
 import tomllib
 from pathlib import Path
 
-__version__ = "0.1.0"
+#: this tree's release: the next one after the last tagged (``v0.1.0``), until it is made
+__version__ = "0.2.0.dev0"
 
 #: the distribution's name on PyPI: ``[project] name`` in pyproject.toml
 DISTRIBUTION = "reservoir-scheduler"
+
+
+def version_line() -> str:
+    """What ``reservoir --version`` says after the program's name: the release, the
+    protocol version it speaks and the release line it runs beside (docs/upgrading.md)."""
+    # imported here: ``import reservoir`` loads this module and must load nothing more
+    from reservoir.protocol.compatibility import RELEASE_LINES
+    from reservoir.protocol.messages import PROTOCOL_VERSION
+
+    return f"{__version__} (protocol {PROTOCOL_VERSION}; runs beside {RELEASE_LINES[-2]})"
 
 
 def install_hint(extra: str) -> str:

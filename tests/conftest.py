@@ -1,7 +1,9 @@
 """Suite-wide settings. Hypothesis explores freshly on a developer's machine and replays a
 fixed set of examples under CI, so a CI run is reproducible; ``--run-slow`` runs the tests
 marked ``slow`` (the soak runs of tests/property/test_soak.py and the full chaos run),
-skipped otherwise. These options are this suite's own: the pytest plugin reservoir
+skipped otherwise, and ``--run-upgrade`` the full rolling upgrade of
+tests/upgrade/test_rolling_upgrade.py (its short form runs by default). These options are
+this suite's own: the pytest plugin reservoir
 installs for its users adds none. The report's header says where the RabbitMQ tests' broker
 comes from (the URL in ``RESERVOIR_TEST_AMQP_URL``, or a testcontainers image). The
 ``benchmark_script`` fixture loads a script of ``benchmarks/`` for its tests."""
@@ -28,6 +30,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=False,
         help="run tests marked slow (soak runs, the full chaos run)",
     )
+    parser.addoption(
+        "--run-upgrade",
+        action="store_true",
+        default=False,
+        help="run the full rolling upgrade (tests marked upgrade_full); its short form "
+        "runs by default",
+    )
 
 
 def pytest_report_header(config: pytest.Config) -> str:
@@ -40,12 +49,15 @@ def pytest_report_header(config: pytest.Config) -> str:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if config.getoption("--run-slow"):
-        return
-    skip = pytest.mark.skip(reason="slow: run with --run-slow")
+    opted_out = {
+        marker: pytest.mark.skip(reason=f"{marker}: run with {option}")
+        for marker, option in (("slow", "--run-slow"), ("upgrade_full", "--run-upgrade"))
+        if not config.getoption(option)
+    }
     for item in items:
-        if "slow" in item.keywords:
-            item.add_marker(skip)
+        for marker, skip in opted_out.items():
+            if marker in item.keywords:
+                item.add_marker(skip)
 
 
 settings.register_profile("ci", derandomize=True, print_blob=True)

@@ -7,7 +7,7 @@ from typing import Any
 import click
 
 from reservoir.interrupt import interrupted, interruptible
-from reservoir.version import __version__
+from reservoir.version import version_line
 
 
 class _Group(click.Group):
@@ -25,10 +25,25 @@ class _Group(click.Group):
                 interrupted(f"reservoir {name}" if name else "reservoir")
 
 
+def _show_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    if not value or ctx.resilient_parsing:
+        return
+    click.echo(f"reservoir, version {version_line()}")
+    ctx.exit()
+
+
 @click.group(
     cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100}
 )
-@click.version_option(__version__, prog_name="reservoir")
+@click.option(
+    "--version",
+    is_flag=True,
+    expose_value=False,
+    is_eager=True,
+    callback=_show_version,
+    help="Show the release, the protocol version it speaks and the release line it runs "
+    "beside, and exit.",
+)
 @click.option(
     "-v",
     "--verbose",

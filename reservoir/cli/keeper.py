@@ -19,6 +19,7 @@ from reservoir.cli.options import (
     shown_url,
 )
 from reservoir.interrupt import stop_on_signals, stopped
+from reservoir.version import __version__
 
 
 @click.command()
@@ -82,7 +83,10 @@ def keeper(
     if running is None:
         say(f"keeper {name}: stopped before the broker answered")
         stopped()
-    say(f"keeper {name}: ready on {shown_url(settings.broker_url)}")
+    say(
+        f"keeper {name}: ready on {shown_url(settings.broker_url)}; release {__version__}, "
+        f"writing for {settings.compatible_with}"
+    )
     try:
         while True:
             if status_file is not None:

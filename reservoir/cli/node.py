@@ -30,7 +30,7 @@ from reservoir.protocol.addresses import node_address
 from reservoir.protocol.ledger import Inventory
 from reservoir.protocol.numa import NumaTopology, PciDevice
 from reservoir.protocol.placement import SHORTHAND_CLASSES
-from reservoir.version import install_hint
+from reservoir.version import __version__, install_hint
 
 
 def _node_inventories(
@@ -305,6 +305,7 @@ def node(
     metrics_at = f"; metrics on port {metrics_port}" if metrics_port is not None else ""
     say(
         f"node {name}: ready on {shown_url(settings.broker_url)}; "
+        f"release {__version__}, writing for {settings.compatible_with}; "
         f"{len(snapshot.allocations)} allocation(s) held, utilisation "
         f"{snapshot.utilisation:.0%}, tier {snapshot.tier}%{metrics_at}"
         + (f"; task drivers {', '.join(sorted(agent.task_drivers))}" if agent.task_drivers else ""),

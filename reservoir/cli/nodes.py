@@ -53,6 +53,7 @@ def _percent(value: Any) -> str:
 #: one row per node and resource class; field names as ``GET /v1/nodes`` has them
 COLUMNS = (
     Column("name", "node", numeric=False),
+    Column("release", "release", numeric=False),
     Column("class", "class", numeric=False),
     Column("unit", "unit", numeric=False),
     Column("total", "total"),
@@ -106,7 +107,8 @@ def nodes_command(
     """List every live node's inventory and usage: a row per node and resource class,
     with its total, host-reserved amount, allocation ratio, capacity ((total -
     host-reserved) x ratio), what allocations use, what live reservations hold, what is
-    free; and the node's tier, utilisation and counts of allocations and reservations.
+    free; and the node's release, tier, utilisation and counts of allocations and
+    reservations.
 
     Gathered over the broker (every serving node answers one query with its ledger), so
     it shows what the nodes themselves hold, within --wait seconds; with --expect-nodes,

@@ -42,7 +42,7 @@ from typing import Final
 
 from reservoir.protocol.contention import IdContention
 from reservoir.protocol.errors import ProtocolBug
-from reservoir.protocol.messages import Decline, Offer
+from reservoir.protocol.messages import NO_FEATURES, Decline, Offer
 from reservoir.protocol.placement import PlacedAllocation, PlacementRequest
 from reservoir.protocol.policies import Candidate
 from reservoir.protocol.timers import ConversationTimer, TimerKind
@@ -187,6 +187,9 @@ class Conversation:
     expected: set[str] = field(default_factory=set)
     #: the caller's trace context (W3C traceparent), carried on requests and awards
     traceparent: str | None = None
+    #: the features the request uses (``ReservationRequest.needs``): only nodes that say
+    #: they know them are probed
+    needs: frozenset[str] = NO_FEATURES
     #: the timers set and not yet fired or cancelled, by kind (the latest of each kind)
     armed: dict[TimerKind, ConversationTimer] = field(default_factory=dict)
 

@@ -111,7 +111,14 @@ class KeeperMachine:
         if status.leaving:
             self.roster.remove(status.sender)
             return []
-        self.roster.update(status.sender, status.reply_to, status.tier, status.room)
+        self.roster.update(
+            status.sender,
+            status.reply_to,
+            status.tier,
+            status.room,
+            release=status.release,
+            features=status.features,
+        )
         if not status.room_news and not status.answering:
             # A node that does not tell keepers of its room (started after our roll call,
             # restarted, or it stopped when nobody heard): ask it, so that it does from
@@ -142,6 +149,8 @@ class KeeperMachine:
                     address=m.address,
                     tier=tiers.percents[m.tier_index],
                     room=dict(m.room),
+                    release=m.release,
+                    features=m.features,
                 )
                 for m in members
             ),

@@ -1,9 +1,12 @@
 """The protocol's messages: what crosses the broker, and nothing else.
 
-Every message is a frozen msgspec struct that forbids unknown fields and carries the
-protocol version, the ``request_id`` of the conversation it belongs to and the id of its
-sender. They form one union tagged by ``kind``. Decoding (:func:`decode_message`) checks
-every constraint written in the annotations; building one checks only what its
+Every message is a frozen msgspec struct that carries the protocol version, the
+``request_id`` of the conversation it belongs to and the id of its sender. A field it does
+not know is ignored (a newer release's, which it can do without: a request field a node
+must understand belongs to a feature the request names in ``needs``, and a node that does
+not know one declines; see :mod:`reservoir.protocol.compatibility`). They form one union
+tagged by ``kind``. Decoding (:func:`decode_message`) checks every constraint written in
+the annotations; building one checks only what its
 ``__post_init__`` checks, since the machines build them from values they hold (a caller's
 request is checked in full before it is placed: :func:`~reservoir.protocol.placement.
 checked_request`). msgspec rather than pydantic because it builds, encodes and decodes
@@ -65,13 +68,16 @@ from msgspec import Meta, field
 
 __all__ = [
     "AUDIT_ID",
+    "FEATURE_PATTERN",
     "IDENTIFIER_MAX_LENGTH",
     "IDENTIFIER_PATTERN",
     "KEEPER_TOPIC",
     "LOOKUP_BUCKETS",
+    "MAX_FEATURES",
     "MAX_SAMPLE",
     "MESSAGE_CLASSES",
     "NODE_KINDS",
+    "NO_FEATURES",
     "PCI_ALIAS_PATTERN",
     "PCI_POLICIES",
     "PROTOCOL_VERSION",
@@ -180,6 +186,10 @@ TRAIT_MAX_LENGTH: Final = 255
 # msgspec matches a pattern with Python's re.search, where "$" also matches before a final
 # newline: its patterns end with "\Z" (the ones above are for pydantic's, which has no \Z)
 _TRAIT = r"^[A-Z0-9_]+\Z"
+#: what a feature's name may be (:mod:`reservoir.protocol.compatibility`)
+FEATURE_PATTERN: Final = r"^[a-z0-9_.-]{1,64}$"
+#: the most features a message names
+MAX_FEATURES: Final = 64
 
 
 class _IdentifierMark:
@@ -197,6 +207,15 @@ _IDENTIFIERS = re.compile(f"{_ONE_IDENTIFIER}(?:\x00{_ONE_IDENTIFIER})*")
 Identifier = Annotated[str, _IDENTIFIER_MARK]
 Trait = Annotated[str, Meta(min_length=1, max_length=TRAIT_MAX_LENGTH, pattern=_TRAIT)]
 Amount = Annotated[int, Meta(ge=0, le=2**53)]
+#: a feature's name: something a request may use that a node must know
+FeatureName = Annotated[str, Meta(pattern=r"^[a-z0-9_.-]{1,64}\Z")]
+Features = Annotated[frozenset[FeatureName], Meta(max_length=MAX_FEATURES)]
+#: no feature: the default of every field of :data:`Features`. The JSON leaves a field out
+#: when it holds its default *object* (an equal empty set is written ``[]``, which a reader
+#: of 0.1 refuses): whoever means "none" passes this one
+NO_FEATURES: Final[frozenset[str]] = frozenset()
+#: a participant's release, as it says it (``0.2.0``); empty: it does not say (0.1.0)
+ReleaseName = Annotated[str, Meta(max_length=64, pattern=r"^[0-9A-Za-z.+-]*\Z")]
 #: what a PCI alias may be (an operator's name for a kind of device, e.g. ``gpu-a100``)
 PCI_ALIAS_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 PciAlias = Annotated[str, Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")]
@@ -401,14 +420,17 @@ def _name_the_bad_id(struct: Any, single: list[str], many: list[str], at: str) -
 _CHECKS: dict[type, Callable[[Any, str], None]] = {}
 
 
-# Every message and part of one is a frozen msgspec struct that refuses unknown fields.
-# Constructing one checks nothing but what ``__post_init__`` checks (the machines build
-# them from values they hold); decoding checks every constraint in the annotations and
-# ``__post_init__``, then :func:`check_ids`, so nothing malformed reaches a machine.
+# Every message and part of one is a frozen msgspec struct. Constructing one checks
+# nothing but what ``__post_init__`` checks (the machines build them from values they
+# hold); decoding checks every constraint in the annotations and ``__post_init__``, then
+# :func:`check_ids`, so nothing malformed reaches a machine. A field it does not know is
+# skipped, not refused: it is a later release's, and the compatibility policy
+# (docs/design.md, "Upgrades") lets a release add only what an earlier one may go
+# without (0.1.0 refused such a message whole, so what is written for it leaves out
+# everything added since: compatibility.backport).
 # Fields equal to their default are left out of the JSON: a message that uses none of the
 # optional fields is byte for byte what it was before they existed.
-class _Frozen(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True,
-              omit_defaults=True):  # fmt: skip
+class _Frozen(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     pass
 
 
@@ -611,6 +633,10 @@ class ReservationRequest(InstanceShape, tag_field="kind", tag="request", frozen=
     #: and how much it could take, and why not), reserving nothing
     dry_run: bool = False
     traceparent: TraceParent | None = None
+    #: the features the request uses that a node must know to serve it rightly
+    #: (:mod:`reservoir.protocol.compatibility`): a node that does not know one declines,
+    #: with the reason ``feature``. Set by the requestor, never by a caller.
+    needs: Features = NO_FEATURES
 
 
 class Lookup(_Message, tag="lookup", frozen=True, kw_only=True):
@@ -825,6 +851,11 @@ class NodeStatus(_Message, tag="status", frozen=True, kw_only=True):
     #: a requestor that answered one of those ids looks it up again and frees an
     #: earlier placement found beside its own (design.md, "Lookups"). Empty otherwise.
     rejoined_buckets: Annotated[bytes, Meta(max_length=LOOKUP_BUCKETS // 8)] = b""
+    #: the node's release (``reservoir --version``); empty: it does not say (0.1.0)
+    release: ReleaseName = ""
+    #: the features it knows (:mod:`reservoir.protocol.compatibility`): a requestor
+    #: probes it only for requests whose ``needs`` it knows
+    features: Features = NO_FEATURES
 
 
 class RollCall(_Message, tag="roll_call", frozen=True, kw_only=True):
@@ -871,6 +902,9 @@ class RosterMember(_Frozen, frozen=True, kw_only=True):
     address: Identifier
     tier: Annotated[int, Meta(ge=1, le=100)]
     room: Room = field(default_factory=dict)
+    #: the node's release and features, as its status said them
+    release: ReleaseName = ""
+    features: Features = NO_FEATURES
 
 
 class RosterSample(_Message, tag="roster_sample", frozen=True, kw_only=True):

@@ -47,6 +47,7 @@ from typing import Any, Final
 
 import msgspec.structs
 
+from reservoir.protocol.compatibility import KNOWN_FEATURES, release_traits
 from reservoir.protocol.dry_run import assess
 from reservoir.protocol.effects import (
     Bind,
@@ -79,6 +80,7 @@ from reservoir.protocol.messages import (
     ROSTER_TOPIC,
     Accepted,
     AlreadyPlaced,
+    Assessment,
     Award,
     Decline,
     Free,
@@ -112,6 +114,7 @@ __all__ = [
     "IN_FLIGHT_ELSEWHERE",
     "OVERCOMMITTED",
     "TASK_DRIVER_MISSING",
+    "UNKNOWN_FEATURE",
     "NodeConfig",
     "NodeMachine",
 ]
@@ -120,6 +123,9 @@ __all__ = [
 IN_FLIGHT_ELSEWHERE: Final = "in_flight_elsewhere"
 #: Decline reason: the request's task names a task driver this node does not offer.
 TASK_DRIVER_MISSING: Final = "task_driver"
+#: Decline reason: the request needs a feature this node's release does not know
+#: (``ReservationRequest.needs``); always sent, with its reason, whether asked or not.
+UNKNOWN_FEATURE: Final = "feature"
 #: Reasons a node always gives, explain or not: the requestor needs them to decide well.
 GROUP_REASONS: Final = frozenset({"anti_affinity", "affinity"})
 #: Decline reason: the node holds more than its inventory (restarted with a smaller one
@@ -157,6 +163,10 @@ class NodeConfig:
     configuration: Mapping[str, Any] = field(default_factory=dict)
     #: the task drivers the node offers: a request whose task names another is not offered
     task_drivers: frozenset[str] = frozenset()
+    #: the node's release (said in its status, and as its release traits); empty: none
+    release: str = ""
+    #: the features it knows: a request needing another is declined (reason ``feature``)
+    features: frozenset[str] = KNOWN_FEATURES
 
 
 class NodeMachine:
@@ -169,7 +179,12 @@ class NodeMachine:
             config.numa.device_addresses() if config.numa is not None else frozenset()
         )
         self.view = NodeView(
-            name=config.name, traits=config.traits, ledger=self.ledger, numa=config.numa
+            name=config.name,
+            # its release line's traits, so that a request may ask for (or keep off) the
+            # nodes of a release line: nodes of 0.1 have none and decline as for any trait
+            traits=config.traits | release_traits(config.release),
+            ledger=self.ledger,
+            numa=config.numa,
         )
         self.bound_topics: frozenset[str] = frozenset()
         #: the room when the allocations last changed (to tell when it grows)
@@ -504,6 +519,8 @@ class NodeMachine:
             answering=answering,
             room=room,
             room_news=self._keepers_listen,
+            release=self.config.release,
+            features=self.config.features,
         )
         return status
 
@@ -593,6 +610,28 @@ class NodeMachine:
         )
 
     def _on_request(self, request: ReservationRequest, now: float, effects: list[Effect]) -> None:
+        unknown = request.needs - self.config.features if request.needs else None
+        if unknown:
+            # A later release's request this node cannot serve rightly: say so, always
+            # and in words, rather than serve it without what it needs or stay silent
+            # (a requestor would wait for an answer that cannot come).
+            self.counters["unknown_features"] += 1
+            reason = self._unknown_features(unknown)
+            answer: Assessment | Decline
+            if request.dry_run:
+                answer = Assessment(
+                    request_id=request.request_id,
+                    sender=self.name,
+                    reply_to=self.config.address,
+                    slots=0,
+                    utilisation=self.ledger.utilisation(),
+                    tier=self.tier(),
+                    reasons=(reason,),
+                )
+            else:
+                answer = msgspec.structs.replace(self._decline(request), reasons=(reason,))
+            effects.append(Send(request.reply_to, answer))
+            return
         if request.dry_run:
             self.counters["dry_runs"] += 1
             answer = assess(
@@ -717,6 +756,18 @@ class NodeMachine:
                     reservation, request, now, score=evaluation.score, group_members=members_before
                 ),
             )
+        )
+
+    def _unknown_features(self, unknown: frozenset[str]) -> Reason:
+        names = ", ".join(sorted(unknown))
+        release = f"release ({self.config.release})" if self.config.release else "release"
+        return Reason(
+            code=UNKNOWN_FEATURE,
+            subject=min(unknown),
+            detail=(
+                f"this node's {release} does not know {names}: "
+                "the request needs a node of a later release"
+            )[:500],
         )
 
     def _decline(self, request: ReservationRequest) -> Decline:

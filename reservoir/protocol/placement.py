@@ -174,6 +174,7 @@ _LABELS: Mapping[str, str] = {
     "numa": "NUMA topology cannot fit it",
     "pci": "no free {subject} where its NUMA policy allows",
     "overcommitted": "node holds more than its inventory",
+    "feature": "the node's release does not know {subject}",
 }
 
 

@@ -57,13 +57,21 @@ from __future__ import annotations
 import bisect
 import math
 from collections import Counter, OrderedDict
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Final
 
 import msgspec.structs
 
 from reservoir.protocol.answers import AnsweredIds
+from reservoir.protocol.compatibility import (
+    FEATURES,
+    RELEASE_LINES,
+    Feature,
+    line_key,
+    needed_by,
+    reads_features,
+)
 from reservoir.protocol.contention import ClaimState, IdContention, LookupOutcome
 from reservoir.protocol.conversation import Awarded, Conversation, Event, Held, Phase
 from reservoir.protocol.effects import (
@@ -210,6 +218,11 @@ class RequestorConfig:
     #: while the claim holds, no decision waits for a lookup's answers; False (or a broker
     #: that cannot claim) looks the id up before every decision instead
     claims: bool = True
+    #: the oldest release line the requests must be read by (the ``compatible_with``
+    #: setting): a request using a feature that line's nodes cannot read is refused at once
+    compatible_with: str = RELEASE_LINES[-2]
+    #: the features this requestor knows, by name (its release's)
+    features: Mapping[str, Feature] = field(default_factory=lambda: FEATURES)
 
 
 class LatencyEstimate:
@@ -355,6 +368,11 @@ class RequestorMachine:
             else:
                 effects.append(Placed(request_id, previous))
             return effects
+        needs = needed_by(spec, self.config.features)
+        if needs and not reads_features(self.config.compatible_with):
+            note = self._unreadable(needs)
+            effects.append(Failed(request_id, PlacementError(_refusal(request_id, spec, note))))
+            return effects
         conversation = Conversation(
             request_id=request_id,
             spec=spec,
@@ -367,6 +385,7 @@ class RequestorMachine:
             contention=IdContention(self.config.requestor_id, spec.request_id is not None),
             traceparent=traceparent,
             requested_at_s=requested_at_s,
+            needs=needs,
         )
         # An affinity member belongs (or, soft, prefers to be) on the node that already
         # hosts its group, which may sit in any tier: only the widest tier reaches it.
@@ -382,6 +401,19 @@ class RequestorMachine:
         else:
             self._broadcast(conversation, now, effects)
         return effects
+
+    def _unreadable(self, needs: frozenset[str]) -> str:
+        """Why a request needing ``needs`` is not placed while this requestor writes for
+        a release line whose nodes cannot read a request that names what it needs."""
+        features = [self.config.features[name] for name in sorted(needs)]
+        line = max((f.line for f in features), key=line_key)
+        what = ", ".join(f"{f.what} (since {f.line})" for f in features)
+        return (
+            f"the request uses {what}, which nodes of {self.config.compatible_with} cannot "
+            f"read, and this requestor writes for {self.config.compatible_with} "
+            f"(RESERVOIR_COMPATIBLE_WITH): set it to {line} once every node, keeper and "
+            f"requestor runs {line} or later"
+        )
 
     def on_claim(self, request_id: str, held: bool | None, now: float) -> list[Effect]:
         """The broker's answer to a conversation's :class:`Claim`: ``held``, refused
@@ -551,7 +583,14 @@ class RequestorMachine:
         if message.leaving:
             self.roster.remove(message.sender)
         else:
-            self.roster.update(message.sender, message.reply_to, message.tier, message.room)
+            self.roster.update(
+                message.sender,
+                message.reply_to,
+                message.tier,
+                message.room,
+                release=message.release,
+                features=message.features,
+            )
         if message.rejoined_buckets:
             self._look_up_again(message.rejoined_buckets, effects)
 
@@ -693,6 +732,7 @@ class RequestorMachine:
                     up_to_tier_index=len(config.tiers) - 1,
                     exclude=c.probed,
                     needs=c.spec.resources,
+                    features=c.needs,
                 )
                 if members:
                     c.probe_round += 1
@@ -753,6 +793,7 @@ class RequestorMachine:
             findable_when_placed=self.config.findable and not c.contention.looks_up,
             declines_wanted=c.exhaustive,
             traceparent=c.traceparent,
+            needs=c.needs,
             **c.spec.shape_fields(),
         )
 
@@ -1159,6 +1200,8 @@ class RequestorMachine:
             self._start_over(c, now, effects)
             return
         grown = [] if c.rooms_rechecked else self.roster.roomier_since(c.declines, c.spec.resources)
+        if c.needs:
+            grown = [m for m in grown if c.needs <= m.features]
         if grown:
             # A node that declined has told of more room since (an instance it held
             # ended while the tiers were asked): ask it alone before failing, or the

@@ -213,7 +213,14 @@ class RosterSource:
         self._sample_at = now
         roster, sampled = self._roster, self._sampled
         for member in sample.members:
-            roster.update(member.name, member.address, member.tier, member.room)
+            roster.update(
+                member.name,
+                member.address,
+                member.tier,
+                member.room,
+                release=member.release,
+                features=member.features,
+            )
             sampled.pop(member.name, None)
             sampled[member.name] = None
         while len(sampled) > self.config.limit:

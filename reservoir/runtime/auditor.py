@@ -34,6 +34,7 @@ from reservoir.clock import Scheduler
 from reservoir.observe.metrics import Metrics
 from reservoir.protocol.addresses import node_address
 from reservoir.protocol.audit import AuditReport, NodeSnapshot, audit
+from reservoir.protocol.compatibility import said_release
 from reservoir.protocol.ledger import Allocation, Reservation, ResourceUsage
 from reservoir.protocol.messages import LedgerQuery, LedgerReport, Message
 from reservoir.protocol.placement import PlacedAllocation, Placement
@@ -60,13 +61,16 @@ LEAK_GRACE_S = 1.0
 
 def node_fields(snapshot: NodeSnapshot) -> dict[str, Any]:
     """A live node in the one field vocabulary of ``reservoir nodes`` and ``GET
-    /v1/nodes``: ``name``, ``tier`` (percent), ``utilisation`` (0..1), ``allocations``
+    /v1/nodes``: ``name``, ``release`` (what its configuration names; a node that names
+    none is of 0.1.0, the one release that did not), ``tier`` (percent), ``utilisation``
+    (0..1), ``allocations``
     and ``reservations`` (counts held), and ``usage`` per resource class: its inventory
     (``total``, ``reserved``: host-reserved, as Placement has it, ``allocation_ratio``),
     ``capacity`` ((total - reserved) x ratio), ``used`` by allocations, ``held`` by live
     reservations, and ``free``."""
     return {
         "name": snapshot.name,
+        "release": said_release(snapshot.configuration),
         "tier": snapshot.tier,
         "utilisation": round(snapshot.utilisation, 4),
         "allocations": len(snapshot.allocations),

@@ -30,6 +30,7 @@ from reservoir.observe import tracing
 from reservoir.observe.metrics import Metrics, resource_families
 from reservoir.protocol.addresses import node_address
 from reservoir.protocol.audit import NodeSnapshot
+from reservoir.protocol.compatibility import KNOWN_FEATURES
 from reservoir.protocol.effects import (
     DeleteAllocation,
     Effect,
@@ -63,6 +64,7 @@ from reservoir.runtime.tasks import (
     drivers_by_name,
     load_task_drivers,
 )
+from reservoir.version import __version__
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -171,8 +173,16 @@ class NodeAgent(Driver):
             filters=tuple(filters) if filters is not None else load_filters(settings.filters),
             weighers=tuple(weighers) if weighers is not None else load_weighers(settings.weighers),
             numa=numa,
-            configuration=dict(configuration or {}),
+            # the release and the features go with the configuration, so that whoever
+            # asks a node for its ledger (reservoir nodes) learns them whatever line the
+            # node writes for, from a node of any release (compatibility.said_release)
+            configuration={
+                **(configuration or {}),
+                "release": __version__,
+                "features": sorted(KNOWN_FEATURES),
+            },
             task_drivers=frozenset(drivers),
+            release=__version__,
         )
         self.machine = NodeMachine(config, allocations=self.store.load())
         #: allocation id -> the handle of its running task

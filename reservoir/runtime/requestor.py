@@ -180,6 +180,7 @@ class Requestor(Driver):
                 probe_rounds=settings.probe_rounds,
                 roster_from=settings.roster_from,
                 findable=findable,
+                compatible_with=settings.compatible_with,
             )
         )
         self._placing: dict[str, list[concurrent.futures.Future[Placement]]] = {}

@@ -24,6 +24,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from brokers import BrokerUrl
+from reservoir.protocol.compatibility import RELEASE_LINES
 from reservoir.protocol.policies import POLICIES
 from reservoir.protocol.tiers import DEFAULT_TIERS, TierLadder
 from reservoir.runtime.keys import Keyring, Role
@@ -125,6 +126,12 @@ class Settings(BaseSettings):
     #: request whose task names another is not offered. In the environment:
     #: ``RESERVOIR_TASK_DRIVERS=exec,docker``
     task_drivers: Annotated[tuple[str, ...], NoDecode] = ()
+    #: the oldest release line every message must be read by (docs/upgrading.md): the
+    #: line before this one while participants of it may run (the default), this one's
+    #: once every participant runs it. Written for 0.1, messages leave out what 0.1
+    #: refuses, nodes do not say their release and features in their statuses, and a
+    #: request needing a feature of a later line is refused before anyone is asked
+    compatible_with: str = RELEASE_LINES[-2]
 
     @field_validator("task_drivers", mode="before")
     @classmethod
@@ -132,6 +139,16 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             return tuple(name.strip() for name in value.split(",") if name.strip())
         return value
+
+    @field_validator("compatible_with")
+    @classmethod
+    def _known_line(cls, line: str) -> str:
+        if line not in RELEASE_LINES:
+            raise ValueError(
+                f"{line!r} is no release line this release runs beside: "
+                f"{' or '.join(RELEASE_LINES)} (the line before it, or its own)"
+            )
+        return line
 
     @field_validator("tiers")
     @classmethod
@@ -175,4 +192,5 @@ class Settings(BaseSettings):
             role=role,
             replay_window_s=self.replay_window_s,
             replay_cache_entries=self.replay_cache_entries,
+            compatible_with=self.compatible_with,
         )

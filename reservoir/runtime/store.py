@@ -5,6 +5,16 @@ requestor sees a refusal or a timeout and moves on). :class:`SqliteStore` keeps 
 database per node in WAL mode with ``synchronous=FULL``: an allocation is on disk before the
 node says ``Accepted``. A file that is not a reservoir state file, or belongs to another
 node, is refused with :class:`StateError`, never silently reset.
+
+Across releases (docs/design.md, "Upgrades: two releases at once"): a file of an earlier
+schema is upgraded in place when opened; one of a later schema than this release reads
+is refused, in one line naming both schemas, the release that last opened it and what to
+do, and left as it was. A node rolled back to the release before must find its file as
+that release wrote it, so a release changes nothing that release reads: 0.1.0 reads schema
+3 exactly, inserts its rows by position and reads the JSON of a task and of a NUMA
+placement refusing any field it does not know, so the file stays schema 3 with the same
+tables and columns, and what a later release must keep besides goes in tables of its own.
+The meta table's ``release`` names the last release (0.2 or later) that opened it.
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ import msgspec
 from reservoir.protocol.ledger import Allocation
 from reservoir.protocol.messages import NumaPlacement, TaskSpec
 from reservoir.runtime.tasks import TaskHandle
+from reservoir.version import __version__
 
 __all__ = ["AllocationStore", "MemoryStore", "SqliteStore", "StateError"]
 
@@ -27,8 +38,14 @@ _APPLICATION: Final = "reservoir-node-ledger"
 #: 2 added ``requested_at_s`` (which of two placements of one id stands); a version 1
 #: file is upgraded in place when opened, its allocations dated 0 (older than any other);
 #: 3 added the allocations' ``task`` and ``reply_to`` and the ``tasks`` table (the handles
-#: of running tasks, so a restarted agent re-attaches to them)
+#: of running tasks, so a restarted agent re-attaches to them). Release 0.1.0 wrote 3.
 _SCHEMA_VERSION: Final = 3
+#: the columns of ``allocations``, in order (0.1.0 inserts by position: none may be added
+#: while a node may be rolled back to it)
+_COLUMNS: Final = (
+    "allocation_id, request_id, reservation_id, owner, resources, request_count, "
+    "server_group, numa, requested_at_s, task, reply_to"
+)
 
 
 class StateError(RuntimeError):
@@ -137,6 +154,7 @@ class SqliteStore:
                     ("application", _APPLICATION),
                     ("schema_version", str(_SCHEMA_VERSION)),
                     ("node", self.node_name),
+                    ("release", __version__),
                 ],
             )
 
@@ -157,13 +175,34 @@ class SqliteStore:
             raise StateError(
                 f"{self.path} belongs to node {meta.get('node')!r}, not {self.node_name!r}"
             )
-        if meta.get("schema_version") in ("1", "2"):
+        version = meta.get("schema_version", "")
+        if not version.isdigit():
+            raise StateError(f"{self.path} has no schema version this reservoir can read")
+        if int(version) > _SCHEMA_VERSION:
+            raise StateError(self._too_new(int(version), meta.get("release")))
+        if version in ("1", "2"):
             self._upgrade_from_1()
-        elif meta.get("schema_version") != str(_SCHEMA_VERSION):
+        elif version != str(_SCHEMA_VERSION):
             raise StateError(
-                f"{self.path} has schema version {meta.get('schema_version')}, "
-                f"this reservoir reads version {_SCHEMA_VERSION}"
+                f"{self.path} has schema version {version}, which no release of reservoir "
+                f"wrote; this one ({__version__}) reads versions 1 to {_SCHEMA_VERSION}"
             )
+        if meta.get("release") != __version__:
+            with self._lock:
+                self._db.execute(
+                    "INSERT OR REPLACE INTO meta VALUES ('release', ?)", (__version__,)
+                )
+
+    def _too_new(self, version: int, release: str | None) -> str:
+        """One line: the file is a later release's, and what to do about it."""
+        by = f"reservoir {release}" if release else "a later release of reservoir"
+        return (
+            f"{self.path} has schema version {version}, last opened by {by}; this "
+            f"reservoir ({__version__}) reads versions up to {_SCHEMA_VERSION}: run "
+            f"{'reservoir ' + release + ' or later' if release else 'that release'} with "
+            "this state directory (nothing in it was changed), or give this release "
+            "another --state-dir, which starts with no allocation"
+        )
 
     def _upgrade_from_1(self) -> None:
         """Schema 1 or 2 to 3 (named when there were two), once: two processes opening
@@ -194,9 +233,7 @@ class SqliteStore:
     def load(self) -> list[Allocation]:
         with self._lock:
             rows = self._db.execute(
-                "SELECT allocation_id, request_id, reservation_id, owner, resources, "
-                "request_count, server_group, numa, requested_at_s, task, reply_to "
-                "FROM allocations ORDER BY allocation_id"
+                f"SELECT {_COLUMNS} FROM allocations ORDER BY allocation_id"
             ).fetchall()
         allocations = []
         for row in rows:
@@ -229,7 +266,8 @@ class SqliteStore:
     def put(self, allocation: Allocation) -> None:
         with self._lock:
             self._db.execute(
-                "INSERT OR REPLACE INTO allocations VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                f"INSERT OR REPLACE INTO allocations ({_COLUMNS}) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     allocation.allocation_id,
                     allocation.request_id,

@@ -36,7 +36,9 @@ from typing import Final, NoReturn
 
 import msgspec
 
+from reservoir.protocol.compatibility import RELEASE_LINES, backport
 from reservoir.protocol.messages import (
+    PROTOCOL_VERSION,
     InvalidField,
     Message,
     decode_message,
@@ -86,7 +88,8 @@ SIGNATURE_REASONS: Final = frozenset(
 
 class DecodeError(ValueError):
     """A body that must be dropped. ``reason`` is a counter name: ``oversized``,
-    ``malformed``, ``unknown_kind``, ``invalid``, ``replayed``, or one of
+    ``malformed``, ``unknown_kind``, ``unsupported_version``, ``invalid``, ``replayed``,
+    or one of
     :data:`SIGNATURE_REASONS`. ``sender`` is who the envelope claims sent it, when it
     got that far (unverified unless the reason is about the message after its
     signature)."""
@@ -121,7 +124,10 @@ class Codec:
     ``keys`` turns signing on (``secret`` is the old single shared secret, the same as
     ``Keyring.shared_secret(secret)``). ``role`` is who this codec speaks for: it signs
     only that role's kinds, with that role's current key. A codec without a role signs
-    any kind with its role's current key (tools and tests)."""
+    any kind with its role's current key (tools and tests). ``compatible_with`` is the
+    oldest release line its messages must be read by (the line before this one, unless
+    every participant runs this one): what that line's readers would refuse is left out
+    (:func:`~reservoir.protocol.compatibility.backport`)."""
 
     def __init__(
         self,
@@ -132,7 +138,13 @@ class Codec:
         role: Role | None = None,
         replay_window_s: float = 30.0,
         replay_cache_entries: int = DEFAULT_REPLAY_CACHE_ENTRIES,
+        compatible_with: str = RELEASE_LINES[-2],
     ) -> None:
+        if compatible_with not in RELEASE_LINES:
+            raise ValueError(
+                f"compatible_with {compatible_with!r}: this release runs beside "
+                f"{' and '.join(RELEASE_LINES)} only"
+            )
         if secret is not None:
             if keys is not None:
                 raise ValueError("give keys or a shared secret, not both")
@@ -159,6 +171,7 @@ class Codec:
         self.role = role
         self.replay_window_s = replay_window_s
         self.replay_cache_entries = replay_cache_entries
+        self.compatible_with = compatible_with
         #: digest of (sender, nonce) -> stamp, oldest stamp first (near enough: they arrive
         #: in order); a 16-byte digest keeps an entry small whatever the sender's name
         self._seen: OrderedDict[bytes, float] = OrderedDict()
@@ -174,7 +187,7 @@ class Codec:
     def encode(self, message: Message, wall_s: float, *, destination: str) -> bytes:
         """``destination`` is the routing key it is published with, or the address it is
         sent to: the receiver checks it is where the message was meant to go."""
-        body = encode_message(message)
+        body = encode_message(backport(message, self.compatible_with))
         if self.keys is None:
             return body
         role = role_of(message.kind)
@@ -440,4 +453,7 @@ def _refusal(error: msgspec.ValidationError) -> tuple[str, str]:
         return "malformed", "not a JSON object"
     if where == "kind" or what == "Object missing required field `kind`":
         return "unknown_kind", f"kind: {what}"
+    if where == "version":
+        # a protocol version this release does not speak (docs/design.md, "Upgrades")
+        return "unsupported_version", f"version: {what} (this reservoir speaks {PROTOCOL_VERSION})"
     return "invalid", f"{where or 'message'}: {what}"

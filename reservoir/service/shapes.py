@@ -369,6 +369,8 @@ class NodeOut(BaseModel):
     """One live node, as its ledger report says."""
 
     name: str
+    #: the reservoir release the node runs (``0.1.0`` for a node that does not say)
+    release: str
     #: the narrowest tier the node hears, percent
     tier: int
     #: dominant share, live reservations included (0..1)

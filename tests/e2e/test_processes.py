@@ -24,6 +24,7 @@ import pytest
 
 from brokers import connect
 from reservoir.runtime.requestor import Requestor
+from reservoir.version import __version__
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.e2e]
 
@@ -311,7 +312,8 @@ def test_reservoir_nodes_lists_every_live_node_with_its_usage_and_tier(cluster: 
     assert {n["tier"] for n in listed.values()} <= {10, 25, 50}
     table = reservoir("nodes", "--expect-nodes", "2", env=cluster.env)
     assert table.returncode == 0 and "VCPU" in table.stdout
-    assert table.stdout.split("\n")[0].split()[:4] == ["node", "class", "unit", "total"]
+    assert table.stdout.split("\n")[0].split()[:5] == ["node", "release", "class", "unit", "total"]
+    assert {n["release"] for n in listed.values()} == {__version__}
     picked = reservoir("nodes", "--expect-nodes", "2", "-f", "value", "-c", "name", "-c", "class",
                        "-c", "used", "-c", "total", env=cluster.env)  # fmt: skip
     assert f"{holder} VCPU 2 {8 if holder == 'a' else 4}" in picked.stdout.splitlines()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from reservoir.version import DISTRIBUTION, __version__
+from reservoir.version import DISTRIBUTION, __version__, version_line
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -73,7 +73,7 @@ def test_the_wheel_installs_as_reservoir_scheduler_and_gives_the_reservoir_comma
         cwd=tmp_path,
         env=clean,
     )
-    assert shown.stdout.strip() == f"reservoir, version {__version__}"
+    assert shown.stdout.strip() == f"reservoir, version {version_line()}"
     where = subprocess.run(
         [str(python), "-c",
          "import importlib.metadata, reservoir;"

@@ -221,9 +221,14 @@ def test_the_whole_connection_error_is_logged_with_dash_v() -> None:
     )
 
 
-def test_reservoir_version_names_the_installed_version() -> None:
+def test_reservoir_version_names_the_release_its_protocol_and_the_line_it_runs_beside() -> None:
     from reservoir import __version__
+    from reservoir.protocol.compatibility import RELEASE_LINES
+    from reservoir.protocol.messages import PROTOCOL_VERSION
 
     shown = CliRunner().invoke(main, ["--version"])
     assert shown.exit_code == 0
-    assert shown.output.strip() == f"reservoir, version {__version__}"
+    assert shown.output.strip() == (
+        f"reservoir, version {__version__} "
+        f"(protocol {PROTOCOL_VERSION}; runs beside {RELEASE_LINES[-2]})"
+    )

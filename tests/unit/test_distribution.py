@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from reservoir.version import DISTRIBUTION, __version__, install_hint
+from reservoir.version import DISTRIBUTION, __version__, install_hint, version_line
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -111,7 +111,8 @@ def test_the_version_option_reads_the_release_without_asking_for_a_distribution(
         check=True,
         cwd=ROOT,
     ).stdout
-    assert shown.strip() == f"reservoir, version {__version__}"
+    assert shown.strip() == f"reservoir, version {version_line()}"
+    assert version_line().startswith(f"{__version__} (protocol ")
 
 
 @pytest.mark.parametrize("path", ["README.md", "docs/getting-started.md"])

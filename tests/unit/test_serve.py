@@ -21,6 +21,7 @@ from reservoir import NodeAgent, Placement, PlacementRequest, RequestorClosed, a
 from reservoir.cli import main
 from reservoir.service import ReservoirService, create_app, reservoir_lifespan
 from reservoir.testing.asgi import running, serving
+from reservoir.version import __version__
 
 NODE_VCPUS = 16
 NODE_MEMORY_MB = 32768
@@ -313,6 +314,7 @@ def test_the_nodes_list_shows_every_node_with_its_usage_and_tier(
             "free": NODE_VCPUS - 4,
         }
         assert all(isinstance(node["tier"], int) for node in by_name.values())
+        assert {node["release"] for node in by_name.values()} == {__version__}
 
     run_against(app, scenario)
 

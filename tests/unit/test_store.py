@@ -96,6 +96,63 @@ def test_a_version_1_file_upgraded_by_another_process_meanwhile_is_not_upgraded_
     late.close()
 
 
+def a_later_releases_file(tmp_path: Path, **meta: str) -> Path:
+    """A state file as a later release would leave it: a schema this one does not read."""
+    SqliteStore.for_node(tmp_path, "n1").put(an_allocation())
+    path = tmp_path / "n1.sqlite3"
+    db = sqlite3.connect(path)
+    for key, value in meta.items():
+        db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
+    db.commit()
+    db.close()
+    return path
+
+
+def contents(path: Path) -> list[tuple[object, ...]]:
+    db = sqlite3.connect(path)
+    try:
+        return [*db.execute("SELECT * FROM meta ORDER BY key"),
+                *db.execute("SELECT * FROM allocations")]  # fmt: skip
+    finally:
+        db.close()
+
+
+def test_a_later_releases_file_is_refused_in_one_line_naming_both_and_what_to_do(
+    tmp_path: Path,
+) -> None:
+    from reservoir.version import __version__
+
+    path = a_later_releases_file(tmp_path, schema_version="4", release="0.3.1")
+    before = contents(path)
+    with pytest.raises(StateError) as refused:
+        SqliteStore.for_node(tmp_path, "n1")
+    said = str(refused.value)
+    assert "\n" not in said
+    assert said == (
+        f"{path} has schema version 4, last opened by reservoir 0.3.1; this reservoir "
+        f"({__version__}) reads versions up to 3: run reservoir 0.3.1 or later with this "
+        "state directory (nothing in it was changed), or give this release another "
+        "--state-dir, which starts with no allocation"
+    )
+    assert contents(path) == before
+
+
+def test_a_later_file_that_names_no_release_is_refused_all_the_same(tmp_path: Path) -> None:
+    path = a_later_releases_file(tmp_path, schema_version="7")
+    sqlite3.connect(path).execute("DELETE FROM meta WHERE key = 'release'").connection.commit()
+    with pytest.raises(StateError, match=r"last opened by a later release of reservoir; .* run "
+                       r"that release with this state directory"):  # fmt: skip
+        SqliteStore.for_node(tmp_path, "n1")
+
+
+def test_the_file_names_the_last_release_that_opened_it(tmp_path: Path) -> None:
+    from reservoir.version import __version__
+
+    path = a_later_releases_file(tmp_path, release="0.1.9")  # schema 3: this one reads it
+    SqliteStore.for_node(tmp_path, "n1").close()
+    assert ("release", __version__) in contents(path)
+
+
 def test_the_file_is_in_wal_mode(tmp_path: Path) -> None:
     SqliteStore.for_node(tmp_path, "n1").close()
     mode = sqlite3.connect(tmp_path / "n1.sqlite3").execute("PRAGMA journal_mode").fetchone()

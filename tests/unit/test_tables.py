@@ -97,6 +97,23 @@ def test_the_inventory_of_every_node_travels_in_its_ledger_report(cluster: InPro
     assert sorted([used, other["used"]]) == [0, 3]
 
 
+def test_every_node_row_names_the_release_the_node_runs(cluster: InProcessBroker) -> None:
+    from reservoir.version import __version__
+
+    rows = json.loads(nodes("-f", "json"))
+    assert {row["release"] for row in rows} == {__version__}
+    assert "release" in nodes().splitlines()[0]
+
+
+def test_a_node_that_names_no_release_is_of_0_1_0_the_one_release_that_did_not() -> None:
+    from reservoir.protocol.audit import NodeSnapshot
+
+    quiet = NodeSnapshot(name="old", taken_at=0.0, utilisation=0.0, tier=10, usages={},
+                         allocations=(), reservations=(), violations=(),
+                         configuration={"vcpus": 8})  # fmt: skip
+    assert node_fields(quiet)["release"] == "0.1.0"
+
+
 def test_the_nodes_table_has_headers_with_units_and_the_inventory_columns(
     cluster: InProcessBroker,
 ) -> None:

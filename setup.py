@@ -54,6 +54,8 @@ INTERPRETED = {
     "reservoir/protocol/audit.py": "runs once per audit, never per message",
     "reservoir/protocol/addresses.py": "called when a participant starts and per free",
     "reservoir/protocol/tasks.py": "once per change of a task, never per probe",
+    "reservoir/protocol/task_policy.py": "once per request carrying a task, where the node "
+    "restricts what tasks run",
     "reservoir/tools/simulator/__init__.py": "re-exports only",
     "reservoir/tools/simulator/baselines.py": "the baselines' own loops are a small share of a run",
     "reservoir/tools/simulator/capacity.py": "numpy does the work",

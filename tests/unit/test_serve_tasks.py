@@ -12,6 +12,8 @@ import pytest
 
 from brokers.inprocess import InProcessBroker
 from reservoir import NodeAgent, audit
+from reservoir.runtime.cgroups import CgroupHost
+from reservoir.runtime.exec_driver import ExecDriver
 from reservoir.runtime.settings import Settings
 from reservoir.service import ReservoirService, create_app
 from reservoir.testing.asgi import serving
@@ -27,8 +29,10 @@ def broker() -> Iterator[InProcessBroker]:
 def test_a_task_posted_runs_and_get_shows_it_ended_after_its_allocation_was_freed(
     broker: InProcessBroker, tmp_path: Path
 ) -> None:
-    settings = Settings(state_dir=tmp_path, task_drivers=("exec",))
-    node = NodeAgent(broker, name="http-node", vcpus=2, memory_mb=1024, settings=settings)
+    # no control groups: its limits are the same on every host
+    exec_driver = ExecDriver(state_dir=tmp_path / "exec", cgroups=CgroupHost())
+    node = NodeAgent(broker, name="http-node", vcpus=2, memory_mb=1024,
+                     settings=Settings(state_dir=tmp_path), task_drivers=[exec_driver])  # fmt: skip
     app = create_app(broker)
 
     async def scenario(client: httpx.AsyncClient, service: ReservoirService) -> None:

@@ -150,6 +150,8 @@ class TaskBook:
             task = record.task()
             self._ended[task.allocation_id] = task
             self._by_request.setdefault(task.request_id, set()).add(task.allocation_id)
+            # its lookup topic is bound again once the node starts (drain_forgotten)
+            self._forgotten.add(task.request_id)
         self._trim()
 
     def starting(self, allocation: Allocation) -> NodeTask:
@@ -228,7 +230,8 @@ class TaskBook:
 
     def drain_forgotten(self) -> set[str]:
         """The request ids of which no task is booked any more since the last call (the
-        last one ended long enough ago to be forgotten)."""
+        last one ended long enough ago to be forgotten), and those of the tasks the book
+        was made with: whose lookup topics to look at again."""
         forgotten, self._forgotten = self._forgotten, set()
         return forgotten
 

@@ -192,6 +192,8 @@ def _kill_groups(spec: dict[str, Any], pgid: int) -> None:
                 pids = [int(p) for p in Path(procs).read_text().split()]
             except (OSError, ValueError):
                 break
+            # never a group of its own (0, -n) nor itself: it is in no task group
+            pids = [pid for pid in pids if pid > 0 and pid != os.getpid()]
             if not pids:
                 break
             for pid in pids:

@@ -15,7 +15,8 @@ often as ``rabbitmqctl list_queues`` answers (about twice a second), the message
 in the reader's reply queue and in the node's inbox. It prints the peaks (the node's peak
 is its ``VmHWM``, over its whole life), the bytes read and those the node no longer kept
 when the reader got to them (the two add up to what was written), and how long it took;
-``--json`` prints one object. docs/design.md, "Tasks", says what the figures showed.
+``--json`` prints one object. At the end, ``reservoir audit`` of the node (its exit status
+is a figure too). docs/design.md, "Tasks", says what the figures showed.
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ class Figures:
     #: the most bytes the task's directory held, and the node's bound on them
     kept_bytes_peak: int
     kept_bytes_bound: int
+    #: ``reservoir audit --expect-nodes 1`` at the end: its exit status (0: clean)
+    audit_status: int
 
 
 def parse_size(text: str) -> int:
@@ -183,6 +186,10 @@ def measure(broker: str, total_bytes: int) -> Figures:
         done.set()
         for watcher in watchers:
             watcher.join(timeout=60)
+        audited = subprocess.run(
+            [sys.executable, "-m", "reservoir.cli", "audit", "--expect-nodes", "1"],
+            env=env, capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
         return Figures(
             bytes_written=total_bytes,
             bytes_read=read,
@@ -198,6 +205,7 @@ def measure(broker: str, total_bytes: int) -> Figures:
             kept_bytes_peak=samples["kept"] or 0,
             # two streams, each at most so many files of so many bytes, and the exit file
             kept_bytes_bound=2 * DEFAULT_OUTPUT_FILES * DEFAULT_OUTPUT_FILE_BYTES + 4096,
+            audit_status=audited.returncode,
         )
     finally:
         node.send_signal(signal.SIGTERM)

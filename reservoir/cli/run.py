@@ -222,7 +222,8 @@ class ShownOutput:
                 self._write(sink, lines.take(piece.data))
             self._write(sink, lines.rest())
         except Exception as error:  # the node went away: said, the task's state still counts
-            self._say(f"reservoir: the {reader.stream} of {reader.allocation_id}: {error}")
+            if not reader.stopped:  # (stopped: Ctrl-C, said otherwise)
+                self._say(f"reservoir: the {reader.stream} of {reader.allocation_id}: {error}")
 
     def _write(self, sink: Any, data: bytes) -> None:
         if data:

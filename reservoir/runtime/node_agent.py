@@ -204,6 +204,7 @@ class NodeAgent(Driver):
         self._stops_wanted: dict[str, float] = {}
         self._tasks_lock = threading.Lock()
         self._task_work: concurrent.futures.ThreadPoolExecutor | None = None
+        self._output_work: concurrent.futures.ThreadPoolExecutor | None = None
         self._task_watch: threading.Thread | None = None
         self._tasks_done = threading.Event()
         #: answers TaskOutputQuery, holding those that wait for output
@@ -269,8 +270,9 @@ class NodeAgent(Driver):
         self._output.close()
         if self._task_watch is not None:
             self._task_watch.join()
-        if self._task_work is not None:
-            self._task_work.shutdown(wait=True, cancel_futures=True)
+        for work in (self._task_work, self._output_work):
+            if work is not None:
+                work.shutdown(wait=True, cancel_futures=True)
         self._let_go()
         self.store.close()
 
@@ -447,7 +449,7 @@ class NodeAgent(Driver):
             # Read from files (or an engine): not under the machine's lock, and not on
             # the broker's IO thread
             assert isinstance(message, TaskOutputQuery)
-            self._task_executor().submit(self._output.ask, message)
+            self._output_executor().submit(self._output.ask, message)
             return []
         if getattr(message, "traceparent", None) is not None:
             effects = tracing.node_span(
@@ -511,6 +513,17 @@ class NodeAgent(Driver):
                 self._task_executor().submit(self._start_task, outcome)
             elif type(outcome) is StopTask:
                 self._task_executor().submit(self._stop_task, outcome)
+
+    def _output_executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        """Where output queries are read: apart from the tasks' starts and stops (a stop
+        waits out its grace), so that neither waits for the other."""
+        self._task_executor()  # the watcher, which looks at the queries held
+        with self._tasks_lock:
+            if self._output_work is None:
+                self._output_work = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=2, thread_name_prefix=f"{self.name}:output"
+                )
+            return self._output_work
 
     def _task_executor(self) -> concurrent.futures.ThreadPoolExecutor:
         with self._tasks_lock:

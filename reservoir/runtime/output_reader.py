@@ -98,6 +98,10 @@ class OutputReader:
         """End a following reader at its next answer (or its next wait for one)."""
         self._stopped.set()
 
+    @property
+    def stopped(self) -> bool:
+        return self._stopped.is_set()
+
     def _query(self) -> concurrent.futures.Future[TaskOutput]:
         wait_s = self._wait_s if self.follow else 0.0
         return self._ask(
@@ -134,6 +138,7 @@ class OutputReader:
             try:
                 answer = future.result(timeout=self._answer_wait_s())
             except concurrent.futures.TimeoutError:
+                future.cancel()  # given up: its requestor lets go of it
                 if not self.follow:
                     raise OutputUnreachable(
                         f"node {self.node} did not answer for the output of {self.allocation_id}"

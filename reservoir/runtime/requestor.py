@@ -773,6 +773,10 @@ class Requestor(Driver):
             waiting += placing
         for freeing in self._freeing.values():
             waiting += freeing
+        with self._lock:
+            asked, self._output_asked = self._output_asked, {}
+        for readers in asked.values():
+            waiting += readers
         for future in waiting:
             if not future.done():
                 future.set_exception(RequestorClosed(f"{self.name} closed"))

@@ -354,6 +354,7 @@ def test_a_task_writing_much_keeps_the_nodes_memory_and_the_brokers_queues_bound
     (benchmarks/task_output.py; the closing note has the 1 GiB figures)."""
     figures = benchmark_script("task_output").measure(reservoir_amqp_broker_url, 256 * 1024**2)
     assert figures.exit_code == 0
+    assert figures.audit_status == 0  # the node's audit at the end, clean
     assert figures.bytes_read + figures.bytes_skipped == figures.bytes_written
     assert figures.bytes_read >= 16 * 1024**2  # the last 16 MiB at least: what the node keeps
     assert figures.node_rss_peak_mib - figures.node_rss_at_start_mib < 16

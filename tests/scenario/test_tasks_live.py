@@ -255,3 +255,21 @@ def test_without_control_groups_memory_is_an_rlimit_in_the_task_process(
     assert said.strip() == str(300 * 1024).encode()  # KiB, as ulimit -v says it
     audited(node)
     node.close()
+
+
+def test_a_task_released_after_its_agent_restarted_says_how_it_ended(
+    broker: InProcessBroker, tmp_path: Path
+) -> None:
+    node = a_node(broker, tmp_path)
+    with Requestor(broker) as requestor:
+        run = requestor.run(["sleep", "60"], vcpus=1, stop_grace_s=1)
+        run.wait_started(timeout_s=10)
+        node.close()
+        node = a_node(broker, tmp_path)  # re-attached: not its process's parent any more
+        requestor.release(run.placement.result())
+        (state,) = run.wait(timeout_s=15).values()
+        assert (state.state, state.exit_code, state.reason) == (
+            "stopped", 143, "released (killed by SIGTERM)")  # fmt: skip
+        assert node.allocations() == []
+    audited(node)
+    node.close()

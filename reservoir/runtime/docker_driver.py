@@ -64,6 +64,9 @@ class DockerDriver:
     name = "docker"
     #: the engine is asked for a waiting reader's output at most this often
     output_poll_s = 1.0
+    #: a container is found by its allocation's label: the agent may store a handle
+    #: before the start is done (NodeAgent._start_task)
+    finds_by_allocation = True
 
     def __init__(
         self,
@@ -146,9 +149,22 @@ class DockerDriver:
             data={"memory_mb": str(memory_mb)} if memory_mb else {},
         )
 
+    def _ref(self, handle: TaskHandle) -> str | None:
+        """The container's id: the handle's, or for one stored before its start was done,
+        the container labelled with its allocation (None: none was made)."""
+        if handle.ref:
+            return handle.ref
+        found = self._client.containers.list(
+            all=True, filters={"label": f"{LABEL_ALLOCATION}={handle.allocation_id}"}
+        )
+        return str(found[0].id) if found else None
+
     def status(self, handle: TaskHandle) -> TaskStatus:
+        ref = self._ref(handle)
+        if ref is None:
+            return TaskStatus(running=False)  # never started: nothing ran, nothing to say
         try:
-            container = self._client.containers.get(handle.ref)
+            container = self._client.containers.get(ref)
         except self._errors.NotFound:
             return TaskStatus(running=False, reason="the container is gone")
         state = container.attrs.get("State", {})
@@ -161,18 +177,25 @@ class DockerDriver:
         return TaskStatus(running=False, exit_code=state.get("ExitCode"), reason=reason)
 
     def reattach(self, handle: TaskHandle) -> TaskStatus:
-        self._containers[handle.allocation_id] = handle.ref
+        ref = self._ref(handle)
+        if ref is not None:
+            self._containers[handle.allocation_id] = ref
         return self.status(handle)
 
     def stop(self, handle: TaskHandle, grace_s: float) -> None:
-        with contextlib.suppress(self._errors.NotFound):
-            self._client.containers.get(handle.ref).stop(timeout=math.ceil(grace_s))
+        ref = self._ref(handle)
+        if ref is not None:
+            with contextlib.suppress(self._errors.NotFound):
+                self._client.containers.get(ref).stop(timeout=math.ceil(grace_s))
 
     def forget(self, handle: TaskHandle) -> None:
         """The task ended and was reported: its output copied out of the engine (for the
         retention), then its container removed."""
+        ref = self._ref(handle)
         try:
-            container = self._client.containers.get(handle.ref)
+            if ref is None:
+                raise self._errors.NotFound("no container")
+            container = self._client.containers.get(ref)
         except self._errors.NotFound:
             self._containers.pop(handle.allocation_id, None)
             return

@@ -43,6 +43,8 @@ import time
 from pathlib import Path
 from typing import Any, Final
 
+import msgspec
+
 from reservoir.protocol.ledger import Allocation
 from reservoir.protocol.messages import TaskSpec
 from reservoir.runtime import task_supervisor
@@ -90,6 +92,9 @@ class ExecDriver:
     (found on the host by default; ``CgroupHost()`` for none)."""
 
     name = "exec"
+    #: a task is found from its allocation id alone (its directory names its supervisor),
+    #: so the agent may store a handle before the start is done (NodeAgent._start_task)
+    finds_by_allocation = True
 
     def __init__(
         self,
@@ -172,30 +177,36 @@ class ExecDriver:
             "max_files": self.config.output_files,
             "grace_s": task.stop_grace_s,
         }
-        process, child = self._supervise(spec, directory, groups, program)
-        started = _start_time(process.pid) or "?"
-        with self._lock:
-            self._children[allocation.allocation_id] = process
         data = {
             "exit_file": str(exit_file),
             "output_dir": str(directory),
-            "child": str(child),
             "cgroups": json.dumps([str(d) for d in groups.directories]),
         }
-        return TaskHandle(
+        handle = TaskHandle(
             driver=self.name,
             allocation_id=allocation.allocation_id,
             request_id=allocation.request_id,
-            ref=f"{process.pid}:{started}",
+            ref="",
             limits=",".join(f"{what}={how}" for what, how in sorted(limited.items())) or "none",
             data=data,
         )
+        process = self._supervise(spec, directory, groups, program, handle)
+        with self._lock:
+            self._children[allocation.allocation_id] = process
+        return self._found(allocation.allocation_id) or handle
 
     def _supervise(
-        self, spec: dict[str, Any], directory: Path, groups: TaskGroups, program: str
-    ) -> tuple[subprocess.Popen[bytes], int]:
-        """Start the task's supervisor; it and the command's pid, once it says the
-        command runs. Raises TaskStartError with the supervisor's reason otherwise."""
+        self,
+        spec: dict[str, Any],
+        directory: Path,
+        groups: TaskGroups,
+        program: str,
+        handle: TaskHandle,
+    ) -> subprocess.Popen[bytes]:
+        """Start the task's supervisor; it, once it says the command runs. Raises
+        TaskStartError with the supervisor's reason otherwise. The handle is written into
+        the task's directory as soon as the supervisor runs: an agent killed while it waits
+        for the answer finds the task by its allocation."""
         log = directory / "supervisor.log"
         try:
             with log.open("ab") as errors:
@@ -212,6 +223,10 @@ class ExecDriver:
             groups.remove()
             raise TaskStartError(f"could not start {program}: {error}") from None
         assert process.stdin is not None and process.stdout is not None
+        started = _start_time(process.pid) or "?"
+        self._write_handle(
+            directory, msgspec.structs.replace(handle, ref=f"{process.pid}:{started}")
+        )
         try:
             process.stdin.write(json.dumps(spec).encode())
             process.stdin.close()
@@ -223,7 +238,11 @@ class ExecDriver:
             process.stdout.close()
         word, _, rest = line.partition(" ")
         if word == "started" and rest.isdigit():
-            return process, int(rest)
+            found = self._found(handle.allocation_id)
+            if found is not None:  # the command's pid, for a stop whose supervisor is stuck
+                data = {**found.data, "child": rest}
+                self._write_handle(directory, msgspec.structs.replace(found, data=data))
+            return process
         if process.poll() is None and not line:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
@@ -237,7 +256,30 @@ class ExecDriver:
             + (f": {said[0][:300]}" if said else " in time")
         )
 
+    @staticmethod
+    def _write_handle(directory: Path, handle: TaskHandle) -> None:
+        partial = directory / "handle.tmp"
+        partial.write_bytes(msgspec.json.encode(handle))
+        os.replace(partial, directory / "handle")
+
+    def _found(self, allocation_id: str) -> TaskHandle | None:
+        """The handle the task's directory holds (None: its supervisor never ran)."""
+        try:
+            raw = (self.state_dir / _safe(allocation_id) / "handle").read_bytes()
+            return msgspec.json.decode(raw, type=TaskHandle)
+        except (OSError, msgspec.ValidationError):
+            return None
+
+    def _resolved(self, handle: TaskHandle) -> TaskHandle | None:
+        """``handle``, or for one stored before its start was done (no ``ref``), the one
+        its task's directory holds; None when the task never ran."""
+        return handle if handle.ref else self._found(handle.allocation_id)
+
     def status(self, handle: TaskHandle) -> TaskStatus:
+        resolved = self._resolved(handle)
+        if resolved is None:
+            return TaskStatus(running=False)  # never started: nothing ran, nothing to say
+        handle = resolved
         with self._lock:
             process = self._children.get(handle.allocation_id)
         if process is not None:
@@ -280,6 +322,10 @@ class ExecDriver:
         """SIGTERM to the supervisor, which passes it on to the command and kills it
         after the request's grace; if it is still there after ``grace_s``, the command's
         group is killed (the supervisor records it), and last the supervisor's."""
+        resolved = self._resolved(handle)
+        if resolved is None:
+            return
+        handle = resolved
         pid, _ = self._pid_of(handle)
         if pid is None or not self.status(handle).running:
             return
@@ -312,6 +358,7 @@ class ExecDriver:
             process = self._children.pop(handle.allocation_id, None)
         if process is not None:
             process.poll()  # reaped, if it was not yet
+        handle = self._resolved(handle) or handle
         with contextlib.suppress(ValueError):
             for group in json.loads(handle.data.get("cgroups", "[]")):
                 with contextlib.suppress(OSError):

@@ -556,6 +556,19 @@ class NodeAgent(Driver):
         task = allocation.task
         assert task is not None
         driver = self.task_drivers.get(task.driver)
+        # Stored before the driver starts it, for a driver that finds a task by its
+        # allocation: an agent killed while the start is under way (a supervisor, a
+        # container, being started) finds it again, and stops it if it is not held.
+        provisional = driver is not None and getattr(driver, "finds_by_allocation", False)
+        if provisional:
+            self.store.put_task(
+                TaskHandle(
+                    driver=task.driver,
+                    allocation_id=allocation.allocation_id,
+                    request_id=allocation.request_id,
+                    ref="",
+                )
+            )
         try:
             if driver is None:
                 raise TaskStartError(f"the node offers no {task.driver!r} task driver")
@@ -566,6 +579,8 @@ class NodeAgent(Driver):
         except Exception as error:  # a driver may fail in any way: the task failed
             reason = str(error) if isinstance(error, TaskStartError) else repr(error)
             log.info("task of %s failed to start: %s", allocation.allocation_id, reason)
+            if provisional:
+                self.store.delete_task(allocation.allocation_id)
             self._task_event(allocation.allocation_id, "failed", reason=reason[:500])
             return
         self.store.put_task(handle)
@@ -629,7 +644,7 @@ class NodeAgent(Driver):
                 for a in self.machine.ledger.allocations.values()
                 if a.task is not None
             }
-        for allocation_id, handle in handles.items():
+        for allocation_id, handle in list(handles.items()):
             driver = self.task_drivers.get(handle.driver)
             if driver is None:
                 log.warning(
@@ -646,6 +661,11 @@ class NodeAgent(Driver):
                 driver.forget(handle)
                 continue
             status = driver.reattach(handle)
+            if not handle.ref and not status.running and status.exit_code is None:
+                # stored before its start was done, and it never ran: as if not stored
+                self.store.delete_task(allocation_id)
+                del handles[allocation_id]
+                continue
             if status.running:
                 self._task_event(allocation_id, "running", limits=handle.limits)
                 with self._tasks_lock:

@@ -238,7 +238,9 @@ def test_logs_follows_a_running_task_and_ends_when_it_does(
 ) -> None:
     cluster.start_node("a")
     go_on = task_files / "go-on"
-    script = f"echo first; while [ ! -e {go_on} ]; do sleep 0.05; done; echo last"
+    # bounded: a test that fails leaves no task waiting for ever
+    wait = f"i=0; while [ ! -e {go_on} ] && [ $i -lt 600 ]; do i=$((i+1)); sleep 0.05; done"
+    script = f"echo first; {wait}; echo last"
     started = cluster.run("--detach", "--", "sh", "-c", script)
     assert started.returncode == 0, started.stderr
     request_id = started.stdout.strip()
@@ -306,8 +308,10 @@ def test_a_follow_up_killed_and_started_again_ends_with_the_tasks_code(
 ) -> None:
     cluster.start_node("a")
     go_on = task_files / "go-on"
+    # bounded: a test that fails leaves no task waiting for ever
+    wait = f"i=0; while [ ! -e {go_on} ] && [ $i -lt 600 ]; do i=$((i+1)); sleep 0.05; done"
     started = cluster.run("--detach", "--", "sh", "-c",
-                          f"while [ ! -e {go_on} ]; do sleep 0.05; done; exit 7")  # fmt: skip
+                          f"{wait}; exit 7")  # fmt: skip
     assert started.returncode == 0, started.stderr
     request_id = started.stdout.strip()
 

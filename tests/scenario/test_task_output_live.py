@@ -62,7 +62,9 @@ def test_a_follower_sees_output_as_it_is_written_and_ends_when_the_task_does(
 ) -> None:
     node = a_node(broker, tmp_path)
     go_on = task_files / "go-on"
-    script = f"echo first; while [ ! -e {go_on} ]; do sleep 0.02; done; echo second; exit 4"
+    # bounded: a test that fails leaves no task waiting for ever
+    wait = f"i=0; while [ ! -e {go_on} ] && [ $i -lt 600 ]; do i=$((i+1)); sleep 0.02; done"
+    script = f"echo first; {wait}; echo second; exit 4"
     with Requestor(broker) as requestor:
         run = requestor.run(["sh", "-c", script], vcpus=1)
         run.placement.result(timeout=10)
@@ -147,7 +149,9 @@ def test_a_requestor_attached_to_anothers_task_hears_its_end(
     node = a_node(broker, tmp_path)
     go_on = task_files / "go-on"
     with Requestor(broker) as placing, Requestor(broker) as watching:
-        run = placing.run(["sh", "-c", f"while [ ! -e {go_on} ]; do sleep 0.02; done; exit 6"],
+        # bounded: a test that fails leaves no task waiting for ever
+        wait = f"i=0; while [ ! -e {go_on} ] && [ $i -lt 600 ]; do i=$((i+1)); sleep 0.02; done"
+        run = placing.run(["sh", "-c", f"{wait}; exit 6"],
                           vcpus=1)  # fmt: skip
         run.wait_started(timeout_s=10)
         attached = watching.attach(run.request_id)

@@ -165,7 +165,9 @@ def test_a_restarted_agent_reattaches_reports_what_ended_meanwhile_and_stops_orp
     marker = task_files / "go-on"
     with Requestor(broker) as requestor:
         ending = requestor.run(["sh", "-c", "sleep 0.3; exit 7"], vcpus=1)
-        waiting = requestor.run(["sh", "-c", f"while [ ! -e {marker} ]; do sleep 0.05; done"],
+        # bounded: a test that fails leaves no task waiting for ever
+        wait = f"i=0; while [ ! -e {marker} ] && [ $i -lt 600 ]; do i=$((i+1)); sleep 0.05; done"
+        waiting = requestor.run(["sh", "-c", f"{wait}"],
                                 vcpus=1)  # fmt: skip
         orphan = requestor.run(["sleep", "60"], vcpus=1)
         for run in (ending, waiting, orphan):
@@ -271,5 +273,30 @@ def test_a_task_released_after_its_agent_restarted_says_how_it_ended(
         assert (state.state, state.exit_code, state.reason) == (
             "stopped", 143, "released (killed by SIGTERM)")  # fmt: skip
         assert node.allocations() == []
+    audited(node)
+    node.close()
+
+
+def test_a_task_whose_agent_died_while_starting_it_is_found_and_stopped_when_not_held(
+    broker: InProcessBroker, tmp_path: Path
+) -> None:
+    """As an agent killed after its driver started a task and before it stored the
+    handle: the store holds only the handle written before the start (no ref yet), and
+    the allocation was freed meanwhile. The restarted agent finds the task by its
+    allocation and stops it."""
+    task = TaskSpec(driver="exec", command=("sleep", "60"))
+    allocation = Allocation(allocation_id="worker.x.1/0", request_id="r1",
+                            reservation_id="worker.x.1", owner="req", resources={"VCPU": 1},
+                            task=task)  # fmt: skip
+    store = SqliteStore.for_node(tmp_path, "worker")
+    store.put_task(TaskHandle(driver="exec", allocation_id=allocation.allocation_id,
+                              request_id="r1", ref=""))  # fmt: skip
+    store.close()
+    started = ExecDriver(state_dir=tmp_path / "tasks" / "worker" / "exec").start(allocation, task)
+    command = int(started.data["child"])
+    assert alive(command)
+    node = a_node(broker, tmp_path)
+    eventually(lambda: not alive(command))
+    assert node.store.load_tasks() == [] and node.tasks() == []
     audited(node)
     node.close()

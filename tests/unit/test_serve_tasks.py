@@ -75,7 +75,9 @@ def test_a_tasks_output_is_read_over_http_and_followed_until_the_task_ends(
                      settings=Settings(state_dir=tmp_path, task_drivers=("exec",)))  # fmt: skip
     app = create_app(broker)
     go_on = task_files / "go-on"
-    script = f"echo one; echo oops >&2; while [ ! -e {go_on} ]; do sleep 0.02; done; echo two"
+    # bounded: a test that fails leaves no task waiting for ever
+    wait = f"i=0; while [ ! -e {go_on} ] && [ $i -lt 600 ]; do i=$((i+1)); sleep 0.02; done"
+    script = f"echo one; echo oops >&2; {wait}; echo two"
 
     async def followed(path: str) -> tuple[asyncio.Task[None], asyncio.Queue[dict[str, Any]]]:
         """GET ``path`` with follow=true straight through the ASGI app (httpx's transport

@@ -135,6 +135,8 @@ class NoSuchTask(LookupError):
 #: the most output queries a requestor keeps waiting for their answers (a reader that
 #: gave up on one leaves it behind; beyond this, those given up on are let go)
 _OUTPUT_ASKED_MAX = 1024
+#: what a TaskOutput holds besides its data (ids, the task's state, a signature), at most
+_OUTPUT_ENVELOPE_BYTES = 4096
 
 
 def _shape(request: PlacementRequest | None, fields: dict[str, Any]) -> PlacementRequest:
@@ -529,7 +531,7 @@ class Requestor(Driver):
         stream: str = "stdout",
         offset: int = 0,
         *,
-        max_bytes: int = OUTPUT_CHUNK_MAX,
+        max_bytes: int | None = None,
         wait_s: float = 0.0,
     ) -> concurrent.futures.Future[TaskOutput]:
         """Ask ``node`` for up to ``max_bytes`` of ``stream`` of the task of
@@ -537,7 +539,12 @@ class Requestor(Driver):
         :class:`~reservoir.protocol.messages.TaskOutput` (``OutputUnreachable`` when the
         node's inbox is gone). With ``wait_s`` the node answers once there is output past
         ``offset`` or the task ended (at the latest after ``wait_s``); ``max_bytes=0``
-        asks for the task's state alone, answered once it ended."""
+        asks for the task's state alone, answered once it ended. By default, as much as
+        an answer this requestor accepts carries (its ``max_message_bytes``: the chunk
+        goes as base64, in an envelope)."""
+        if max_bytes is None:
+            room = (self.settings.max_message_bytes - _OUTPUT_ENVELOPE_BYTES) * 3 // 4
+            max_bytes = max(1, min(OUTPUT_CHUNK_MAX, room))
         query = TaskOutputQuery(
             request_id=request_id,
             sender=self.name,

@@ -167,3 +167,17 @@ def test_a_requestor_attached_to_anothers_task_hears_its_end(
             watching.attach("no-such-request-here")
     audited(node)
     node.close()
+
+
+def test_a_reader_accepting_smaller_messages_asks_for_chunks_that_fit_them(
+    broker: InProcessBroker, tmp_path: Path
+) -> None:
+    node = a_node(broker, tmp_path)
+    with Requestor(broker, settings=Settings(max_message_bytes=8192)) as requestor:
+        run = requestor.run(["sh", "-c", "head -c 50000 /dev/zero | tr '\\0' y"], vcpus=1)
+        run.wait(timeout_s=10)
+        pieces = list(requestor.output(run.request_id))
+    assert b"".join(p.data for p in pieces) == b"y" * 50000
+    assert max(len(p.data) for p in pieces) <= (8192 - 4096) * 3 // 4
+    audited(node)
+    node.close()

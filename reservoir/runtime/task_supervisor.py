@@ -17,7 +17,7 @@ task. It reads what to run as JSON on its stdin, then:
   is slow and never more than the files' bound;
 - on SIGTERM (the agent's stop), passes it on to the command's group and sends SIGKILL
   after the grace; once the command ended, kills what is left of its group and control
-  groups, and reads whether the kernel killed it for memory;
+  groups, reads whether the kernel killed it for memory, and removes the groups;
 - writes the exit code and why into the exit file (JSON, atomically), and exits with
   the code.
 
@@ -214,6 +214,26 @@ def _no_new_privileges() -> Any:
     return lambda: prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
 
 
+def _remove_groups(spec: dict[str, Any]) -> None:
+    """Remove the task's control groups once their processes are gone (a group being
+    emptied by a kill refuses, a moment): done here, so that a task whose agent is gone
+    leaves no group behind (the agent's forget finds them removed)."""
+    groups = [Path(procs).parent for procs in spec.get("cgroup_join", ())]
+    for _ in range(50):
+        left = []
+        for group in groups:
+            try:
+                group.rmdir()
+            except FileNotFoundError:
+                pass
+            except OSError:
+                left.append(group)
+        if not left:
+            return
+        groups = left
+        time.sleep(0.01)
+
+
 def _child_setup(spec: dict[str, Any], no_new_privileges: Any) -> None:
     """In the command's process, before it runs: what only root can do first."""
     for procs in spec.get("cgroup_join", ()):
@@ -346,6 +366,8 @@ def supervise(spec: dict[str, Any]) -> int:
             break
     for stream in outputs.values():
         stream.close()
+    oom_kills = _oom_kills(spec.get("oom_files", ()))  # read before the groups go
+    _remove_groups(spec)
     code = child.returncode
     exit_code = code if code >= 0 else 128 - code
     reason = ""
@@ -353,7 +375,7 @@ def supervise(spec: dict[str, Any]) -> int:
         reason = f"killed by {_signal_name(-code)}"
         if killed_after_grace:
             reason += f" after the {grace_s:g} s grace"
-    if _oom_kills(spec.get("oom_files", ())):
+    if oom_kills:
         limit = spec.get("memory_mb")
         reason = "out of memory" + (f" (limit {limit} MiB)" if limit else "")
     _write_exit_file(exit_file, exit_code, reason)

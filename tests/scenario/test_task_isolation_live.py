@@ -7,6 +7,7 @@ with the reason. Every test ends with the audit."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Iterator
@@ -197,5 +198,33 @@ def test_a_task_the_nodes_policy_refuses_is_not_placed_and_the_reason_says_what(
         allowed = requestor.run(["sh", "-c", "exit 0"], env={"LANG": "C"}, vcpus=1)
         allowed.wait(timeout_s=10)
         assert allowed.exit_code == 0
+    audited(node)
+    node.close()
+
+
+@pytest.mark.skipif(host_memory_controller() is None, reason="no memory cgroup on this host")
+def test_a_task_that_ends_while_its_agent_is_away_leaves_no_control_group(
+    broker: InProcessBroker, tmp_path: Path
+) -> None:
+    def a_durable_node() -> NodeAgent:
+        return NodeAgent(broker, name="worker", vcpus=4, memory_mb=2048,
+                         task_drivers=[ExecDriver(state_dir=tmp_path / "exec")],
+                         settings=Settings(state_dir=tmp_path))  # fmt: skip
+
+    node = a_durable_node()
+    with Requestor(broker) as requestor:
+        run = requestor.run(["sleep", "0.5"], vcpus=1, memory_mb=64)
+        run.wait_started(timeout_s=10)
+        (handle,) = node.tasks()
+        groups = [Path(group) for group in json.loads(handle.data["cgroups"])]
+        assert groups and all(group.is_dir() for group in groups)
+        node.close()  # nobody to forget the task when it ends: its supervisor cleans up
+        deadline = time.monotonic() + 10
+        while any(group.exists() for group in groups):
+            assert time.monotonic() < deadline, f"left behind: {groups}"
+            time.sleep(0.05)
+        node = a_durable_node()  # and tells of its end
+        (state,) = run.wait(timeout_s=10).values()
+        assert (state.state, state.exit_code) == ("exited", 0)
     audited(node)
     node.close()

@@ -56,6 +56,8 @@ INTERPRETED = {
     "reservoir/protocol/tasks.py": "once per change of a task, never per probe",
     "reservoir/protocol/compatibility.py": "its write plans are closures made once per kind; "
     "what it does per message is a dict lookup",
+    "reservoir/protocol/task_policy.py": "once per request carrying a task, where the node "
+    "restricts what tasks run",
     "reservoir/tools/simulator/__init__.py": "re-exports only",
     "reservoir/tools/simulator/baselines.py": "the baselines' own loops are a small share of a run",
     "reservoir/tools/simulator/capacity.py": "numpy does the work",

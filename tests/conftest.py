@@ -6,14 +6,15 @@ tests/upgrade/test_rolling_upgrade.py (its short form runs by default). These op
 this suite's own: the pytest plugin reservoir
 installs for its users adds none. The report's header says where the RabbitMQ tests' broker
 comes from (the URL in ``RESERVOIR_TEST_AMQP_URL``, or a testcontainers image). The
-``benchmark_script`` fixture loads a script of ``benchmarks/`` for its tests."""
+``benchmark_script`` fixture loads a script of ``benchmarks/`` for its tests; ``task_files``
+is a directory the (unprivileged) tasks of a test's nodes can use."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -83,3 +84,17 @@ def benchmark_script() -> Callable[[str], ModuleType]:
         return module
 
     return load
+
+
+@pytest.fixture
+def task_files() -> Iterator[Path]:
+    """A directory the tasks of a node can read and write: exec tasks run as an
+    unprivileged user (nobody, for an agent running as root), who cannot reach a test's
+    own tmp_path (its parents are the test runner's alone). Removed afterwards."""
+    import shutil
+    import tempfile
+
+    directory = Path(tempfile.mkdtemp(prefix="reservoir-task-files-"))
+    directory.chmod(0o777)
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)

@@ -39,6 +39,8 @@ for command in (
     request.request,
     run.run,
     run.tasks_command,
+    run.logs,
+    run.wait,
     free.free,
     inspect.inspect,
     nodes.nodes_command,

@@ -174,6 +174,13 @@ def _node_inventories(
     "reservoir.task_drivers entry points). Repeatable. Default: RESERVOIR_TASK_DRIVERS, "
     "else none (the node takes no request carrying a task).",
 )
+@click.option(
+    "--task-user",
+    metavar="USER",
+    help="The user exec tasks run as (overrides tasks.user of --config). Default: nobody "
+    "when the agent runs as root (root itself only with tasks.allow_root = true), else "
+    "the agent's own user.",
+)
 @connect_attempts_option()
 def node(
     broker_url: str | None,
@@ -197,6 +204,7 @@ def node(
     metrics_port: int | None,
     status_interval: float | None,
     drivers: tuple[str, ...],
+    task_user: str | None,
     connect_attempts: int,
 ) -> None:
     """Run a node agent until SIGTERM, SIGINT or SIGHUP (all three alike).
@@ -212,7 +220,7 @@ def node(
     from reservoir.runtime.node_agent import NodeAgent
     from reservoir.runtime.node_config import NodeFile
     from reservoir.runtime.store import StateError
-    from reservoir.runtime.tasks import TaskDriverError
+    from reservoir.runtime.tasks import TaskConfigError, TaskDriverError
 
     file = _node_file(config_path) if config_path is not None else NodeFile()
     if discovering is None:
@@ -270,6 +278,10 @@ def node(
     running = _running_configuration(
         config_path, inventories, traits, topology, state_dir, metrics_port, host
     )
+    try:
+        task_config = file.tasks.task_config(user=task_user)
+    except TaskConfigError as error:
+        usage_error(f"{config_path or 'the node'}: {error}")
 
     def start_agent() -> NodeAgent:
         # the adapters' own line per attempt would repeat ours (one per attempt, below)
@@ -283,11 +295,12 @@ def node(
                 configuration=json.loads(running),
                 settings=settings,
                 metrics_registry=registry,
+                task_config=task_config,
             )
 
     try:
         agent = until_connected(start_agent, connect_attempts, stop, on_wait=_say_waiting(name))
-    except (StateError, KeyConfigError) as error:
+    except (StateError, KeyConfigError, TaskConfigError) as error:
         click.echo(f"reservoir node: {error}", err=True)
         sys.exit(EXIT_USAGE)
     except TaskDriverError as error:
@@ -301,6 +314,8 @@ def node(
         say(f"node {name}: stopped before the broker answered", node=name, outcome="stopped")
         stopped()
     say(f"node {name}: configuration {running}", node=name)
+    for line in _task_lines(agent):
+        say(f"node {name}: {line}", node=name)
     snapshot = agent.snapshot()
     metrics_at = f"; metrics on port {metrics_port}" if metrics_port is not None else ""
     say(
@@ -516,6 +531,23 @@ def _cpu_ranges(cpus: Sequence[int]) -> str:
         else:
             parts.append(str(cpu))
     return ",".join(parts)
+
+
+def _task_lines(agent: Any) -> list[str]:
+    """How the node runs tasks, for its log: whom as, and under which limits."""
+    from reservoir.runtime.exec_driver import ExecDriver
+
+    lines = []
+    for driver in agent.task_drivers.values():
+        if isinstance(driver, ExecDriver):
+            user = driver.user
+            who = (
+                f"{user.name} (uid {user.uid})"
+                if user.uid is not None
+                else (f"{user.name}, the agent's own user")
+            )
+            lines.append(f"exec tasks run as {who}; limits: {driver.cgroups.describe()}")
+    return lines
 
 
 def _running_configuration(

@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import json
-import re
 import sys
-from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, cast
 
 import click
 
@@ -19,124 +16,23 @@ from reservoir.cli.options import (
     json_option,
     load_settings,
     open_requestor,
-    parse_pairs,
     seconds_option,
     set_up_tracing,
-    within,
 )
+from reservoir.cli.shape import request_from_options, shape_options
 from reservoir.exit_status import EXIT_NOT_PLACED
 from reservoir.interrupt import deferred
-from reservoir.protocol.messages import (
-    PCI_POLICIES,
-    TRAIT_MAX_LENGTH,
-    TRAIT_PATTERN,
-    GroupPolicy,
-    GroupSpec,
-    NumaSpec,
-)
 from reservoir.protocol.placement import (
     Placement,
     PlacementError,
     PlacementRequest,
     PlacementTimeout,
-    request_of,
 )
 
 
 @click.command()
 @broker_option()
-@click.option("--vcpus", type=within("vcpus"), help="VCPUs per instance.")
-@click.option("--memory-mb", type=within("memory_mb"), help="Memory per instance, MiB.")
-@click.option("--disk-gb", type=within("disk_gb"), help="Disk per instance, GiB.")
-@click.option(
-    "--resource",
-    "resources",
-    multiple=True,
-    metavar="CLASS=AMOUNT",
-    help="Any other resource class per instance, e.g. CUSTOM_GPU=1. Repeatable.",
-)
-@click.option(
-    "--count",
-    default=1,
-    show_default=True,
-    type=within("count", minimum=1),
-    help="Instances wanted; all or nothing unless --min-count.",
-)
-@click.option(
-    "--min-count", type=within("count", minimum=1), help="Accept a partial placement of this many."
-)
-@click.option(
-    "--require",
-    "required",
-    multiple=True,
-    metavar="TRAIT",
-    help="A trait the node must have. Repeatable.",
-)
-@click.option(
-    "--forbid",
-    "forbidden",
-    multiple=True,
-    metavar="TRAIT",
-    help="A trait the node must not have. Repeatable.",
-)
-@click.option(
-    "--any-of",
-    "any_of",
-    multiple=True,
-    metavar="TRAIT,TRAIT",
-    help="The node must have at least one of these traits. Repeatable: each is one more such set.",
-)
-@click.option("--group", help="Server group the instances join.")
-@click.option(
-    "--policy",
-    "group_policy",
-    type=click.Choice(["affinity", "anti-affinity", "soft-affinity", "soft-anti-affinity"]),
-    help="The server group's policy (with --group).",
-)
-@click.option(
-    "--numa-nodes", type=click.IntRange(1), help="Spread each instance over N NUMA cells."
-)
-@click.option(
-    "--dedicated-cpus",
-    "--pinned",
-    "pinned",
-    is_flag=True,
-    help="Dedicated (pinned) CPUs, with --numa-nodes: numa.dedicated_cpus, as the HTTP API "
-    "and the library spell it (--pinned is the same flag).",
-)
-@click.option(
-    "--hugepage-kb",
-    type=click.IntRange(1),
-    help="Back each instance's memory with huge pages of this size (KiB), e.g. 2048.",
-)
-@click.option(
-    "--pci",
-    "pci",
-    multiple=True,
-    metavar="ALIAS:COUNT",
-    help="PCI devices per instance by the alias the nodes give them, e.g. gpu-a100:1. Repeatable.",
-)
-@click.option(
-    "--numa-policy",
-    type=click.Choice(PCI_POLICIES),
-    help="Where the PCI devices sit relative to the instance's NUMA cells "
-    "(as Nova's hw:pci_numa_affinity_policy; default legacy).",
-)
-@click.option(
-    "--hint",
-    "hints",
-    multiple=True,
-    metavar="KEY=VALUE",
-    help="Free-form hint for node-side filters. Repeatable.",
-)
-@click.option("--request-id", help="Idempotency key: asking again returns the same placement.")
-@click.option(
-    "--explain/--no-explain",
-    default=True,
-    show_default=True,
-    help="Ask nodes that cannot take it to say why (each such node answers with its "
-    "reasons; --no-explain keeps them silent on broadcasts).",
-)
+@shape_options
 @seconds_option("--timeout", 30.0, "Give up after this many seconds.")
 @click.option(
     "--dry-run",
@@ -182,35 +78,13 @@ def request(
 
     Resource classes and traits are written as the nodes know them (VCPU, CUSTOM_GPU,
     HW_CPU_X86_AVX2), exactly as in the library and the HTTP API."""
-    if (group is None) != (group_policy is None):
-        raise click.UsageError("--group and --policy go together")
-    numa = None
-    if numa_nodes is not None or pinned or hugepage_kb is not None:
-        numa = NumaSpec(nodes=numa_nodes or 1, dedicated_cpus=pinned, hugepage_kb=hugepage_kb)
-    for option, traits in (
-        ("--require", required),
-        ("--forbid", forbidden),
-        ("--any-of", [t.strip() for one in any_of for t in one.split(",")]),
-    ):
-        _check_traits(option, traits)
-    spec = _request_of(
-        vcpus=vcpus,
-        memory_mb=memory_mb,
-        disk_gb=disk_gb,
-        resources=_amounts(resources),
-        count=count,
-        min_count=min_count,
-        required_traits=frozenset(required),
-        forbidden_traits=frozenset(forbidden),
-        any_of_traits=tuple(frozenset(t.strip() for t in one.split(",")) for one in any_of),
-        group=GroupSpec(name=group, policy=cast(GroupPolicy, group_policy)) if group else None,
-        numa=numa,
-        pci=_devices(pci),
-        numa_policy=numa_policy,
-        explain=explain,
-        hints=parse_pairs(hints, "KEY=VALUE", upper=False),
-        request_id=request_id,
-    )
+    spec = request_from_options(
+        vcpus=vcpus, memory_mb=memory_mb, disk_gb=disk_gb, resources=resources, count=count,
+        min_count=min_count, required=required, forbidden=forbidden, any_of=any_of,
+        group=group, group_policy=group_policy, numa_nodes=numa_nodes, pinned=pinned,
+        hugepage_kb=hugepage_kb, pci=pci, numa_policy=numa_policy, hints=hints,
+        request_id=request_id, explain=explain,
+    )  # fmt: skip
     if dry_run:
         _dry_run(spec, broker_url, min(timeout_s, DRY_RUN_WAIT_S), as_json, output_format, columns)
         return
@@ -219,57 +93,6 @@ def request(
     if not as_json:
         picked(PLACEMENT_COLUMNS, columns)  # an unknown -c is said before anything is placed
     _place_and_print(spec, broker_url, timeout_s, shown)
-
-
-def _check_traits(option: str, traits: Iterable[str]) -> None:
-    """Each trait as the nodes spell them, or a usage error naming ``option`` in words."""
-    for trait in traits:
-        if re.fullmatch(TRAIT_PATTERN, trait) is None or len(trait) > TRAIT_MAX_LENGTH:
-            upper = trait.upper()
-            fits = re.fullmatch(TRAIT_PATTERN, upper) is not None
-            guess = f" (did you mean {upper}?)" if fits and upper != trait else ""
-            raise click.BadParameter(
-                f"{trait!r} is not a trait: a trait is 1 to {TRAIT_MAX_LENGTH} upper-case "
-                f"letters, digits and underscores, e.g. HW_CPU_X86_AVX2{guess}",
-                param_hint=option,
-            )
-
-
-def _amounts(pairs: tuple[str, ...]) -> dict[str, int]:
-    amounts = {}
-    for resource_class, text in parse_pairs(pairs, "CLASS=AMOUNT", upper=False).items():
-        try:
-            amount = int(text)
-        except ValueError:
-            amount = -1
-        if amount < 0:
-            raise click.BadParameter(
-                f"{resource_class}={text}: the amount is a whole number, 0 or more",
-                param_hint="--resource",
-            )
-        amounts[resource_class] = amount
-    return amounts
-
-
-def _devices(pairs: tuple[str, ...]) -> dict[str, int]:
-    """``--pci ALIAS:COUNT`` options as alias -> count (one alias given twice adds up)."""
-    devices: dict[str, int] = {}
-    for pair in pairs:
-        alias, colon, text = pair.rpartition(":")
-        if not colon or not alias or not text.isdigit() or int(text) < 1:
-            raise click.BadParameter(
-                f"{pair!r}: give ALIAS:COUNT, e.g. gpu-a100:1", param_hint="--pci"
-            )
-        devices[alias] = devices.get(alias, 0) + int(text)
-    return devices
-
-
-def _request_of(**fields: Any) -> PlacementRequest:
-    """The options' request, built as every front door builds it, or a usage error."""
-    try:
-        return request_of(**fields)
-    except ValueError as error:
-        raise click.UsageError(f"not a valid request: {error}") from None
 
 
 @dataclass(frozen=True)

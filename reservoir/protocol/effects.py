@@ -22,6 +22,7 @@ import msgspec
 from reservoir.protocol.ledger import Allocation
 from reservoir.protocol.messages import Message
 from reservoir.protocol.placement import Holdings, Placement, PlacementError
+from reservoir.protocol.tasks import EndedTask
 
 __all__ = [
     "Bind",
@@ -31,10 +32,12 @@ __all__ = [
     "Dropped",
     "Effect",
     "Failed",
+    "ForgetTask",
     "Found",
     "FreeCompleted",
     "Placed",
     "Publish",
+    "RememberTask",
     "Send",
     "SetTimer",
     "StartTask",
@@ -136,6 +139,23 @@ class StopTask(msgspec.Struct, frozen=True):
 
 
 @final
+class RememberTask(msgspec.Struct, frozen=True):
+    """Persist an ended task, so that a restarted node still tells of it until its
+    retention passes (its state, and where its output is)."""
+
+    task: EndedTask
+
+
+@final
+class ForgetTask(msgspec.Struct, frozen=True):
+    """An ended task's retention passed (or newer ones took its place): its record and
+    its output go."""
+
+    allocation_id: str
+    driver: str
+
+
+@final
 class Placed(msgspec.Struct, frozen=True):
     """A request is placed: hand ``placement`` to whoever asked."""
 
@@ -191,6 +211,8 @@ Effect = (
     | DeleteAllocation
     | StartTask
     | StopTask
+    | RememberTask
+    | ForgetTask
     | Placed
     | Failed
     | FreeCompleted

@@ -32,6 +32,8 @@ Tasks, when the request carries one (``task``; see docs/design.md, "Tasks"):
     node      --TaskState(started)--> the placing requestor, after Accepted
     node      --TaskState(exited | failed | stopped)--> the placing requestor
     anyone    --TaskQuery--> the widest tier's topic; nodes --TaskState--> the asker
+    anyone    --TaskOutputQuery--> a node; node --TaskOutput--> the asker (a chunk of a
+              task's stdout or stderr; held until there is one when it waits)
 
 Membership, for requestors' rosters (not a conversation; ``request_id`` is ``roster``):
 
@@ -78,6 +80,8 @@ __all__ = [
     "MESSAGE_CLASSES",
     "NODE_KINDS",
     "NO_FEATURES",
+    "OUTPUT_CHUNK_MAX",
+    "OUTPUT_WAIT_MAX_S",
     "PCI_ALIAS_PATTERN",
     "PCI_POLICIES",
     "PROTOCOL_VERSION",
@@ -114,6 +118,7 @@ __all__ = [
     "NumaPlacement",
     "NumaSpec",
     "Offer",
+    "OutputStream",
     "PciPolicy",
     "Reason",
     "Refused",
@@ -124,6 +129,8 @@ __all__ = [
     "RosterMember",
     "RosterQuery",
     "RosterSample",
+    "TaskOutput",
+    "TaskOutputQuery",
     "TaskQuery",
     "TaskReport",
     "TaskSpec",
@@ -1021,6 +1028,54 @@ class TaskState(_Message, tag="task_state", frozen=True, kw_only=True):
     answering: bool = False
 
 
+#: a task's output streams
+OutputStream = Literal["stdout", "stderr"]
+#: the most bytes of output one :class:`TaskOutput` carries (base64 in the JSON, the
+#: message stays within the codec's 64 KiB)
+OUTPUT_CHUNK_MAX: Final = 32 * 1024
+#: the longest a node holds a :class:`TaskOutputQuery` waiting for output
+OUTPUT_WAIT_MAX_S: Final = 30.0
+
+
+class TaskOutputQuery(_Message, tag="task_output_query", frozen=True, kw_only=True):
+    """Sent straight to the node running a task (``request_id`` is the task's request):
+    up to ``max_bytes`` of its ``stream`` from ``offset`` on. With ``wait_s``, the node
+    holds its answer until there is something past ``offset``, the task ended, or
+    ``wait_s`` passed: a reader following the output asks again as each answer comes,
+    so one answer is in flight per reader, and nothing is sent while nobody reads.
+    ``max_bytes`` 0 asks for the task's state alone: held until the task ended."""
+
+    kind: ClassVar[Literal["task_output_query"]] = "task_output_query"
+    reply_to: Identifier
+    allocation_id: Identifier
+    stream: OutputStream = "stdout"
+    offset: Annotated[int, Meta(ge=0)] = 0
+    max_bytes: Annotated[int, Meta(ge=0, le=OUTPUT_CHUNK_MAX)] = OUTPUT_CHUNK_MAX
+    wait_s: Annotated[float, Meta(ge=0, le=OUTPUT_WAIT_MAX_S)] = 0.0
+
+
+class TaskOutput(_Message, tag="task_output", frozen=True, kw_only=True):
+    """A node's answer to a :class:`TaskOutputQuery`: ``data``, the bytes of ``stream``
+    from ``offset`` on (``skipped`` bytes before it were asked for but are no longer
+    kept: the node keeps a bounded amount per stream), the stream's ``size`` so far,
+    and the task's state."""
+
+    kind: ClassVar[Literal["task_output"]] = "task_output"
+    reply_to: Identifier
+    allocation_id: Identifier
+    stream: OutputStream = "stdout"
+    offset: Annotated[int, Meta(ge=0)] = 0
+    data: Annotated[bytes, Meta(max_length=OUTPUT_CHUNK_MAX)] = b""
+    skipped: Annotated[int, Meta(ge=0)] = 0
+    size: Annotated[int, Meta(ge=0)] = 0
+    #: the task ended and ``data`` reaches the end of the stream: nothing more comes
+    ended: bool = False
+    #: the task as the node knows it (None: no task of the allocation is known there)
+    task: TaskReport | None = None
+    #: the node keeps output of the allocation (False: none, or its retention passed)
+    kept: bool = True
+
+
 class TaskQuery(_Message, tag="task_query", frozen=True, kw_only=True):
     """Published on the widest tier's topic: every node answers with a
     :class:`TaskState` for each task it knows of the request id (``every``: of every
@@ -1053,6 +1108,8 @@ Message = (
     | LedgerReport
     | TaskState
     | TaskQuery
+    | TaskOutputQuery
+    | TaskOutput
     | Untrusted
 )
 
@@ -1075,6 +1132,7 @@ REQUESTOR_KINDS: Final = frozenset(
         "roster_sample",
         "keeper_up",
         "task_query",
+        "task_output_query",
         "untrusted",
     }
 )
@@ -1090,6 +1148,7 @@ NODE_KINDS: Final = frozenset(
         "status",
         "ledger_report",
         "task_state",
+        "task_output",
     }
 )
 

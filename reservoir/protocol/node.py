@@ -55,7 +55,9 @@ from reservoir.protocol.effects import (
     DeleteAllocation,
     Dropped,
     Effect,
+    ForgetTask,
     Publish,
+    RememberTask,
     Send,
     SetTimer,
     StartTask,
@@ -106,7 +108,8 @@ from reservoir.protocol.messages import (
 )
 from reservoir.protocol.numa import NumaTopology
 from reservoir.protocol.room import NOTHING_FREE
-from reservoir.protocol.tasks import ENDED_STATES, TaskBook
+from reservoir.protocol.task_policy import TASK_NOT_ALLOWED, TaskPolicy
+from reservoir.protocol.tasks import ENDED_STATES, EndedTask, TaskBook
 from reservoir.protocol.tiers import DEFAULT_LADDER, TierLadder
 
 __all__ = [
@@ -128,6 +131,9 @@ TASK_DRIVER_MISSING: Final = "task_driver"
 UNKNOWN_FEATURE: Final = "feature"
 #: Reasons a node always gives, explain or not: the requestor needs them to decide well.
 GROUP_REASONS: Final = frozenset({"anti_affinity", "affinity"})
+#: Reasons a node gives in every decline it sends, explain or not: no other node's room
+#: changes them, and the caller cannot guess them (its task's driver or policy)
+TASK_REASONS: Final = frozenset({TASK_DRIVER_MISSING, TASK_NOT_ALLOWED})
 #: Decline reason: the node holds more than its inventory (restarted with a smaller one
 #: over its stored allocations) and takes nothing new until what it holds fits again.
 OVERCOMMITTED: Final = "overcommitted"
@@ -167,12 +173,20 @@ class NodeConfig:
     release: str = ""
     #: the features it knows: a request needing another is declined (reason ``feature``)
     features: frozenset[str] = KNOWN_FEATURES
+    #: what a task may run here: a request whose task it refuses is not offered
+    task_policy: TaskPolicy = field(default_factory=TaskPolicy)
 
 
 class NodeMachine:
     """One node's protocol state. Not thread-safe: its driver serialises calls."""
 
-    def __init__(self, config: NodeConfig, allocations: Sequence[Allocation] = ()) -> None:
+    def __init__(
+        self,
+        config: NodeConfig,
+        allocations: Sequence[Allocation] = (),
+        ended_tasks: Sequence[EndedTask] = (),
+    ) -> None:
+        """``ended_tasks``: the tasks that ended lately, as the node's store kept them."""
         self.config = config
         self.ledger = Ledger.with_allocations(config.inventories, allocations)
         self.ledger.devices = (
@@ -202,7 +216,7 @@ class NodeMachine:
         #: ``expired``, ``withdrawn``) and ``dry_runs`` answered, for the driver to publish
         self.counters: Counter[str] = Counter()
         #: the tasks of the node's allocations, live and lately ended
-        self.tasks = TaskBook()
+        self.tasks = TaskBook(ended_tasks)
 
     # -- observing ---------------------------------------------------------------------
 
@@ -228,6 +242,7 @@ class NodeMachine:
         came back holding (see :meth:`rejoined`)."""
         effects: list[Effect] = []
         self._expire(now, effects)
+        self._let_go_of_tasks(effects)  # beyond what is kept, from the store
         self._sync_lookups(effects)
         self._retier(effects)
         self._announce_holdings(effects)
@@ -362,11 +377,13 @@ class NodeMachine:
         exit_code: int | None = None,
         reason: str = "",
         limits: str | None = None,
+        wall_s: float = 0.0,
     ) -> list[Effect]:
         """The driver of an allocation's task saw it change: ``started`` (or ``running``,
         re-attached after a restart), ``exited`` with ``exit_code``, ``failed`` to start
         with ``reason``, or ``stopped``. The placing requestor hears of it; a task that
-        ended frees its allocation, as a ``Free`` would, unless the request kept it."""
+        ended frees its allocation, as a ``Free`` would, unless the request kept it, and
+        is remembered (``RememberTask``) as of ``wall_s`` (the wall clock)."""
         effects: list[Effect] = []
         self._expire(now, effects)
         allocation = self.ledger.allocations.get(allocation_id)
@@ -382,15 +399,35 @@ class NodeMachine:
             state = "stopped"  # it ended because it was asked to
         if task.stopping and state in ENDED_STATES:
             reason = f"{task.stop_reason} ({reason})" if reason else task.stop_reason
+        was_ended = task.ended
+        if state in ENDED_STATES and not was_ended:
+            task.ended_at_s = wall_s
         report = self.tasks.change(task, state, exit_code=exit_code, reason=reason, limits=limits)
         if state in ENDED_STATES and allocation is not None and not task.keep_allocation:
             self.ledger.remove_allocation(allocation_id)
             effects.append(DeleteAllocation(allocation_id))
+        if task.ended:
+            effects.append(RememberTask(EndedTask.of(task)))
+            self._let_go_of_tasks(effects)
         if task.reply_to is not None:
             effects.append(Send(task.reply_to, self._task_message(report)))
         self._sync_lookups(effects)
         self._retier(effects)
         return effects
+
+    def forget_ended_tasks(self, before_s: float) -> list[Effect]:
+        """Forget the tasks that ended before ``before_s`` (wall clock): their retention
+        passed. Their records and output go (``ForgetTask``), and with the last task of a
+        findable id, the binding of its lookup topic."""
+        effects: list[Effect] = []
+        self.tasks.forget_ended(before_s)
+        self._let_go_of_tasks(effects)
+        self._sync_lookups(effects)
+        return effects
+
+    def _let_go_of_tasks(self, effects: list[Effect]) -> None:
+        for task in self.tasks.drain_let_go():
+            effects.append(ForgetTask(task.allocation_id, task.driver))
 
     def task_violations(self) -> list[str]:
         """What is wrong with the node's tasks: one running without a live allocation, or
@@ -678,21 +715,9 @@ class NodeMachine:
                     )
                 )
             return
-        if request.task is not None and request.task.driver not in self.config.task_drivers:
-            driver = request.task.driver
-            evaluation = Evaluation(
-                slots=0,
-                reasons=(
-                    Reason(
-                        code=TASK_DRIVER_MISSING,
-                        subject=driver,
-                        detail=f"the node offers no {driver!r} task driver",
-                    ),
-                ),
-                busy=False,
-                score=0.0,
-                numa=None,
-            )
+        refused = self._task_refusal(request)
+        if refused is not None:
+            evaluation = Evaluation(slots=0, reasons=(refused,), busy=False, score=0.0, numa=None)
         else:
             evaluation = evaluate(request, self.view, self.config.filters, self.config.weighers)
         if evaluation.slots <= 0:
@@ -701,6 +726,9 @@ class NodeMachine:
             # here (an affinity requestor must know where its group is, even if full).
             members = self._group_members(request)
             group_reasons = tuple(r for r in evaluation.reasons if r.code in GROUP_REASONS)
+            told = tuple(
+                r for r in evaluation.reasons if r.code in GROUP_REASONS or r.code in TASK_REASONS
+            )
             if (
                 request.probed_node
                 or request.declines_wanted
@@ -718,7 +746,7 @@ class NodeMachine:
                             reply_to=self.config.address,
                             attempt=request.attempt,
                             busy=evaluation.busy,
-                            reasons=evaluation.reasons if request.explain else group_reasons,
+                            reasons=evaluation.reasons if request.explain else told,
                             group_members=members,
                             room=self.ledger.room(),
                         ),
@@ -803,6 +831,20 @@ class NodeMachine:
             group_members=group_members,
             room=self.ledger.room(),
         )
+
+    def _task_refusal(self, request: ReservationRequest) -> Reason | None:
+        """Why this node cannot run the request's task: no such driver here, or its
+        policy refuses what the task would run (None: it can, or there is no task)."""
+        task = request.task
+        if task is None:
+            return None
+        if task.driver not in self.config.task_drivers:
+            return Reason(
+                code=TASK_DRIVER_MISSING,
+                subject=task.driver,
+                detail=f"the node offers no {task.driver!r} task driver",
+            )
+        return self.config.task_policy.refusal(task)
 
     def _group_members(self, request: ReservationRequest) -> int:
         return self.ledger.group_members(request.group.name) if request.group else 0

@@ -175,6 +175,7 @@ _LABELS: Mapping[str, str] = {
     "pci": "no free {subject} where its NUMA policy allows",
     "overcommitted": "node holds more than its inventory",
     "feature": "the node's release does not know {subject}",
+    "task_driver": "no {subject} task driver",
 }
 
 
@@ -201,9 +202,10 @@ class Holdings:
 
 def reason_label(reason: Reason) -> str:
     """A short phrase to count nodes under, e.g. ``VCPU exhausted``."""
-    if reason.code == "pci" and reason.detail:
+    if reason.code in ("pci", "task_not_allowed") and reason.detail:
         # the detail says which cells lacked the device ("no free gpu-a100 on the NUMA
-        # cell of 4 free dedicated CPUs"), which is what an operator needs to know
+        # cell of 4 free dedicated CPUs"), or what the node's policy refuses ("the image
+        # 'alpine' is not allowed"), which is what an operator needs to know
         return reason.detail
     template = _LABELS.get(reason.code)
     if template is None:

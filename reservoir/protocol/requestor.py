@@ -790,7 +790,9 @@ class RequestorMachine:
             attempt=c.attempt,
             ttl_s=c.ttl_s,
             findable=c.contention.looks_up,
-            findable_when_placed=self.config.findable and not c.contention.looks_up,
+            # a task's output and end are asked for by id, from anywhere (reservoir logs)
+            findable_when_placed=(self.config.findable or c.spec.task is not None)
+            and not c.contention.looks_up,
             declines_wanted=c.exhaustive,
             traceparent=c.traceparent,
             needs=c.needs,

@@ -1,12 +1,16 @@
 """The node's book of its allocations' tasks: what each is doing, as its task driver last
 said, and the tasks that ended lately (so that a ``TaskQuery`` after the end still hears
 the exit code). Pure bookkeeping for :class:`~reservoir.protocol.node.NodeMachine`.
+
+An ended task is remembered until :data:`ENDED_KEPT` newer ones ended or its retention
+passed (the node agent's sweep, :meth:`TaskBook.forget_ended`), and across restarts of
+the agent: the book says which to keep (:class:`EndedTask`) and which to let go.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Final, cast
 
@@ -15,7 +19,7 @@ import msgspec.structs
 from reservoir.protocol.ledger import Allocation
 from reservoir.protocol.messages import TaskReport, TaskState, TaskStateName
 
-__all__ = ["ENDED_KEPT", "ENDED_STATES", "NodeTask", "TaskBook"]
+__all__ = ["ENDED_KEPT", "ENDED_STATES", "EndedTask", "NodeTask", "TaskBook"]
 
 #: the states a task does not come back from
 ENDED_STATES: Final = frozenset({"exited", "failed", "stopped"})
@@ -45,6 +49,8 @@ class NodeTask:
     #: its allocation was freed: a stop was asked for
     stopping: bool = False
     stop_reason: str = ""
+    #: when it ended, on the wall clock (seconds since the epoch; 0: not ended, or not said)
+    ended_at_s: float = 0.0
 
     @property
     def ended(self) -> bool:
@@ -73,16 +79,74 @@ class NodeTask:
         )
 
 
+class EndedTask(msgspec.Struct, frozen=True, kw_only=True):
+    """An ended task as the node keeps it across restarts (its agent's store)."""
+
+    allocation_id: str
+    request_id: str
+    driver: str
+    state: str
+    exit_code: int | None = None
+    reason: str = ""
+    limits: str = ""
+    keep_allocation: bool = False
+    findable: bool = True
+    instances: int = 1
+    ended_at_s: float = 0.0
+
+    @classmethod
+    def of(cls, task: NodeTask) -> EndedTask:
+        return cls(
+            allocation_id=task.allocation_id,
+            request_id=task.request_id,
+            driver=task.driver,
+            state=task.state,
+            exit_code=task.exit_code,
+            reason=task.reason,
+            limits=task.limits,
+            keep_allocation=task.keep_allocation,
+            findable=task.findable,
+            instances=task.instances,
+            ended_at_s=task.ended_at_s,
+        )
+
+    def task(self) -> NodeTask:
+        return NodeTask(
+            allocation_id=self.allocation_id,
+            request_id=self.request_id,
+            driver=self.driver,
+            reply_to=None,  # the news of its end went out before
+            keep_allocation=self.keep_allocation,
+            stop_grace_s=0.0,
+            findable=self.findable,
+            instances=self.instances,
+            state=self.state,
+            exit_code=self.exit_code,
+            reason=self.reason,
+            limits=self.limits,
+            ended_at_s=self.ended_at_s,
+        )
+
+
 class TaskBook:
     """Live tasks by allocation id, and the lately ended ones."""
 
-    def __init__(self) -> None:
+    def __init__(self, ended: Iterable[EndedTask] = ()) -> None:
         self._live: dict[str, NodeTask] = {}
         self._ended: OrderedDict[str, NodeTask] = OrderedDict()
         #: request id -> the allocation ids of its tasks booked here (live or ended)
         self._by_request: dict[str, set[str]] = {}
         #: request ids whose last task was forgotten since :meth:`drain_forgotten`
         self._forgotten: set[str] = set()
+        #: ended tasks forgotten since :meth:`drain_let_go` (their records and output go)
+        self._let_go: list[NodeTask] = []
+        for record in sorted(ended, key=lambda e: e.ended_at_s):
+            task = record.task()
+            self._ended[task.allocation_id] = task
+            self._by_request.setdefault(task.request_id, set()).add(task.allocation_id)
+            # its lookup topic is bound again once the node starts (drain_forgotten)
+            self._forgotten.add(task.request_id)
+        self._trim()
 
     def starting(self, allocation: Allocation) -> NodeTask:
         """Book the task of ``allocation`` (which carries one), not yet started."""
@@ -127,12 +191,30 @@ class TaskBook:
             report = msgspec.structs.replace(report, state="started")
         if task.ended and self._live.pop(task.allocation_id, None) is not None:
             self._ended[task.allocation_id] = task
-            while len(self._ended) > ENDED_KEPT:
-                _, forgotten = self._ended.popitem(last=False)
-                self._forget(forgotten)
+            self._trim()
         return report
 
+    def _trim(self) -> None:
+        while len(self._ended) > ENDED_KEPT:
+            _, forgotten = self._ended.popitem(last=False)
+            self._forget(forgotten)
+
+    def forget_ended(self, before_s: float) -> None:
+        """Forget the ended tasks that ended before ``before_s`` (wall clock): their
+        retention passed."""
+        for task in list(self._ended.values()):
+            if task.ended_at_s >= before_s:
+                break  # in the order they ended
+            del self._ended[task.allocation_id]
+            self._forget(task)
+
+    def drain_let_go(self) -> list[NodeTask]:
+        """The ended tasks forgotten since the last call."""
+        let_go, self._let_go = self._let_go, []
+        return let_go
+
     def _forget(self, task: NodeTask) -> None:
+        self._let_go.append(task)
         booked = self._by_request.get(task.request_id)
         if booked is not None:
             booked.discard(task.allocation_id)
@@ -142,7 +224,8 @@ class TaskBook:
 
     def drain_forgotten(self) -> set[str]:
         """The request ids of which no task is booked any more since the last call (the
-        last one ended long enough ago to be forgotten)."""
+        last one ended long enough ago to be forgotten), and those of the tasks the book
+        was made with: whose lookup topics to look at again."""
         forgotten, self._forgotten = self._forgotten, set()
         return forgotten
 

@@ -60,10 +60,12 @@ from reservoir.protocol.effects import (
     Dropped,
     Effect,
     Failed,
+    ForgetTask,
     Found,
     FreeCompleted,
     Placed,
     Publish,
+    RememberTask,
     Send,
     SetTimer,
     StartTask,
@@ -104,6 +106,8 @@ Outcome = Placed | Failed | FreeCompleted | Found | StartTask | StopTask
 _TO_TRANSMIT = frozenset({Send, Publish, Bind, Unbind})
 _BINDING = frozenset({Bind, Unbind})
 _CLAIMING = frozenset({Claim, Unclaim})
+#: what a node keeps in its store, under the machine's lock, before anything is said of it
+_DURABLE = frozenset({StoreAllocation, DeleteAllocation, RememberTask, ForgetTask})
 #: threads asking a remote broker for claims at once (it answers them one at a time)
 CLAIM_THREADS = 4
 
@@ -368,8 +372,8 @@ class Driver:
                 log.debug(
                     "%s ignored a message (%s): %s", self.address, effect.reason, effect.detail
                 )
-            elif type(effect) is StoreAllocation or type(effect) is DeleteAllocation:
-                self._persist(effect)
+            elif type(effect) in _DURABLE:
+                self._persist(effect)  # type: ignore[arg-type]  # the set narrows it
             elif type(effect) in _CLAIMING:
                 self._claims_due.append(effect)  # type: ignore[arg-type]  # the set narrows it
             else:
@@ -563,7 +567,9 @@ class Driver:
         """The request id a timer belongs to, for the logs (None: no conversation's)."""
         return None
 
-    def _persist(self, effect: StoreAllocation | DeleteAllocation) -> None:
+    def _persist(
+        self, effect: StoreAllocation | DeleteAllocation | RememberTask | ForgetTask
+    ) -> None:
         raise NotImplementedError(f"{type(self).__name__} keeps no allocations")
 
     def _deliver(self, outcomes: list[Outcome]) -> None:

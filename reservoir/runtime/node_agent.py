@@ -34,7 +34,10 @@ from reservoir.protocol.compatibility import KNOWN_FEATURES
 from reservoir.protocol.effects import (
     DeleteAllocation,
     Effect,
+    ForgetTask,
     Publish,
+    RememberTask,
+    Send,
     StartTask,
     StopTask,
     StoreAllocation,
@@ -45,6 +48,9 @@ from reservoir.protocol.messages import (
     ROSTER_TOPIC,
     Message,
     NodeStatus,
+    TaskOutput,
+    TaskOutputQuery,
+    TaskReport,
     Untrusted,
     is_resource_class,
 )
@@ -54,12 +60,16 @@ from reservoir.protocol.placement import SHORTHAND_CLASSES
 from reservoir.runtime.driver import Driver, Outcome
 from reservoir.runtime.keys import KeyConfigError
 from reservoir.runtime.keys.nodes import key_standing
+from reservoir.runtime.output_desk import OutputDesk
 from reservoir.runtime.plugins import load_filters, load_weighers
 from reservoir.runtime.settings import Settings
 from reservoir.runtime.store import AllocationStore, MemoryStore, SqliteStore
 from reservoir.runtime.tasks import (
+    OutputChunk,
+    TaskConfig,
     TaskDriver,
     TaskHandle,
+    TaskOutputSource,
     TaskStartError,
     drivers_by_name,
     load_task_drivers,
@@ -83,8 +93,11 @@ UNTRUSTED_WARNING_INTERVAL_S: Final = 60.0
 REJOIN_CHECK_S: Final = 1.0
 #: The timer key of that check; the machine's own timers are strings.
 _REJOIN_CHECK: Final = ("agent", "rejoin-check")
-#: How often the agent looks whether its running tasks still run.
+#: How often the agent looks whether its running tasks still run (and whether the output
+#: a held TaskOutputQuery waits for came).
 TASK_POLL_S: Final = 0.05
+#: How often the agent forgets the ended tasks whose retention passed.
+RETENTION_SWEEP_S: Final = 10.0
 
 
 def _inventories(
@@ -139,21 +152,28 @@ class NodeAgent(Driver):
         metrics: Metrics | None = None,
         metrics_registry: CollectorRegistry | None = None,
         task_drivers: Mapping[str, TaskDriver] | Sequence[TaskDriver] | None = None,
+        task_config: TaskConfig | None = None,
         start: bool = True,
     ) -> None:
         """``metrics_registry``: the Prometheus registry to count in (a registry of its
         own by default, so many nodes in one process never collide). ``task_drivers``:
         the drivers the node offers, as objects (an embedded agent's own code, told of
         every award and release of a request naming it); None: those
-        ``settings.task_drivers`` names."""
+        ``settings.task_drivers`` names, made with ``task_config`` (who exec tasks run
+        as, what tasks may run, how much output is kept and how long: the ``[tasks]``
+        table of the node's configuration file)."""
         settings = settings if settings is not None else Settings()
+        #: how the node runs tasks
+        self.task_config = task_config if task_config is not None else TaskConfig()
         if task_drivers is None:
             tasks_dir = (
                 settings.state_dir / "tasks" / name
                 if settings.state_dir is not None
                 else Path(tempfile.mkdtemp(prefix=f"reservoir-{name}-tasks-"))
             )
-            drivers = load_task_drivers(settings.task_drivers, state_dir=tasks_dir, node=name)
+            drivers = load_task_drivers(
+                settings.task_drivers, state_dir=tasks_dir, node=name, config=self.task_config
+            )
         else:
             drivers = drivers_by_name(task_drivers)
         #: task driver name -> driver
@@ -183,16 +203,30 @@ class NodeAgent(Driver):
             },
             task_drivers=frozenset(drivers),
             release=__version__,
+            task_policy=self.task_config.policy,
         )
-        self.machine = NodeMachine(config, allocations=self.store.load())
+        self.machine = NodeMachine(
+            config, allocations=self.store.load(), ended_tasks=self.store.load_ended_tasks()
+        )
         #: allocation id -> the handle of its running task
         self._task_handles: dict[str, TaskHandle] = {}
         #: stops asked for before the task's start was done: allocation id -> grace
         self._stops_wanted: dict[str, float] = {}
         self._tasks_lock = threading.Lock()
         self._task_work: concurrent.futures.ThreadPoolExecutor | None = None
+        self._output_work: concurrent.futures.ThreadPoolExecutor | None = None
         self._task_watch: threading.Thread | None = None
         self._tasks_done = threading.Event()
+        #: answers TaskOutputQuery, holding those that wait for output
+        self._output = OutputDesk(
+            node=name,
+            address=config.address,
+            task_of=self._task_report,
+            read=self._read_output,
+            answer=self._send_output,
+            poll_s=self._output_poll_s,
+        )
+        self._swept_at = 0.0
         #: reason -> when a requestor's Untrusted about it was last said in the log
         self._untrusted_said: dict[str, float] = {}
         try:
@@ -222,6 +256,8 @@ class NodeAgent(Driver):
             self._started = True
             self._run(self.machine.start)
             self._recover_tasks()
+            if self.task_drivers:
+                self._task_executor()  # the watcher: output queries, retention
             if self.broker.reconnects:
                 with self._lock:
                     if not self._closed:
@@ -241,10 +277,12 @@ class NodeAgent(Driver):
         self.metrics.remove_source()
         # The tasks go on running: a restarted agent re-attaches to them.
         self._tasks_done.set()
+        self._output.close()
         if self._task_watch is not None:
             self._task_watch.join()
-        if self._task_work is not None:
-            self._task_work.shutdown(wait=True, cancel_futures=True)
+        for work in (self._task_work, self._output_work):
+            if work is not None:
+                work.shutdown(wait=True, cancel_futures=True)
         self._let_go()
         self.store.close()
 
@@ -417,6 +455,12 @@ class NodeAgent(Driver):
             assert isinstance(message, Untrusted)
             self._told_untrusted(message, now)
             return []
+        if message.kind == "task_output_query":
+            # Read from files (or an engine): not under the machine's lock, and not on
+            # the broker's IO thread
+            assert isinstance(message, TaskOutputQuery)
+            self._output_executor().submit(self._output.ask, message)
+            return []
         if getattr(message, "traceparent", None) is not None:
             effects = tracing.node_span(
                 self.name, message, lambda: self.machine.handle(message, now)
@@ -480,6 +524,17 @@ class NodeAgent(Driver):
             elif type(outcome) is StopTask:
                 self._task_executor().submit(self._stop_task, outcome)
 
+    def _output_executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        """Where output queries are read: apart from the tasks' starts and stops (a stop
+        waits out its grace), so that neither waits for the other."""
+        self._task_executor()  # the watcher, which looks at the queries held
+        with self._tasks_lock:
+            if self._output_work is None:
+                self._output_work = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=2, thread_name_prefix=f"{self.name}:output"
+                )
+            return self._output_work
+
     def _task_executor(self) -> concurrent.futures.ThreadPoolExecutor:
         with self._tasks_lock:
             if self._task_work is None:
@@ -495,8 +550,15 @@ class NodeAgent(Driver):
 
     def _task_event(self, allocation_id: str, state: str, **details: object) -> None:
         if not self._closed:
+            wall_s = self.scheduler.clock.wall()
             self._run(
-                lambda now: self.machine.task_changed(allocation_id, state, now, **details)  # type: ignore[arg-type]
+                lambda now: self.machine.task_changed(
+                    allocation_id,
+                    state,
+                    now,
+                    wall_s=wall_s,
+                    **details,  # type: ignore[arg-type]
+                )
             )
 
     def _start_task(self, effect: StartTask) -> None:
@@ -504,13 +566,31 @@ class NodeAgent(Driver):
         task = allocation.task
         assert task is not None
         driver = self.task_drivers.get(task.driver)
+        # Stored before the driver starts it, for a driver that finds a task by its
+        # allocation: an agent killed while the start is under way (a supervisor, a
+        # container, being started) finds it again, and stops it if it is not held.
+        provisional = driver is not None and getattr(driver, "finds_by_allocation", False)
+        if provisional:
+            self.store.put_task(
+                TaskHandle(
+                    driver=task.driver,
+                    allocation_id=allocation.allocation_id,
+                    request_id=allocation.request_id,
+                    ref="",
+                )
+            )
         try:
             if driver is None:
                 raise TaskStartError(f"the node offers no {task.driver!r} task driver")
+            refusal = self.task_config.policy.refusal(task)
+            if refusal is not None:  # allowed when offered, not since (a new configuration)
+                raise TaskStartError(f"{refusal.detail} on this node")
             handle = driver.start(allocation, task)
         except Exception as error:  # a driver may fail in any way: the task failed
             reason = str(error) if isinstance(error, TaskStartError) else repr(error)
             log.info("task of %s failed to start: %s", allocation.allocation_id, reason)
+            if provisional:
+                self.store.delete_task(allocation.allocation_id)
             self._task_event(allocation.allocation_id, "failed", reason=reason[:500])
             return
         self.store.put_task(handle)
@@ -534,17 +614,25 @@ class NodeAgent(Driver):
 
     def _watch_tasks(self) -> None:
         while not self._tasks_done.wait(TASK_POLL_S):
-            for handle in self.tasks():
-                driver = self.task_drivers.get(handle.driver)
-                if driver is None:
-                    continue
-                try:
-                    status = driver.status(handle)
-                except Exception:  # one task's driver failing must not stop the watch
-                    log.exception("task driver %s failed to tell a status", handle.driver)
-                    continue
-                if not status.running:
-                    self._task_ended(handle, driver, status.exit_code, status.reason)
+            self._watch_once()
+
+    def _watch_once(self) -> None:
+        try:
+            self._output.tick()
+            self._sweep_ended_tasks()
+        except Exception:  # the watch must go on
+            log.exception("node %s: answering output queries failed", self.name)
+        for handle in self.tasks():
+            driver = self.task_drivers.get(handle.driver)
+            if driver is None:
+                continue
+            try:
+                status = driver.status(handle)
+            except Exception:  # one task's driver failing must not stop the watch
+                log.exception("task driver %s failed to tell a status", handle.driver)
+                continue
+            if not status.running:
+                self._task_ended(handle, driver, status.exit_code, status.reason)
 
     def _task_ended(
         self, handle: TaskHandle, driver: TaskDriver, exit_code: int | None, reason: str
@@ -566,7 +654,7 @@ class NodeAgent(Driver):
                 for a in self.machine.ledger.allocations.values()
                 if a.task is not None
             }
-        for allocation_id, handle in handles.items():
+        for allocation_id, handle in list(handles.items()):
             driver = self.task_drivers.get(handle.driver)
             if driver is None:
                 log.warning(
@@ -583,6 +671,11 @@ class NodeAgent(Driver):
                 driver.forget(handle)
                 continue
             status = driver.reattach(handle)
+            if not handle.ref and not status.running and status.exit_code is None:
+                # stored before its start was done, and it never ran: as if not stored
+                self.store.delete_task(allocation_id)
+                del handles[allocation_id]
+                continue
             if status.running:
                 self._task_event(allocation_id, "running", limits=handle.limits)
                 with self._tasks_lock:
@@ -595,8 +688,58 @@ class NodeAgent(Driver):
                 allocation_id, "failed", reason="the node agent stopped before it started the task"
             )
 
-    def _persist(self, effect: StoreAllocation | DeleteAllocation) -> None:
+    def _sweep_ended_tasks(self) -> None:
+        """Every RETENTION_SWEEP_S: forget the ended tasks whose retention passed."""
+        now = self.scheduler.clock.now()
+        if now - self._swept_at < RETENTION_SWEEP_S:
+            return
+        self._swept_at = now
+        before_s = self.scheduler.clock.wall() - self.task_config.retention_s
+        if not self._closed:
+            self._run(lambda now: self.machine.forget_ended_tasks(before_s))
+
+    # -- output ------------------------------------------------------------------------
+
+    def _task_report(self, request_id: str, allocation_id: str) -> TaskReport | None:
+        with self._lock:
+            task = self.machine.tasks.get(allocation_id)
+            if task is None or task.request_id != request_id:
+                return None
+            return task.summary()
+
+    def _read_output(self, driver_name: str, query: TaskOutputQuery) -> OutputChunk | None:
+        driver = self.task_drivers.get(driver_name)
+        if not isinstance(driver, TaskOutputSource):
+            return None  # a driver that keeps no output
+        return driver.read_output(query.allocation_id, query.stream, query.offset, query.max_bytes)
+
+    def _output_poll_s(self, driver_name: str) -> float:
+        poll_s = getattr(self.task_drivers.get(driver_name), "output_poll_s", TASK_POLL_S)
+        return float(poll_s) if isinstance(poll_s, int | float) else TASK_POLL_S
+
+    def _send_output(self, query: TaskOutputQuery, output: TaskOutput) -> None:
+        if not self._closed:
+            self._run(lambda now: [Send(query.reply_to, output)])
+
+    def _discard_output(self, effect: ForgetTask) -> None:
+        driver = self.task_drivers.get(effect.driver)
+        if isinstance(driver, TaskOutputSource):
+            try:
+                driver.discard_output(effect.allocation_id)
+            except Exception:
+                log.exception("node %s: discarding the output of %s failed", self.name,
+                              effect.allocation_id)  # fmt: skip
+
+    def _persist(
+        self, effect: StoreAllocation | DeleteAllocation | RememberTask | ForgetTask
+    ) -> None:
         if type(effect) is StoreAllocation:
             self.store.put(effect.allocation)
-        else:
+        elif type(effect) is DeleteAllocation:
             self.store.delete(effect.allocation_id)
+        elif type(effect) is RememberTask:
+            self.store.put_ended_task(effect.task)
+        elif type(effect) is ForgetTask:
+            self.store.delete_ended_task(effect.allocation_id)
+            if not self._closed:  # files: not under the machine's lock
+                self._task_executor().submit(self._discard_output, effect)

@@ -36,6 +36,20 @@ Everything ``reservoir node``'s flags hold, and the node's PCI devices::
     vendor_id = "10de"     # (address may be a glob; alias names the alias directly;
     product_id = "20b0"    #  numa_cell places a device written by hand, without discovery)
 
+    [tasks]                # how the node runs tasks (docs/design.md, "Tasks")
+    user = "nobody"        # exec tasks run as this user (the default for an agent run as
+                           # root; root itself only with allow_root = true)
+    commands = ["sh", "python3", "/opt/jobs/*"]   # what tasks may run, by glob (default:
+    images = ["alpine:*", "registry.example.com/*"]  # anything); env: the variables a
+    env = ["LANG", "APP_*"]                          # request may set
+    [tasks.output]         # each stream of a task's output: max_files of max_file_kb,
+    max_file_kb = 8192     # kept retention_h hours after the task ended (its state too)
+    max_files = 2
+    retention_h = 24
+    [tasks.docker]
+    privileged = false     # never privileged, no host path mounted, unless said here
+    volumes = []           # "/host/path:/in/container[:ro]", mounted into every container
+
 A device is handed out when a ``device_spec`` matches it (address, vendor, product) and it
 has an alias (the spec's, else the first ``alias`` entry matching its vendor and
 product). Without discovery a ``device_spec`` with an exact address *is* the device.
@@ -57,7 +71,9 @@ from msgspec import Meta
 
 from reservoir.protocol.ledger import Inventory
 from reservoir.protocol.numa import NumaCell, NumaTopology, PciDevice
+from reservoir.protocol.task_policy import TaskPolicy
 from reservoir.runtime.host import Host, HostPci, cpu_traits, discover
+from reservoir.runtime.tasks import TaskConfig
 
 __all__ = [
     "ConfigError",
@@ -65,6 +81,7 @@ __all__ = [
     "DiscoveryConfig",
     "NodeFile",
     "PciAliasConfig",
+    "TasksConfig",
     "devices_of",
     "host_inventories",
     "host_topology",
@@ -136,6 +153,46 @@ class DiscoveryConfig(_Section):
     excluded_devices: list[str] = []
 
 
+class TaskOutputConfig(_Section):
+    max_file_kb: Annotated[int, Meta(ge=1, le=1024 * 1024)] = 8192
+    max_files: Annotated[int, Meta(ge=1, le=100)] = 2
+    retention_h: Annotated[float, Meta(ge=0)] = 24.0
+
+
+class DockerConfig(_Section):
+    privileged: bool = False
+    volumes: list[str] = []
+
+
+class TasksConfig(_Section):
+    #: who exec tasks run as (a name or a uid); default nobody (for a root agent)
+    user: str | None = None
+    allow_root: bool = False
+    #: globs of what tasks may run; absent: anything
+    commands: list[str] | None = None
+    images: list[str] | None = None
+    env: list[str] | None = None
+    output: TaskOutputConfig = msgspec.field(default_factory=TaskOutputConfig)
+    docker: DockerConfig = msgspec.field(default_factory=DockerConfig)
+
+    def task_config(self, *, user: str | None = None) -> TaskConfig:
+        """The node's task configuration (``user`` overrides the file's)."""
+        return TaskConfig(
+            user=user or self.user,
+            allow_root=self.allow_root,
+            policy=TaskPolicy(
+                commands=tuple(self.commands) if self.commands is not None else None,
+                images=tuple(self.images) if self.images is not None else None,
+                env=tuple(self.env) if self.env is not None else None,
+            ),
+            output_file_bytes=self.output.max_file_kb * 1024,
+            output_files=self.output.max_files,
+            retention_s=self.output.retention_h * 3600,
+            docker_privileged=self.docker.privileged,
+            docker_volumes=tuple(self.docker.volumes),
+        )
+
+
 class NodeFile(_Section):
     name: str | None = None
     #: where the broker is (``--broker`` and ``RESERVOIR_BROKER_URL`` override it)
@@ -152,6 +209,7 @@ class NodeFile(_Section):
     numa: NumaConfig = msgspec.field(default_factory=NumaConfig)
     discovery: DiscoveryConfig = msgspec.field(default_factory=DiscoveryConfig)
     pci: PciConfig = msgspec.field(default_factory=PciConfig)
+    tasks: TasksConfig = msgspec.field(default_factory=TasksConfig)
 
 
 class ConfigError(ValueError):

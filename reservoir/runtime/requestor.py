@@ -39,10 +39,13 @@ from reservoir.observe.metrics import Metrics, default_participant
 from reservoir.protocol.addresses import node_address, requestor_address
 from reservoir.protocol.effects import Effect, Failed, FreeCompleted, Placed, Send
 from reservoir.protocol.messages import (
+    OUTPUT_CHUNK_MAX,
     Decline,
     InvalidField,
     Message,
     Offer,
+    TaskOutput,
+    TaskOutputQuery,
     TaskQuery,
     TaskSpec,
     TaskState,
@@ -51,6 +54,7 @@ from reservoir.protocol.messages import (
 from reservoir.protocol.placement import (
     Explanation,
     Holdings,
+    PlacedAllocation,
     Placement,
     PlacementError,
     PlacementRequest,
@@ -59,9 +63,17 @@ from reservoir.protocol.placement import (
 )
 from reservoir.protocol.policies import Policy, policy_named
 from reservoir.protocol.requestor import RequestorConfig, RequestorMachine
+from reservoir.protocol.tasks import ENDED_STATES
 from reservoir.protocol.timers import ConversationTimer, FreeTimer
 from reservoir.runtime.driver import Driver, Outcome
 from reservoir.runtime.finding import Finder
+from reservoir.runtime.output_reader import (
+    FOLLOW_WAIT_S,
+    OutputPiece,
+    OutputReader,
+    OutputUnreachable,
+    merged,
+)
 from reservoir.runtime.request_ids import new_request_id
 from reservoir.runtime.settings import Settings
 from reservoir.runtime.task_run import TaskRun
@@ -70,7 +82,7 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
     from prometheus_client.core import Metric
 
-__all__ = ["FindIncomplete", "FreeIncomplete", "Requestor", "RequestorClosed"]
+__all__ = ["FindIncomplete", "FreeIncomplete", "NoSuchTask", "Requestor", "RequestorClosed"]
 
 # the logger's name predates the runtime package: operators' logging configs name it
 log = logging.getLogger("reservoir.requestor")
@@ -113,6 +125,18 @@ class FindIncomplete(RuntimeError):
         self.request_id = holdings.request_id
         self.holdings = holdings
         self.placing = holdings.placing
+
+
+class NoSuchTask(LookupError):
+    """No node holds a task of the request id (none was placed, or every one of them
+    ended longer ago than the nodes keep ended tasks)."""
+
+
+#: the most output queries a requestor keeps waiting for their answers (a reader that
+#: gave up on one leaves it behind; beyond this, those given up on are let go)
+_OUTPUT_ASKED_MAX = 1024
+#: what a TaskOutput holds besides its data (ids, the task's state, a signature), at most
+_OUTPUT_ENVELOPE_BYTES = 4096
 
 
 def _shape(request: PlacementRequest | None, fields: dict[str, Any]) -> PlacementRequest:
@@ -192,6 +216,10 @@ class Requestor(Driver):
         self._replays: set[str] = set()
         #: request id -> the run waiting for its tasks' states
         self._runs: dict[str, TaskRun] = {}
+        #: (allocation id, stream, offset) -> the readers waiting for that chunk of output
+        self._output_asked: dict[
+            tuple[str, str, int], list[concurrent.futures.Future[TaskOutput]]
+        ] = {}
         #: asks the nodes what they hold of an id; opened by the first find
         self._finder: Finder | None = None
         #: the broker's connections when the machine's claims were made (see claims_lost)
@@ -393,7 +421,245 @@ class Requestor(Driver):
         if run is not None:
             run.heard(state)
             if run.finished:
-                del self._runs[state.request_id]
+                self._runs.pop(state.request_id, None)
+
+    def attach(self, request_id: str, *, deadline_s: float | None = None) -> TaskRun:
+        """Follow the tasks of a request placed elsewhere (by another process, or by this
+        one before it restarted): a :class:`TaskRun` seeded with what the nodes hold of
+        ``request_id`` now, which hears of each task's end from its node (each node is
+        asked to answer once the task ended, and asked again while it runs). Raises
+        :class:`NoSuchTask` when no node holds a task of it, :class:`FindIncomplete`
+        when not every holder answered in time."""
+        holdings = self.holdings_future(request_id, deadline_s=deadline_s).result(
+            timeout=(self.settings.max_widen_s if deadline_s is None else deadline_s)
+            + _VERDICT_GRACE_S
+        )
+        if not holdings.settled:
+            raise FindIncomplete(holdings)
+        if not holdings.tasks:
+            raise NoSuchTask(f"no node holds a task of {request_id}")
+        allocations = tuple(
+            PlacedAllocation(
+                node=t.sender,
+                address=node_address(t.sender),
+                allocation_id=t.allocation_id,
+                resources={},
+            )
+            for t in sorted(holdings.tasks, key=lambda t: (t.sender, t.allocation_id))
+        )
+        placed: concurrent.futures.Future[Placement] = concurrent.futures.Future()
+        placed.set_result(
+            Placement(request_id=request_id, allocations=allocations, requested=len(allocations))
+        )
+        run = TaskRun(request_id, placed)
+        for state in holdings.tasks:
+            run.heard(state)
+        if run.finished:
+            return run
+        with self._lock:
+            self._runs[request_id] = run
+        for allocation in allocations:
+            if run.latest[allocation.allocation_id].state not in ENDED_STATES:
+                threading.Thread(
+                    target=self._watch_task,
+                    args=(run, allocation.node, allocation.allocation_id),
+                    name=f"{self.name}:watch-{allocation.allocation_id}",
+                    daemon=True,
+                ).start()
+        return run
+
+    async def attach_async(self, request_id: str, *, deadline_s: float | None = None) -> TaskRun:
+        """:meth:`attach` without blocking the running event loop."""
+        return await asyncio.to_thread(self.attach, request_id, deadline_s=deadline_s)
+
+    def _watch_task(self, run: TaskRun, node: str, allocation_id: str) -> None:
+        """Until the task ended: ask its node to answer once it did (a query for its
+        state alone, held by the node), and take each answer as news."""
+        silent = False
+        while not self._closed and not run.finished:
+            try:
+                answer = self.output_future(
+                    node, run.request_id, allocation_id, max_bytes=0, wait_s=FOLLOW_WAIT_S
+                ).result(timeout=FOLLOW_WAIT_S + _VERDICT_GRACE_S)
+            except (concurrent.futures.TimeoutError, OutputUnreachable, RequestorClosed):
+                if self._closed:
+                    return
+                if not silent:
+                    log.warning("request %s: node %s does not answer about its task %s; "
+                                "still asking", run.request_id, node, allocation_id)  # fmt: skip
+                silent = True
+                threading.Event().wait(self.settings.task_check_s)  # not a busy loop
+                continue
+            silent = False
+            task = answer.task
+            if task is None:
+                # Found moments ago, unknown now: its retention passed since it ended
+                task_state = TaskState(
+                    request_id=run.request_id,
+                    sender=node,
+                    reply_to=answer.reply_to,
+                    allocation_id=allocation_id,
+                    state="exited",
+                    reason="the node no longer keeps this task (it ended before its retention)",
+                    answering=True,
+                )
+            else:
+                task_state = TaskState(
+                    request_id=run.request_id,
+                    sender=node,
+                    reply_to=answer.reply_to,
+                    allocation_id=allocation_id,
+                    state=task.state,
+                    driver=task.driver,
+                    exit_code=task.exit_code,
+                    reason=task.reason,
+                    limits=task.limits,
+                    kept=task.kept,
+                    answering=True,
+                )
+            with self._lock:  # as a delivery is heard
+                self._heard_task(task_state)
+            if task_state.state in ENDED_STATES:
+                return
+
+    # -- output ------------------------------------------------------------------------
+
+    def output_future(
+        self,
+        node: str,
+        request_id: str,
+        allocation_id: str,
+        stream: str = "stdout",
+        offset: int = 0,
+        *,
+        max_bytes: int | None = None,
+        wait_s: float = 0.0,
+    ) -> concurrent.futures.Future[TaskOutput]:
+        """Ask ``node`` for up to ``max_bytes`` of ``stream`` of the task of
+        ``allocation_id`` from ``offset`` on; the future resolves to its answer, a
+        :class:`~reservoir.protocol.messages.TaskOutput` (``OutputUnreachable`` when the
+        node's inbox is gone). With ``wait_s`` the node answers once there is output past
+        ``offset`` or the task ended (at the latest after ``wait_s``); ``max_bytes=0``
+        asks for the task's state alone, answered once it ended. By default, as much as
+        an answer this requestor accepts carries (its ``max_message_bytes``: the chunk
+        goes as base64, in an envelope)."""
+        if max_bytes is None:
+            room = (self.settings.max_message_bytes - _OUTPUT_ENVELOPE_BYTES) * 3 // 4
+            max_bytes = max(1, min(OUTPUT_CHUNK_MAX, room))
+        query = TaskOutputQuery(
+            request_id=request_id,
+            sender=self.name,
+            reply_to=self.address,
+            allocation_id=allocation_id,
+            stream=stream,  # type: ignore[arg-type]  # checked by the message's decoder
+            offset=offset,
+            max_bytes=max_bytes,
+            wait_s=wait_s,
+        )
+        future: concurrent.futures.Future[TaskOutput] = concurrent.futures.Future()
+        with self._lock:
+            if self._closed:
+                raise RequestorClosed(f"{self.name} is closed")
+            if len(self._output_asked) >= _OUTPUT_ASKED_MAX:
+                self._let_go_of_given_up_output()
+            self._output_asked.setdefault((allocation_id, stream, offset), []).append(future)
+        self._run(lambda now: [Send(node_address(node), query)])
+        return future
+
+    def _let_go_of_given_up_output(self) -> None:
+        for key, waiting in list(self._output_asked.items()):
+            waiting[:] = [f for f in waiting if not f.done()]
+            if not waiting:
+                del self._output_asked[key]
+
+    def _ask_output(
+        self, node: str, request_id: str, allocation_id: str, stream: str, offset: int,
+        wait_s: float,
+    ) -> concurrent.futures.Future[TaskOutput]:  # fmt: skip
+        return self.output_future(node, request_id, allocation_id, stream, offset, wait_s=wait_s)
+
+    def _heard_output(self, answer: TaskOutput) -> None:
+        """Under the machine's lock (a delivery): hand the answer to its readers."""
+        key = (answer.allocation_id, answer.stream, answer.offset)
+        waiting = self._output_asked.pop(key, [])
+        if answer.skipped:  # asked from an offset no longer kept
+            waiting += self._output_asked.pop(
+                (answer.allocation_id, answer.stream, answer.offset - answer.skipped), []
+            )
+        for future in waiting:
+            if not future.done():
+                future.set_result(answer)
+
+    def _unreachable_output(self, query: TaskOutputQuery) -> None:
+        """Under the machine's lock (a returned message): its readers learn why."""
+        waiting = self._output_asked.pop((query.allocation_id, query.stream, query.offset), [])
+        for future in waiting:
+            if not future.done():
+                future.set_exception(
+                    OutputUnreachable(f"the node holding {query.allocation_id} is not reachable")
+                )
+
+    def task_locations(
+        self, request_id: str, *, deadline_s: float | None = None
+    ) -> list[tuple[str, str]]:
+        """Where the tasks of ``request_id`` run or ran, as (node, allocation id) pairs:
+        from this requestor's memory when it placed the request, else asked of the
+        nodes (:meth:`holdings_future`). Raises :class:`NoSuchTask` or
+        :class:`FindIncomplete`."""
+        with self._lock:
+            placement = self.machine.placement_of(request_id)
+        if placement is not None:
+            return sorted((a.node, a.allocation_id) for a in placement.allocations)
+        holdings = self.holdings_future(request_id, deadline_s=deadline_s).result(
+            timeout=(self.settings.max_widen_s if deadline_s is None else deadline_s)
+            + _VERDICT_GRACE_S
+        )
+        if not holdings.settled:
+            raise FindIncomplete(holdings)
+        found = {(t.sender, t.allocation_id) for t in holdings.tasks}
+        if not found:
+            raise NoSuchTask(f"no node holds a task of {request_id}")
+        return sorted(found)
+
+    def output_readers(
+        self,
+        request_id: str,
+        *,
+        stream: str = "stdout",
+        follow: bool = False,
+        allocation_id: str | None = None,
+        locations: list[tuple[str, str]] | None = None,
+    ) -> list[OutputReader]:
+        """A reader of ``stream`` per instance's task of ``request_id`` (only
+        ``allocation_id``'s when given): see :class:`OutputReader`."""
+        where = locations if locations is not None else self.task_locations(request_id)
+        if allocation_id is not None:
+            where = [(node, a) for node, a in where if a == allocation_id]
+            if not where:
+                raise NoSuchTask(f"request {request_id} has no instance {allocation_id}")
+        return [
+            OutputReader(self._ask_output, node, request_id, a, stream, follow=follow)
+            for node, a in where
+        ]
+
+    def output(
+        self,
+        request_id: str,
+        *,
+        stream: str = "stdout",
+        follow: bool = False,
+        allocation_id: str | None = None,
+    ) -> Iterator[OutputPiece]:
+        """The output of the tasks of ``request_id`` (``stream``: ``stdout`` or
+        ``stderr``), as :class:`OutputPiece` in the order each instance wrote it, the
+        instances' pieces as they come: what the nodes keep now, or with ``follow``,
+        until every task ended. Blocking; raises :class:`NoSuchTask` when no node holds a
+        task of the id."""
+        return merged(
+            self.output_readers(
+                request_id, stream=stream, follow=follow, allocation_id=allocation_id
+            )
+        )
 
     # -- freeing -----------------------------------------------------------------------
 
@@ -520,6 +786,10 @@ class Requestor(Driver):
             waiting += placing
         for freeing in self._freeing.values():
             waiting += freeing
+        with self._lock:
+            asked, self._output_asked = self._output_asked, {}
+        for readers in asked.values():
+            waiting += readers
         for future in waiting:
             if not future.done():
                 future.set_exception(RequestorClosed(f"{self.name} closed"))
@@ -631,11 +901,19 @@ class Requestor(Driver):
             assert isinstance(message, TaskState)
             self._heard_task(message)
             return []
+        if message.kind == "task_output":
+            assert isinstance(message, TaskOutput)
+            self._heard_output(message)
+            return []
         if self.machine.claims_held:
             self._notice_claims_lost()
         return self.machine.handle(message, now)
 
     def _handle_returned(self, message: Message, now: float) -> list[Effect]:
+        if message.kind == "task_output_query":
+            assert isinstance(message, TaskOutputQuery)
+            self._unreachable_output(message)
+            return []
         return self.machine.on_unroutable(message, now)
 
     def _refused_answer(self, body: bytes) -> None:

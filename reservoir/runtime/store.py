@@ -29,6 +29,7 @@ import msgspec
 
 from reservoir.protocol.ledger import Allocation
 from reservoir.protocol.messages import NumaPlacement, TaskSpec
+from reservoir.protocol.tasks import EndedTask
 from reservoir.runtime.tasks import TaskHandle
 from reservoir.version import __version__
 
@@ -45,6 +46,14 @@ _SCHEMA_VERSION: Final = 3
 _COLUMNS: Final = (
     "allocation_id, request_id, reservation_id, owner, resources, request_count, "
     "server_group, numa, requested_at_s, task, reply_to"
+)
+#: The ``ended_tasks`` table (the tasks that ended lately, kept for their retention) is
+#: made when a file lacks it, whatever its version: a table an earlier release does not
+#: know is one it never reads, so the file stays readable by it (it forgets ended tasks
+#: at a restart, as it always did).
+_ENDED_TASKS_TABLE: Final = (
+    "CREATE TABLE IF NOT EXISTS ended_tasks ("
+    "allocation_id TEXT PRIMARY KEY, ended_at_s REAL NOT NULL, record TEXT NOT NULL)"
 )
 
 
@@ -65,6 +74,12 @@ class AllocationStore(Protocol):
 
     def delete_task(self, allocation_id: str) -> None: ...
 
+    def load_ended_tasks(self) -> list[EndedTask]: ...
+
+    def put_ended_task(self, task: EndedTask) -> None: ...
+
+    def delete_ended_task(self, allocation_id: str) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -74,9 +89,19 @@ class MemoryStore:
     def __init__(self) -> None:
         self._allocations: dict[str, Allocation] = {}
         self._tasks: dict[str, TaskHandle] = {}
+        self._ended: dict[str, EndedTask] = {}
 
     def load_tasks(self) -> list[TaskHandle]:
         return list(self._tasks.values())
+
+    def load_ended_tasks(self) -> list[EndedTask]:
+        return list(self._ended.values())
+
+    def put_ended_task(self, task: EndedTask) -> None:
+        self._ended[task.allocation_id] = task
+
+    def delete_ended_task(self, allocation_id: str) -> None:
+        self._ended.pop(allocation_id, None)
 
     def put_task(self, handle: TaskHandle) -> None:
         self._tasks[handle.allocation_id] = handle
@@ -114,6 +139,8 @@ class SqliteStore:
                 self._check_owner()
             else:
                 self._create()
+            with self._lock:
+                self._db.execute(_ENDED_TASKS_TABLE)
         except sqlite3.DatabaseError as error:
             self._db.close()
             raise StateError(f"{path} is not a usable reservoir state file: {error}") from None
@@ -305,6 +332,27 @@ class SqliteStore:
     def delete_task(self, allocation_id: str) -> None:
         with self._lock:
             self._db.execute("DELETE FROM tasks WHERE allocation_id = ?", (allocation_id,))
+
+    def load_ended_tasks(self) -> list[EndedTask]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT record FROM ended_tasks ORDER BY ended_at_s, allocation_id"
+            ).fetchall()
+        try:
+            return [msgspec.json.decode(row[0], type=EndedTask) for row in rows]
+        except msgspec.ValidationError as error:
+            raise StateError(f"{self.path}: an ended task's record is corrupt: {error}") from None
+
+    def put_ended_task(self, task: EndedTask) -> None:
+        with self._lock:
+            self._db.execute(
+                "INSERT OR REPLACE INTO ended_tasks VALUES (?, ?, ?)",
+                (task.allocation_id, task.ended_at_s, msgspec.json.encode(task).decode()),
+            )
+
+    def delete_ended_task(self, allocation_id: str) -> None:
+        with self._lock:
+            self._db.execute("DELETE FROM ended_tasks WHERE allocation_id = ?", (allocation_id,))
 
     def close(self) -> None:
         with self._lock:

@@ -12,14 +12,18 @@ them into problem+json in whichever app includes them.
 (No ``from __future__ import annotations``: FastAPI reads the endpoints' annotations.)
 """
 
-from typing import Annotated, Any
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, Literal
 from urllib.parse import quote
 
 from fastapi import APIRouter, Header, Query, Request, Response
+from fastapi.responses import StreamingResponse
 
 from reservoir.broker import BrokerError
 from reservoir.protocol.messages import InvalidField
 from reservoir.protocol.placement import Holdings, Placement, PlacementError, PlacementRequest
+from reservoir.runtime.output_reader import OutputPiece, OutputReader, OutputUnreachable
 from reservoir.runtime.requestor import RequestorClosed
 from reservoir.service.lifespan import ReservoirService
 from reservoir.service.problems import ProblemRoute
@@ -216,6 +220,90 @@ async def get_reservation(request_id: str, request: Request) -> Response:
     return placement_response(
         PlacementOut.of(holdings.placement, list(holdings.tasks), request_id=request_id)
     )
+
+
+@router.get(
+    "/v1/reservations/{request_id}/logs",
+    response_class=StreamingResponse,
+    responses={
+        200: {
+            "content": {"text/plain": {}},
+            "description": "the output, as the task wrote it (streamed while following)",
+        },
+        **RESERVATION_PROBLEMS,
+    },
+)
+async def get_reservation_logs(
+    request_id: str,
+    request: Request,
+    stream: Literal["stdout", "stderr"] = "stdout",
+    follow: bool = False,
+    allocation: Annotated[str | None, Query(max_length=255)] = None,
+) -> StreamingResponse:
+    """The output of the tasks of ``request_id`` (``stream``: ``stdout`` or ``stderr``),
+    read from their nodes, which keep it for a while after the tasks end: what they hold
+    now, or with ``follow``, streamed as it is written until every task ended. Only
+    ``allocation``'s instance when given; with several, each line is prefixed with its
+    instance. 404 when no node holds a task of the id."""
+    service = service_of(request)
+    holdings = await _find(service, request_id, "path.request_id")
+    where = sorted({(t.sender, t.allocation_id) for t in holdings.tasks})
+    if allocation is not None:
+        where = [(node, a) for node, a in where if a == allocation]
+    if not where:
+        raise Problem(404, "no such task", f"no node holds a task of {request_id!r}"
+                      + (f" on allocation {allocation!r}" if allocation else ""))  # fmt: skip
+    readers = service.requestor.output_readers(
+        request_id, stream=stream, follow=follow, locations=where
+    )
+    return StreamingResponse(
+        _output_body(readers, prefixed=len(readers) > 1), media_type="text/plain"
+    )
+
+
+async def _output_body(readers: list[OutputReader], *, prefixed: bool) -> AsyncIterator[bytes]:
+    """The readers' pieces as they come (each reader's in order), lines prefixed with the
+    instance when ``prefixed``; a note for bytes no longer kept, or a node gone."""
+    pieces: asyncio.Queue[OutputPiece | str | None] = asyncio.Queue()
+
+    async def pump(reader: OutputReader) -> None:
+        try:
+            async for piece in reader:
+                await pieces.put(piece)
+        except OutputUnreachable as error:
+            await pieces.put(f"[reservoir: {error}]\n")
+        finally:
+            await pieces.put(None)
+
+    tasks = [asyncio.create_task(pump(reader)) for reader in readers]
+    partial: dict[str, bytes] = {}
+    running = len(tasks)
+    try:
+        while running:
+            item = await pieces.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, str):
+                yield item.encode()
+            else:
+                if item.skipped:
+                    yield f"[reservoir: {item.skipped} byte(s) no longer kept]\n".encode()
+                if not prefixed:
+                    yield item.data
+                    continue
+                *lines, partial[item.allocation_id] = (
+                    partial.get(item.allocation_id, b"") + item.data
+                ).split(b"\n")
+                prefix = f"[{item.allocation_id}] ".encode()
+                yield b"".join(prefix + line + b"\n" for line in lines)
+        for allocation_id, rest in partial.items():
+            if rest:
+                yield f"[{allocation_id}] ".encode() + rest + b"\n"
+    finally:
+        for reader in readers:
+            reader.stop()
+        for task in tasks:
+            task.cancel()
 
 
 @router.delete(

@@ -26,11 +26,13 @@ from reservoir.testing.rabbitmq import RUN_LABEL, run_id
 
 pytestmark = pytest.mark.docker
 
-#: sleeps argv[2] seconds, then exits argv[1]
+#: writes "out" to stdout and "err" to stderr, sleeps argv[2] seconds, then exits argv[1]
 PROGRAM = r"""
 #include <stdlib.h>
 #include <unistd.h>
 int main(int argc, char **argv) {
+    write(1, "out\n", 4);
+    write(2, "err\n", 4);
     if (argc > 2) sleep(atoi(argv[2]));
     return argc > 1 ? atoi(argv[1]) : 0;
 }
@@ -54,7 +56,7 @@ def task_image(
     else:
         base = request.getfixturevalue("reservoir_image")
         (context / "Dockerfile").write_text(f"FROM {base}\nENTRYPOINT []\n")
-        prefix = ["sh", "-c", 'sleep "${2:-0}"; exit "$1"', "task"]
+        prefix = ["sh", "-c", 'echo out; echo err >&2; sleep "${2:-0}"; exit "$1"', "task"]
     docker("build", "--label", f"{RUN_LABEL}={run_id()}", "-t", tag, str(context), timeout=300)
     yield tag, prefix
     docker("image", "rm", "-f", tag)
@@ -126,3 +128,40 @@ def test_a_restarted_agent_reattaches_to_its_running_container(
     audit([node.snapshot()]).raise_if_failed()
     node.close()
     broker.close()
+
+
+def test_a_containers_output_is_read_and_it_runs_unprivileged_with_a_bounded_log(
+    task_image: tuple[str, list[str]], docker: Any, tmp_path: Path
+) -> None:
+    image, prefix = task_image
+    driver = DockerDriver(node="docker-node", labels={RUN_LABEL: run_id()},
+                          state_dir=tmp_path / "docker")  # fmt: skip
+    broker = InProcessBroker()
+    node = NodeAgent(broker, name="docker-node", vcpus=4, memory_mb=4096, task_drivers=[driver])
+    try:
+        with Requestor(broker) as requestor:
+            run = requestor.run([*prefix, "0", "1"], driver="docker", image=image, vcpus=1)
+            run.wait_started(timeout_s=60)
+            (container,) = driver.containers()
+            host = container.attrs["HostConfig"]
+            assert not host["Privileged"] and not host.get("Binds")
+            assert "no-new-privileges" in host["SecurityOpt"]
+            assert host["LogConfig"]["Type"] == "json-file"
+            assert host["LogConfig"]["Config"]["max-file"] == "2"
+            # read from the engine while it runs, to its end when followed
+            followed = b"".join(p.data for p in requestor.output(run.request_id, follow=True))
+            assert followed == b"out\n"
+            run.wait(timeout_s=60)
+            # and from the node's copy once the container was removed
+            deadline = time.monotonic() + 10
+            while driver.containers() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert driver.containers() == []
+            stderr = b"".join(p.data for p in requestor.output(run.request_id, stream="stderr"))
+            assert stderr == b"err\n"
+        audit([node.snapshot()]).raise_if_failed()
+    finally:
+        node.close()
+        broker.close()
+        for container in driver.containers():
+            container.remove(force=True)

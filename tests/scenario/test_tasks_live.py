@@ -15,6 +15,8 @@ from reservoir import NodeAgent, Requestor, audit
 from reservoir.broker import Delivery
 from reservoir.protocol.ledger import Allocation
 from reservoir.protocol.messages import TaskSpec, TaskState, decode_message
+from reservoir.runtime.cgroups import CgroupHost
+from reservoir.runtime.exec_driver import ExecDriver
 from reservoir.runtime.settings import Settings
 from reservoir.runtime.store import SqliteStore
 from reservoir.runtime.task_run import TaskRunTimeout
@@ -62,7 +64,8 @@ def test_a_task_exiting_3_is_told_with_its_code_and_its_room_goes_to_the_next_re
         assert [s.state for s in run.history] == ["started", "exited"]
         assert run.exit_code == 3
         (state,) = final.values()
-        assert state.limits == "rlimit"  # no cgroup v2 to write here: memory as RLIMIT_AS
+        # by a control group where the host has one, else as RLIMIT_AS
+        assert "memory=" in state.limits
         assert node.allocations() == []
         # all of the node's VCPUs again: only placed if the task's room was freed
         after = requestor.reserve(vcpus=2, timeout_s=5)
@@ -156,13 +159,15 @@ def test_a_task_that_cannot_start_fails_with_the_reason_and_frees_its_room(
 
 
 def test_a_restarted_agent_reattaches_reports_what_ended_meanwhile_and_stops_orphans(
-    broker: InProcessBroker, tmp_path: Path
+    broker: InProcessBroker, tmp_path: Path, task_files: Path
 ) -> None:
     node = a_node(broker, tmp_path, vcpus=3)
-    marker = tmp_path / "go-on"
+    marker = task_files / "go-on"
     with Requestor(broker) as requestor:
         ending = requestor.run(["sh", "-c", "sleep 0.3; exit 7"], vcpus=1)
-        waiting = requestor.run(["sh", "-c", f"while [ ! -e {marker} ]; do sleep 0.05; done"],
+        # bounded: a test that fails leaves no task waiting for ever
+        wait = f"i=0; while [ ! -e {marker} ] && [ $i -lt 600 ]; do i=$((i+1)); sleep 0.05; done"
+        waiting = requestor.run(["sh", "-c", f"{wait}"],
                                 vcpus=1)  # fmt: skip
         orphan = requestor.run(["sleep", "60"], vcpus=1)
         for run in (ending, waiting, orphan):
@@ -238,12 +243,60 @@ def test_an_embedded_agent_hears_of_each_award_and_release_through_its_driver(
     node.close()
 
 
-def test_exec_limits_are_set_in_the_task_process(broker: InProcessBroker, tmp_path: Path) -> None:
-    node = a_node(broker, tmp_path)
-    out = tmp_path / "limits"
+def test_without_control_groups_memory_is_an_rlimit_in_the_task_process(
+    broker: InProcessBroker, tmp_path: Path
+) -> None:
+    driver = ExecDriver(state_dir=tmp_path / "exec", cgroups=CgroupHost())
+    node = NodeAgent(broker, name="worker", vcpus=2, memory_mb=2048, task_drivers=[driver],
+                     settings=Settings(state_dir=tmp_path))  # fmt: skip
     with Requestor(broker) as requestor:
-        run = requestor.run(["sh", "-c", f"ulimit -v > {out}"], vcpus=1, memory_mb=300)
-        assert run.wait(timeout_s=10) and run.exit_code == 0
-    assert out.read_text().strip() == str(300 * 1024)  # KiB, as ulimit -v says it
+        run = requestor.run(["sh", "-c", "ulimit -v"], vcpus=1, memory_mb=300)
+        (state,) = run.wait(timeout_s=10).values()
+        assert run.exit_code == 0 and state.limits == "memory=rlimit"
+        said = b"".join(piece.data for piece in requestor.output(run.request_id))
+    assert said.strip() == str(300 * 1024).encode()  # KiB, as ulimit -v says it
+    audited(node)
+    node.close()
+
+
+def test_a_task_released_after_its_agent_restarted_says_how_it_ended(
+    broker: InProcessBroker, tmp_path: Path
+) -> None:
+    node = a_node(broker, tmp_path)
+    with Requestor(broker) as requestor:
+        run = requestor.run(["sleep", "60"], vcpus=1, stop_grace_s=1)
+        run.wait_started(timeout_s=10)
+        node.close()
+        node = a_node(broker, tmp_path)  # re-attached: not its process's parent any more
+        requestor.release(run.placement.result())
+        (state,) = run.wait(timeout_s=15).values()
+        assert (state.state, state.exit_code, state.reason) == (
+            "stopped", 143, "released (killed by SIGTERM)")  # fmt: skip
+        assert node.allocations() == []
+    audited(node)
+    node.close()
+
+
+def test_a_task_whose_agent_died_while_starting_it_is_found_and_stopped_when_not_held(
+    broker: InProcessBroker, tmp_path: Path
+) -> None:
+    """As an agent killed after its driver started a task and before it stored the
+    handle: the store holds only the handle written before the start (no ref yet), and
+    the allocation was freed meanwhile. The restarted agent finds the task by its
+    allocation and stops it."""
+    task = TaskSpec(driver="exec", command=("sleep", "60"))
+    allocation = Allocation(allocation_id="worker.x.1/0", request_id="r1",
+                            reservation_id="worker.x.1", owner="req", resources={"VCPU": 1},
+                            task=task)  # fmt: skip
+    store = SqliteStore.for_node(tmp_path, "worker")
+    store.put_task(TaskHandle(driver="exec", allocation_id=allocation.allocation_id,
+                              request_id="r1", ref=""))  # fmt: skip
+    store.close()
+    started = ExecDriver(state_dir=tmp_path / "tasks" / "worker" / "exec").start(allocation, task)
+    command = int(started.data["child"])
+    assert alive(command)
+    node = a_node(broker, tmp_path)
+    eventually(lambda: not alive(command))
+    assert node.store.load_tasks() == [] and node.tasks() == []
     audited(node)
     node.close()

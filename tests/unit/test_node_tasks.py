@@ -8,27 +8,36 @@ from typing import Any
 
 from reservoir.protocol.audit import NodeSnapshot, audit
 from reservoir.protocol.effects import (
+    Bind,
     DeleteAllocation,
     Effect,
+    ForgetTask,
+    RememberTask,
     Send,
     StartTask,
     StopTask,
     StoreAllocation,
+    Unbind,
 )
 from reservoir.protocol.ledger import Inventory
 from reservoir.protocol.messages import (
     Accepted,
+    AlreadyPlaced,
     Award,
     Decline,
     Free,
+    Lookup,
     Message,
     Offer,
     ReservationRequest,
     TaskQuery,
     TaskSpec,
     TaskState,
+    lookup_topic,
 )
 from reservoir.protocol.node import EXPIRY_TIMER, TASK_DRIVER_MISSING, NodeConfig, NodeMachine
+from reservoir.protocol.task_policy import TASK_NOT_ALLOWED, TaskPolicy
+from reservoir.protocol.tasks import EndedTask
 
 T0 = 1000.0
 REQUESTOR = "req-1"
@@ -214,3 +223,83 @@ def test_after_a_restart_a_held_allocations_task_is_known_again_from_its_driver(
     assert (state.state, state.exit_code) == ("exited", 7)
     assert again.ledger.allocations == {}
     audited(again)
+
+
+def test_a_probed_node_without_the_driver_says_so_even_unasked_to_explain() -> None:
+    node = a_node(drivers=frozenset())
+    effects = node.handle(a_request(explain=False), T0)
+    (decline,) = [m for m in sent(effects) if isinstance(m, Decline)]
+    assert [(r.code, r.subject) for r in decline.reasons] == [(TASK_DRIVER_MISSING, "exec")]
+    audited(node)
+
+
+def a_node_with(policy: TaskPolicy) -> NodeMachine:
+    node = NodeMachine(
+        NodeConfig(
+            name="node-a",
+            address="reservoir.node.node-a",
+            inventories={"VCPU": Inventory(total=4), "MEMORY_MB": Inventory(total=4096)},
+            task_drivers=frozenset({"exec", "docker"}),
+            task_policy=policy,
+        )
+    )
+    node.start(T0)
+    return node
+
+
+def test_a_task_the_nodes_policy_refuses_is_declined_with_what_it_refuses() -> None:
+    node = a_node_with(TaskPolicy(commands=("sh", "/opt/jobs/*"), images=("alpine:*",),
+                                  env=("LANG",)))  # fmt: skip
+    refused = {
+        "command": TaskSpec(driver="exec", command=("python3", "-c", "1")),
+        "image": TaskSpec(driver="docker", image="debian:12"),
+        "env": TaskSpec(driver="exec", command=("sh",), env={"LANG": "C", "LD_PRELOAD": "x"}),
+    }
+    for subject, task in refused.items():
+        effects = node.handle(a_request(f"r-{subject}", task=task), T0)
+        (decline,) = [m for m in sent(effects) if isinstance(m, Decline)]
+        (reason,) = decline.reasons
+        assert (reason.code, reason.subject) == (TASK_NOT_ALLOWED, subject)
+    (again,) = [m for m in sent(node.handle(a_request("r-2", task=refused["command"]), T0))
+                if isinstance(m, Decline)]  # fmt: skip
+    assert again.reasons[0].detail == "the command 'python3' is not allowed"
+    allowed = TaskSpec(driver="exec", command=("/opt/jobs/nightly",), env={"LANG": "C"})
+    assert [m for m in sent(node.handle(a_request("r-ok", task=allowed), T0)) if
+            isinstance(m, Offer)]  # fmt: skip
+    audited(node)
+
+
+def test_an_ended_task_is_remembered_until_its_retention_passes_then_let_go() -> None:
+    node = a_node()
+    allocation_id, awarded = placed(node, a_request(findable_when_placed=True))
+    topic = lookup_topic("r1")
+    assert Bind(topic) in awarded  # found by id while anything of it is held or remembered
+    node.task_changed(allocation_id, "started", T0 + 0.1, wall_s=5000.0)
+    ended = node.task_changed(allocation_id, "exited", T0 + 1, exit_code=3, wall_s=5001.0)
+    (kept,) = [e for e in ended if isinstance(e, RememberTask)]
+    assert (kept.task.allocation_id, kept.task.exit_code, kept.task.ended_at_s) == (
+        allocation_id, 3, 5001.0)  # fmt: skip
+    assert Unbind(topic) not in ended  # its task is remembered
+    assert node.forget_ended_tasks(before_s=5001.0) == []  # not yet past
+    forgotten = node.forget_ended_tasks(before_s=5001.5)
+    assert ForgetTask(allocation_id, "exec") in forgotten
+    assert Unbind(topic) in forgotten  # nothing of the id is held or remembered any more
+    assert node.tasks.get(allocation_id) is None
+    audited(node)
+
+
+def test_a_node_started_with_the_tasks_it_kept_tells_of_them_and_finds_them_by_id() -> None:
+    kept = EndedTask(allocation_id="node-a.x.1/0", request_id="r9", driver="exec",
+                     state="exited", exit_code=5, ended_at_s=100.0)  # fmt: skip
+    node = NodeMachine(a_node().config, ended_tasks=[kept])
+    started = node.start(T0)
+    assert Bind(lookup_topic("r9")) in started
+    ask = TaskQuery(request_id="r9", sender="asker", reply_to="reservoir.requestor.asker")
+    (state,) = sent(node.handle(ask, T0 + 1))
+    assert isinstance(state, TaskState)
+    assert (state.state, state.exit_code) == ("exited", 5)
+    lookup = Lookup(request_id="r9", sender="asker", reply_to="x", following=True)
+    (placed_answer,) = sent(node.handle(lookup, T0 + 2))
+    assert isinstance(placed_answer, AlreadyPlaced)
+    assert [(t.allocation_id, t.exit_code) for t in placed_answer.tasks] == [("node-a.x.1/0", 5)]
+    audited(node)

@@ -22,7 +22,7 @@ from brokers.inprocess import InProcessBroker
 from reservoir import PlacementError, Requestor
 from reservoir.broker import Delivery
 from reservoir.cli import main
-from reservoir.protocol.messages import GroupSpec, NumaSpec, ReservationRequest
+from reservoir.protocol.messages import GroupSpec, NumaSpec, ReservationRequest, TaskSpec
 from reservoir.protocol.placement import InvalidRequest, PlacementRequest, request_of
 from reservoir.runtime.settings import Settings
 from reservoir.service import create_app
@@ -234,3 +234,26 @@ def test_the_command_line_refuses_what_the_http_api_refuses_with_the_same_bounds
         options = {p.name: p for p in command.params}
         for field, limit in FRONT_DOOR_LIMITS.items():
             assert getattr(options[field].type, "max", None) == limit, (command.name, field)
+
+
+def test_reservoir_run_puts_the_same_request_on_the_wire_with_its_task(
+    broker: InProcessBroker, heard: dict[str, ReservationRequest], monkeypatch: Any
+) -> None:
+    by_the_library(broker, "by-library")
+    monkeypatch.setattr("brokers.connect", lambda url: Shared(broker))
+    done = CliRunner().invoke(
+        main,
+        ["run", "--broker", "memory://", "--vcpus", "2", "--memory-mb", "1024",
+         "--resource", "CUSTOM_GPU=1", "--count", "2", "--min-count", "1",
+         "--require", "HW_CPU_X86_AVX2", "--forbid", "CUSTOM_SLOW",
+         "--any-of", "CUSTOM_RACK_A,CUSTOM_RACK_B",
+         "--any-of", "CUSTOM_SSD", "--group", "web", "--policy", "soft-anti-affinity",
+         "--numa-nodes", "2", "--pinned", "--hugepage-kb", "2048", "--hint", "zone=z1",
+         "--pci", "gpu-a100:1", "--pci", "nic-vf:2", "--numa-policy", "required",
+         "--request-id", "by-run", "--timeout", "0.3", "--", "sh", "-c", "exit 0"],
+    )  # fmt: skip
+    assert done.exit_code == 1, done.output  # not placed: nobody answered
+    library, run = heard["by-library"], heard["by-run"]
+    assert run.task == TaskSpec(driver="exec", command=("sh", "-c", "exit 0"))
+    assert {**shape_of(run), "request_id": None, "task": None} == {
+        **shape_of(library), "request_id": None}  # fmt: skip

@@ -37,6 +37,8 @@ from reservoir.protocol.messages import (
     RosterMember,
     RosterQuery,
     RosterSample,
+    TaskOutput,
+    TaskOutputQuery,
     TaskQuery,
     TaskState,
     Untrusted,
@@ -103,6 +105,10 @@ EVERY_KIND: dict[str, Message] = {
         NodeStatus(sender="n1", reply_to="node.n1", tier=10),
         TaskState(request_id="r1", sender="n1", reply_to="req", allocation_id="a", state="exited"),
         TaskQuery(request_id="r1", sender="req", reply_to="req"),
+        TaskOutputQuery(request_id="r1", sender="req", reply_to="req", allocation_id="a"),
+        TaskOutput(
+            request_id="r1", sender="n1", reply_to="node.n1", allocation_id="a", data=b"\x00out"
+        ),
         Untrusted(
             request_id="untrusted", sender="req", reason="unknown_key", key_id="k", detail="a"
         ),

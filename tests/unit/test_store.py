@@ -10,6 +10,7 @@ import pytest
 from reservoir import SqliteStore, StateError
 from reservoir.protocol.ledger import Allocation
 from reservoir.protocol.messages import NumaPlacement
+from reservoir.protocol.tasks import EndedTask
 from reservoir.testing import Simulation
 
 
@@ -216,3 +217,41 @@ def test_a_restarted_node_keeps_its_allocations_and_its_tier(
     assert sim.run_until_done([done])
     assert len(restarted.allocations()) == 1
     sim.finish([placements[0]])
+
+
+def test_ended_tasks_come_back_after_reopening_oldest_first(tmp_path: Path) -> None:
+    store = SqliteStore.for_node(tmp_path, "n1")
+    later = EndedTask(allocation_id="n1.x.2/0", request_id="r2", driver="exec", state="stopped",
+                      exit_code=143, reason="released (SIGTERM)", ended_at_s=20.0)  # fmt: skip
+    earlier = EndedTask(allocation_id="n1.x.1/0", request_id="r1", driver="exec", state="exited",
+                        exit_code=3, ended_at_s=10.0)  # fmt: skip
+    store.put_ended_task(later)
+    store.put_ended_task(earlier)
+    store.put_ended_task(EndedTask(allocation_id="n1.x.3/0", request_id="r3", driver="exec",
+                                   state="failed", ended_at_s=30.0))  # fmt: skip
+    store.delete_ended_task("n1.x.3/0")
+    store.close()
+    assert SqliteStore.for_node(tmp_path, "n1").load_ended_tasks() == [earlier, later]
+
+
+def test_a_version_3_file_of_an_earlier_release_gains_the_ended_tasks_table_and_stays_at_3(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "n1.sqlite3"
+    store = SqliteStore.for_node(tmp_path, "n1")
+    store.put(an_allocation())
+    store.close()
+    db = sqlite3.connect(path)
+    db.execute("DROP TABLE ended_tasks")  # as an earlier release made it
+    db.commit()
+    db.close()
+    store = SqliteStore.for_node(tmp_path, "n1")
+    assert store.load_ended_tasks() == []
+    assert store.load() == [an_allocation()]
+    store.close()
+    db = sqlite3.connect(path)
+    version = db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+    tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    db.close()
+    # an earlier release reads the file still: same version, a table it never reads
+    assert version == ("3",) and "ended_tasks" in tables

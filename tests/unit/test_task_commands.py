@@ -19,7 +19,7 @@ def test_a_node_offering_an_unknown_driver_is_a_usage_error_naming_driver() -> N
 def test_run_without_a_command_is_a_usage_error() -> None:
     done = CliRunner().invoke(main, ["run", "--broker", "memory://", "--vcpus", "1"])
     assert done.exit_code == 2
-    assert "Missing argument 'COMMAND...'" in done.output
+    assert "give the COMMAND to run (or an --image, to run its own)" in done.output
 
 
 def test_run_with_a_malformed_env_is_a_usage_error_naming_it() -> None:

@@ -720,7 +720,7 @@ def _tear_down(run: _Run, result: ChaosResult | None) -> None:
     for proc in run.everyone.values():
         proc.kill()
     for pid in _task_processes(run.task_token).values():
-        # the task's whole session: the exec driver's wrapper, the shell, its sleep
+        # the command's process group, the shell and its sleep (its supervisor then ends)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(os.getpgid(pid), signal.SIGKILL)
     run.proxy.close()

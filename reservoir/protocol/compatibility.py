@@ -130,8 +130,11 @@ class Feature(NamedTuple):
 
 
 #: The features brought after 0.1, by name: a request using one names it in ``needs``,
-#: nodes say which they know in their status and their configuration. (None yet.)
-FEATURES: Final[Mapping[str, Feature]] = {}
+#: nodes say which they know in their status and their configuration.
+FEATURES: Final[Mapping[str, Feature]] = {
+    # a node answers TaskOutputQuery: a reader asks only nodes that say so
+    "task_output": Feature("task_output", "0.2", "task output"),
+}
 #: the features this code knows
 KNOWN_FEATURES: Final[frozenset[str]] = frozenset(FEATURES) or NO_FEATURES
 
@@ -171,7 +174,12 @@ ADDED: Final[Mapping[type, Mapping[str, Added]]] = {
 #: goes only to a participant known to know it, from its status or its ledger's
 #: configuration (:func:`said_features`), which every release answers; one whose loss is
 #: harmless (news) may go to anyone.
-ADDED_KINDS: Final[Mapping[str, Added]] = {}
+ADDED_KINDS: Final[Mapping[str, Added]] = {
+    # asks for an answer: sent only to a node whose features name ``task_output``
+    "task_output_query": Added("0.2", essential=True),
+    # the answer, to a reader that asked
+    "task_output": Added("0.2"),
+}
 
 
 def said_release(configuration: Mapping[str, Any]) -> str:

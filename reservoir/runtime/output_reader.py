@@ -28,6 +28,7 @@ from reservoir.protocol.messages import OUTPUT_WAIT_MAX_S, TaskOutput, TaskRepor
 __all__ = [
     "ANSWER_GRACE_S",
     "FOLLOW_WAIT_S",
+    "OutputNotKnown",
     "OutputPiece",
     "OutputReader",
     "OutputUnreachable",
@@ -47,6 +48,10 @@ Ask = Callable[[str, str, str, str, int, float], "concurrent.futures.Future[Task
 
 class OutputUnreachable(RuntimeError):
     """The node holding a task's output did not answer (it is down, or not reachable)."""
+
+
+class OutputNotKnown(OutputUnreachable):
+    """The node holding a task runs a release that keeps no output to read (0.1.0)."""
 
 
 @dataclass(frozen=True)

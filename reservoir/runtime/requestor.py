@@ -37,11 +37,14 @@ from reservoir.observe import tracing
 from reservoir.observe.logs import REQUEST_ID
 from reservoir.observe.metrics import Metrics, default_participant
 from reservoir.protocol.addresses import node_address, requestor_address
+from reservoir.protocol.compatibility import said_features, said_release
 from reservoir.protocol.effects import Effect, Failed, FreeCompleted, Placed, Send
 from reservoir.protocol.messages import (
     OUTPUT_CHUNK_MAX,
     Decline,
     InvalidField,
+    LedgerQuery,
+    LedgerReport,
     Message,
     Offer,
     TaskOutput,
@@ -69,6 +72,7 @@ from reservoir.runtime.driver import Driver, Outcome
 from reservoir.runtime.finding import Finder
 from reservoir.runtime.output_reader import (
     FOLLOW_WAIT_S,
+    OutputNotKnown,
     OutputPiece,
     OutputReader,
     OutputUnreachable,
@@ -220,6 +224,11 @@ class Requestor(Driver):
         self._output_asked: dict[
             tuple[str, str, int], list[concurrent.futures.Future[TaskOutput]]
         ] = {}
+        #: nodes known to answer TaskOutputQuery (release 0.2 on): asked once, then kept
+        self._output_nodes: set[str] = set()
+        #: a question for a node's features (a LedgerQuery) by its audit id: the node, and
+        #: whoever waits for the answer (None: the node knows task output)
+        self._feature_asks: dict[str, tuple[str, concurrent.futures.Future[None]]] = {}
         #: asks the nodes what they hold of an id; opened by the first find
         self._finder: Finder | None = None
         #: the broker's connections when the machine's claims were made (see claims_lost)
@@ -563,8 +572,84 @@ class Requestor(Driver):
             if len(self._output_asked) >= _OUTPUT_ASKED_MAX:
                 self._let_go_of_given_up_output()
             self._output_asked.setdefault((allocation_id, stream, offset), []).append(future)
-        self._run(lambda now: [Send(node_address(node), query)])
+            known = self._knows_task_output(node)
+        if known is None:
+            self._run(lambda now: [Send(node_address(node), query)])
+            return future
+
+        def asked(check: concurrent.futures.Future[None]) -> None:
+            error = check.exception()
+            if error is not None:
+                with self._lock:
+                    waiting = self._output_asked.pop((allocation_id, stream, offset), [])
+                for waiter in waiting:
+                    if not waiter.done():
+                        waiter.set_exception(error)
+                return
+            self._run(lambda now: [Send(node_address(node), query)])
+
+        known.add_done_callback(asked)
+        self._settle([])  # the question for its features, queued under the lock, goes now
         return future
+
+    def _knows_task_output(self, node: str) -> concurrent.futures.Future[None] | None:
+        """Under the machine's lock: None when ``node`` is known to answer a
+        ``TaskOutputQuery`` (its status said the feature, or its configuration did when
+        asked), else a future that resolves once its configuration says (with
+        ``OutputNotKnown`` when it does not). A node of release 0.1.0 drops the query as
+        a kind it does not know: it is never sent one (docs/design.md, "Upgrades")."""
+        member = self.machine.roster.member(node)
+        if node in self._output_nodes or (member is not None and "task_output" in member.features):
+            return None
+        for asked_node, waiting in self._feature_asks.values():
+            if asked_node == node:
+                return waiting  # being asked already
+        audit_id = f"features-{secrets.token_hex(6)}"
+        waiting = concurrent.futures.Future()
+        self._feature_asks[audit_id] = (node, waiting)
+        question = LedgerQuery(sender=self.name, reply_to=self.address, audit_id=audit_id)
+        self._execute([Send(node_address(node), question)], [])
+        return waiting
+
+    def _heard_features(self, report: LedgerReport) -> None:
+        """Under the machine's lock: a node's ledger configuration, asked for its features:
+        its waiters learn whether it answers TaskOutputQuery (outside the lock: they send
+        the query)."""
+        asked = self._feature_asks.pop(report.audit_id, None) if report.part == 0 else None
+        if asked is None:
+            return
+        node, waiting = asked
+        error: BaseException | None = None
+        if "task_output" in said_features(report.configuration):
+            self._output_nodes.add(node)
+        else:
+            error = OutputNotKnown(
+                f"node {node} runs release {said_release(report.configuration)}, which does "
+                "not know task output: it keeps no output a reader can ask for"
+            )
+        self._settle_later(waiting, error)
+
+    def _features_unreachable(self, query: LedgerQuery) -> None:
+        """Under the machine's lock: the node asked for its features is not there."""
+        asked = self._feature_asks.pop(query.audit_id, None)
+        if asked is not None:
+            node, waiting = asked
+            self._settle_later(waiting, OutputUnreachable(f"node {node} is not reachable"))
+
+    def _settle_later(
+        self, waiting: concurrent.futures.Future[None], error: BaseException | None
+    ) -> None:
+        """Resolve ``waiting`` once the machine's lock is let go (its callbacks call in)."""
+
+        def settle() -> None:
+            if waiting.done():
+                return
+            if error is None:
+                waiting.set_result(None)
+            else:
+                waiting.set_exception(error)
+
+        self.scheduler.call_at(self.scheduler.clock.now(), settle)
 
     def _let_go_of_given_up_output(self) -> None:
         for key, waiting in list(self._output_asked.items()):
@@ -905,6 +990,10 @@ class Requestor(Driver):
             assert isinstance(message, TaskOutput)
             self._heard_output(message)
             return []
+        if message.kind == "ledger_report":
+            assert isinstance(message, LedgerReport)
+            self._heard_features(message)  # the only ledger a requestor asks for
+            return []
         if self.machine.claims_held:
             self._notice_claims_lost()
         return self.machine.handle(message, now)
@@ -913,6 +1002,10 @@ class Requestor(Driver):
         if message.kind == "task_output_query":
             assert isinstance(message, TaskOutputQuery)
             self._unreachable_output(message)
+            return []
+        if message.kind == "ledger_query":
+            assert isinstance(message, LedgerQuery)
+            self._features_unreachable(message)
             return []
         return self.machine.on_unroutable(message, now)
 

@@ -18,8 +18,10 @@ task. It reads what to run as JSON on its stdin, then:
 - on SIGTERM (the agent's stop), passes it on to the command's group and sends SIGKILL
   after the grace; once the command ended, kills what is left of its group and control
   groups, reads whether the kernel killed it for memory, and removes the groups;
-- writes the exit code and why into the exit file (JSON, atomically), and exits with
-  the code.
+- writes why it ended into a file beside the exit file, then the exit code into the exit
+  file (a bare number, or nothing when unknown, as release 0.1.0 wrote and reads it: a
+  node rolled back to it reads the codes of tasks that ended meanwhile), each
+  atomically, and exits with the code.
 
 The agent (a restarted one too) learns of the end from the exit file, and reads the
 output from the files (:mod:`reservoir.runtime.task_output`).
@@ -47,6 +49,8 @@ __all__ = [
     "output_file_name",
     "output_files",
     "read_exit_file",
+    "reason_file",
+    "write_exit_file",
 ]
 
 #: the streams of a task's output, as files and on the wire
@@ -132,26 +136,33 @@ class RotatingOutput:
 
 
 def read_exit_file(path: Path) -> tuple[int | None, str] | None:
-    """What an exit file says (the exit code, None when unknown, and why), or None when
-    there is none (yet). A bare number is the exit file of an earlier release."""
+    """What an exit file says (the exit code, None when unknown) and why the task ended
+    (from the file beside it, :func:`reason_file`), or None when there is none (yet)."""
     try:
         text = path.read_text().strip()
     except OSError:
         return None
-    if text.lstrip("-").isdigit():
-        return int(text), ""
     try:
-        record = json.loads(text)
-        code = record.get("exit_code")
-        return (code if isinstance(code, int) else None), str(record.get("reason", ""))
-    except (ValueError, AttributeError):
-        return None
+        reason = reason_file(path).read_text()
+    except OSError:
+        reason = ""
+    return (int(text) if text.lstrip("-").isdigit() else None), reason
 
 
-def _write_exit_file(path: Path, exit_code: int | None, reason: str) -> None:
-    partial = path.with_name(path.name + ".tmp")
-    partial.write_text(json.dumps({"exit_code": exit_code, "reason": reason}))
-    os.replace(partial, path)
+def reason_file(exit_file: Path) -> Path:
+    """Where why a task ended is written, beside its exit file (which holds the code
+    alone: release 0.1.0 reads it as a bare number)."""
+    return exit_file.with_name(exit_file.name + ".why")
+
+
+def write_exit_file(path: Path, exit_code: int | None, reason: str) -> None:
+    for target, text in (
+        (reason_file(path), reason),  # first: once the code is there, so is why
+        (path, "" if exit_code is None else str(exit_code)),
+    ):
+        partial = target.with_name(target.name + ".tmp")
+        partial.write_text(text)
+        os.replace(partial, target)
 
 
 def _signal_name(number: int) -> str:
@@ -302,14 +313,14 @@ def supervise(spec: dict[str, Any]) -> int:
             preexec_fn=lambda: _child_setup(spec, no_new_privileges),
         )
     except subprocess.SubprocessError as error:  # the setup before exec failed
-        _write_exit_file(exit_file, None, f"could not start {program}: {error}")
+        write_exit_file(exit_file, None, f"could not start {program}: {error}")
         _answer(f"failed could not prepare {program}: {error}")
         return 127
     except OSError as error:
         reason = f"could not start {program}: {error.strerror or error}"
         if error.filename is not None and error.filename != program:
             reason += f" ({error.filename})"
-        _write_exit_file(exit_file, None, reason)
+        write_exit_file(exit_file, None, reason)
         _answer(f"failed {reason}")
         return 127
     finally:
@@ -378,7 +389,7 @@ def supervise(spec: dict[str, Any]) -> int:
     if oom_kills:
         limit = spec.get("memory_mb")
         reason = "out of memory" + (f" (limit {limit} MiB)" if limit else "")
-    _write_exit_file(exit_file, exit_code, reason)
+    write_exit_file(exit_file, exit_code, reason)
     return exit_code & 0xFF
 
 

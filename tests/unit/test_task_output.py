@@ -12,7 +12,13 @@ import pytest
 from reservoir.protocol.task_policy import TaskPolicy
 from reservoir.runtime.node_config import ConfigError, load_node_file
 from reservoir.runtime.task_output import read_output_dir
-from reservoir.runtime.task_supervisor import RotatingOutput, output_files, read_exit_file
+from reservoir.runtime.task_supervisor import (
+    RotatingOutput,
+    output_files,
+    read_exit_file,
+    reason_file,
+    write_exit_file,
+)
 from reservoir.runtime.tasks import TaskConfig, TaskConfigError, TaskUser
 
 
@@ -43,14 +49,19 @@ def test_reading_from_an_offset_no_longer_kept_says_how_much_was_skipped(tmp_pat
     assert read_output_dir(tmp_path / "nothing", "stderr", 0, 10) is None
 
 
-def test_an_exit_file_says_the_code_and_why_and_an_earlier_releases_bare_code_is_read(
+def test_an_exit_file_holds_the_code_alone_as_release_0_1_0_reads_it_and_why_beside_it(
     tmp_path: Path,
 ) -> None:
     path = tmp_path / "exit"
     assert read_exit_file(path) is None
-    path.write_text('{"exit_code": 137, "reason": "out of memory (limit 64 MiB)"}')
+    write_exit_file(path, 137, "out of memory (limit 64 MiB)")
     assert read_exit_file(path) == (137, "out of memory (limit 64 MiB)")
-    path.write_text("3\n")
+    # what release 0.1.0's exec driver does with it, a node rolled back to it
+    assert int(path.read_text().strip()) == 137
+    write_exit_file(path, None, "could not start /nope: No such file or directory")
+    assert read_exit_file(path) == (None, "could not start /nope: No such file or directory")
+    path.write_text("3\n")  # 0.1.0's own, and no reason beside it
+    reason_file(path).unlink()
     assert read_exit_file(path) == (3, "")
 
 

@@ -2,7 +2,10 @@
 benchmarks/NAME.py``): each runs to its end on small sizes and prints what it measures. The
 figures of so short a run mean nothing and are not checked; that the run ends, that its
 audit (where it has one) is clean and that it reports every part it promises, are. Those
-on RabbitMQ run against the broker under test, on exchanges of their own."""
+on RabbitMQ run against the broker under test, on exchanges of their own.
+
+The index of the scripts is docs/benchmarks.md, "The scripts in benchmarks/": the last
+test holds it, the directory and this module to each other."""
 
 from __future__ import annotations
 
@@ -15,18 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.test_rabbitmq_hops import (
-    BENCH,
-    BROKER,
-    CONFIRM,
-    NODE,
-    ROUND_TRIP,
-    a_placement,
-    capture,
-)
+from tests.unit.test_rabbitmq_hops import BROKER, a_placement, a_round_trip, capture
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
+INDEX = ROOT / "docs" / "benchmarks.md"
 #: the kinds of message a placement sends, each timed by codec.py
 PLACEMENT_KINDS = ("probe", "offer", "decline", "award", "accepted", "release", "status")
 
@@ -84,14 +80,8 @@ def test_pause_cost_measures_every_pause_both_ways() -> None:
 
 def test_rabbitmq_hops_reads_a_capture_file(tmp_path: Path) -> None:
     pcap = tmp_path / "run.pcap"
-    round_trip = [
-        (5000, BENCH, BROKER, ROUND_TRIP),
-        (5040, BROKER, BENCH, CONFIRM),
-        (5070, BROKER, NODE, ROUND_TRIP),
-        (5100, NODE, BROKER, ROUND_TRIP),
-        (5150, BROKER, BENCH, ROUND_TRIP),
-    ]
-    pcap.write_bytes(capture(a_placement("r1", 0) + a_placement("r2", 2000) + round_trip))
+    segments = a_placement("r1", 0) + a_placement("r2", 2000) + a_round_trip(5000)
+    pcap.write_bytes(capture(segments))
 
     result = json.loads(run_script("rabbitmq_hops", str(pcap), "--port", str(BROKER), "--json"))
 
@@ -164,3 +154,14 @@ def test_placement_timeline_splits_every_hop_at_the_socket(amqp_url: str) -> Non
     # every hop in three parts: its hooks on the driver, the endpoint and the socket took
     assert len(hops) == 4 * 3
     assert result["round_trip_hop_written_to_read_us"] is not None
+
+
+def test_the_index_lists_every_script_in_benchmarks_and_each_has_a_short_run_here() -> None:
+    scripts = sorted(p.stem for p in BENCHMARKS.glob("*.py"))
+    page = INDEX.read_text()
+    section = page.split("## The scripts in `benchmarks/`", 1)[1].split("\n## ", 1)[0]
+    indexed = sorted(re.findall(r"^\| `(\w+)\.py` \|", section, re.M))
+    short_run = [s for s in scripts if any(test.startswith(f"test_{s}_") for test in globals())]
+
+    assert indexed == scripts
+    assert short_run == scripts

@@ -14,11 +14,11 @@ difference of the round trips cancels start-up, connection and warm-up:
     PYTHONHASHSEED=0 valgrind --tool=callgrind --callgrind-out-file=/dev/null \\
         python benchmarks/adapter_instructions.py --round-trips 1300
 
-and (second total - first) / 1000 is the instructions per round trip. Two runs of one
-build agreed within 0.04 % on the adapter's own loop, within 0.4 % on pika's
-(docs/performance.md). A round trip is two messages, their two publisher confirms and one
-wake-up of the IO thread by the caller: every turn of the adapter's hot path. The run
-uses an exchange of its own, deleted at the end; the queues go with the connection.
+and (second total - first) / 1000 is the instructions per round trip: two runs of one
+build agree far more closely than a timed run could. A round trip is two messages, their
+two publisher confirms and one wake-up of the IO thread by the caller: every turn of the
+adapter's hot path. The run uses an exchange of its own, deleted at the end; the queues
+go with the connection.
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@ concurrency, in turns with ``reservoir bench`` itself.
         [--nodes 100] [--node-processes 2] [--requestors 8] [--placements 4000] \\
         [--pairs 3] [--no-bench] [--json]
 
+(``--sequential``, ``--work-placements`` and ``--bench-placements`` size the other runs; a
+test runs it with every size small.)
+
 ``reservoir bench``'s throughput run says what a placement costs reservoir's processes
 (the requestors' and the node agents') and RabbitMQ, in CPU. This script says how much of
 reservoir's share the messages alone take, with the same adapter (``brokers.connect``:
@@ -52,7 +55,7 @@ was confirmed and none returned, and that every placement was accepted by the no
 awarded. The runs take turns (``io``, ``threads``, the work, the sequential floor, the
 bench), the order rotating by pair; the script prints every run, the medians by kind and
 the bounds, or one JSON object with ``--json``. Every run uses exchanges of its own,
-deleted at the end. docs/performance.md holds what it showed.
+deleted at the end. What the bounds stand at: docs/performance.md, "The library's targets".
 """
 
 from __future__ import annotations
@@ -515,20 +518,32 @@ def _settle(broker: AmqpBroker, placements: Placements) -> None:
 WORK_SIZES = (500, 3500)
 
 
+def sizes_of(text: str) -> tuple[int, int]:
+    """``--work-placements``: two sizes, the second larger (``SMALL,LARGE``)."""
+    try:
+        small, large = (int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: two whole numbers, SMALL,LARGE") from None
+    if not 1 <= small < large:
+        raise argparse.ArgumentTypeError(f"{text!r}: SMALL at least 1 and below LARGE")
+    return small, large
+
+
 def run_work(args: argparse.Namespace, woken_us: int = 0) -> Run:
     """The runtime's own work per placement on one thread, with no broker of RabbitMQ's and
     no thread: ``runtime_instructions.py`` (the machines, the drivers, the codec, the
-    in-process broker and a virtual clock) timed at two sizes, its CPU from
-    ``getrusage``. An overestimate of the machines' and codec's work by what the
-    in-process broker and the virtual clock take (13 % of its profile in
-    docs/performance.md).
+    in-process broker and a virtual clock) timed at the two sizes of
+    ``--work-placements``, its CPU from ``getrusage``. An overestimate of the machines' and
+    codec's work by what the in-process broker and the virtual clock take (about an eighth
+    of its profile: ``runtime_instructions.py --profile`` shows their share).
 
     With ``woken_us``, every step of a placement runs after a real sleep of that long, as
     the live runtime's handlers run after a wake-up; the sleeps' own CPU, measured here
     in the same turn (:func:`sleep_cpu_s`), is taken off."""
     script = str(Path(__file__).with_name("runtime_instructions.py"))
     seconds, steps = [], []
-    for placements in WORK_SIZES:
+    sizes = args.work_placements
+    for placements in sizes:
         command = [sys.executable, script, "--placements", str(placements)]
         command += ["--nodes", str(args.nodes), "--woken-us", str(woken_us)]
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -539,7 +554,7 @@ def run_work(args: argparse.Namespace, woken_us: int = 0) -> Run:
         seconds.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
         steps.append(json.loads(done.stdout).get("steps", 0))  # counted when woken
     sleeps_s = (steps[1] - steps[0]) * sleep_cpu_s(woken_us / 1e6) if woken_us else 0.0
-    per_placement_s = (seconds[1] - seconds[0] - sleeps_s) / (WORK_SIZES[1] - WORK_SIZES[0])
+    per_placement_s = (seconds[1] - seconds[0] - sleeps_s) / (sizes[1] - sizes[0])
     per_placement_ms = round(1000 * per_placement_s, 3)
     return Run(
         kind=WORK_WOKEN if woken_us else WORK,
@@ -563,6 +578,8 @@ def run_bench(args: argparse.Namespace) -> Run:
     command = [sys.executable, "-m", "reservoir", "bench", "--broker", args.broker]
     command += ["--nodes", str(args.nodes), "--node-processes", str(args.node_processes)]
     command += ["--requestors", str(args.requestors), "--json"]
+    if args.bench_placements:
+        command += ["--placements", str(args.bench_placements)]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"reservoir bench failed ({done.returncode}): {done.stderr[-500:]}")
@@ -647,6 +664,19 @@ def main(argv: list[str] | None = None) -> int:
         default=200,
         help="the sleep before every step of the woken work run (0: no such run)",
     )
+    parser.add_argument(
+        "--work-placements",
+        type=sizes_of,
+        default=WORK_SIZES,
+        metavar="SMALL,LARGE",
+        help="the two sizes of the work-alone runs (default 500,3500)",
+    )
+    parser.add_argument(
+        "--bench-placements",
+        type=int,
+        default=0,
+        help="placements of each reservoir bench run (0: the bench's own default)",
+    )
     parser.add_argument("--pairs", type=int, default=3, help="turns of every kind of run")
     parser.add_argument("--seed", type=int, default=0, help="the nodes each placement asks")
     parser.add_argument("--no-bench", action="store_true", help="the floors alone")
@@ -661,6 +691,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.woken_us < 0:
         parser.error("--woken-us: at least 0 (0 leaves the woken work run out)")
+    if args.bench_placements < 0:
+        parser.error("--bench-placements: at least 0 (0: the bench's own default)")
     for name in ("nodes", "node_processes", "requestors", "placements", "sequential", "pairs"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}: at least 1")

@@ -4,10 +4,10 @@
         [--calls 1000] [--rounds 3] [--json]
 
 The live runtime's steps run after their thread waited: a handler after its IO thread
-was woken with a message, a caller after its placement's answer. docs/performance.md
-finds those steps costing two to five times their CPU back to back, and the targets of
-issue 36 bounded by it. This script measures that cost of the machine by itself, with one
-step and nothing else running:
+was woken with a message, a caller after its placement's answer, and such steps cost
+more than the same steps back to back: that bounds the targets of issue 36
+(docs/performance.md, "The machine"). This script measures that cost of the machine by
+itself, with one step and nothing else running:
 
 - the step: a caller's request built and checked and its id made
   (:func:`~reservoir.protocol.placement.request_of`,

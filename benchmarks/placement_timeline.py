@@ -20,14 +20,14 @@ bytes the connection was handed as they were read): the sender's IO thread (hand
 written), the wire (written -> read: the kernel, RabbitMQ, and the reading process woken)
 and the reader's adapter (read -> handler). Stamped as ``send()`` starts, not as it
 returns: on loopback the call can return late, once the sender has its core and the
-interpreter's lock back, long after its bytes have gone (docs/performance.md).
+interpreter's lock back, long after its bytes have gone.
 
 Before the bench starts it measures what this machine takes to wake a waiting thread and a
 waiting process (:func:`wake_ups`), the floor under every hand-over and hop.
 
 It measures by wrapping the runtime's methods, so its figures carry that overhead (a few
 microseconds a step); compare runs of it with each other, not with ``reservoir bench``'s
-``place_p50_ms``. docs/performance.md holds what it showed.
+``place_p50_ms``. What it showed: docs/performance.md, "The library's targets".
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ Sequential placements are those whose four messages in a row (``request``, ``off
 ``award``, ``accepted``) reached the broker with no other placement's in between; the
 round trips are the bench's (``measure_round_trips``: a body of ``x`` to 512 bytes, one in
 flight), each an echo to a node process and back. Both come from the same capture, so
-they saw the same machine. docs/performance.md holds what it showed.
+they saw the same machine. What it showed: docs/performance.md, "Open questions".
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ of the totals by the difference of the sizes (start-up and roll call cancel out)
 With ``--profile K`` it runs under :mod:`cProfile` and prints the K functions with the
 most time of their own, per placement, instead: where the instructions go.
 ``--gc-freeze`` and ``--gc-threshold N`` set the garbage collector before the run, to
-price it (docs/performance.md). ``--woken-us N`` sleeps N microseconds before every step
+price it. ``--woken-us N`` sleeps N microseconds before every step
 of a placement (every delivery and timer), so that each runs after its thread was woken,
 as the live runtime's do; the JSON line's ``steps`` counts them, so that the sleeps' own
 CPU can be taken off (``benchmarks/message_floor.py`` does).

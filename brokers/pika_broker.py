@@ -16,31 +16,15 @@ confirmed in batches (``multiple=True``). Calls from other threads reach the IO 
 through the loop's ``add_callback_threadsafe``, one wake-up for everything queued since the
 last.
 
-Reply path: exclusive named queue, not direct reply-to (measured)
+Reply path: an exclusive named queue, not direct reply-to
     The founding design asked to choose between direct reply-to
-    (``amq.rabbitmq.reply-to``) and a reply
-    queue by measuring both. ``benchmarks/reply_path.py`` does, with pika, in one run
-    (responder in its own process, paths alternated, medians of 3 rounds of 2000
-    sequential round trips and 20 000 requests with 100 in flight; 256-byte bodies;
-    RabbitMQ 3.10.8 on localhost, a 2-CPU machine shared by broker and both clients):
-
-    ===============  ===============  ===============  ==================
-    run              p50 latency us   p99 latency us   throughput req/s
-                     queue / direct   queue / direct   queue / direct
-    ===============  ===============  ===============  ==================
-    1                627 / 747        1641 / 4331      3398 / 2938
-    2                582 / 682        3190 / 984       5252 / 3032
-    ===============  ===============  ===============  ==================
-
-    Direct reply-to was *slower* in every run: x1.17-1.19 the p50 latency and x0.58-0.86
-    the throughput (two earlier runs with the responder as a thread agreed: x1.15-1.18,
-    x0.77-0.87). Tails are noise on two CPUs. The queue hop direct reply-to saves is
-    evidently not where the time goes. And it cannot meet the contract: its address exists
-    only while the channel that published the request lives (a reply after a reconnect is
-    returned, the requestor never sees it), only someone who received a request can learn
-    it, and it cannot be bound to a topic. So every endpoint, requestors included, is an
-    exclusive named queue: a stable address across reconnects, mandatory returns,
-    bindings, and no measured cost.
+    (``amq.rabbitmq.reply-to``) and a reply queue. Direct reply-to cannot meet the
+    contract: its address exists only while the channel that published the request lives
+    (a reply after a reconnect is returned, and the requestor never sees it), only someone
+    who received a request can learn it, and it cannot be bound to a topic. So every
+    endpoint, requestors included, is an exclusive named queue: a stable address across
+    reconnects, mandatory returns, bindings. Measured beside it with pika, direct reply-to
+    was not the quicker either (docs/performance.md, "The pika driver").
 
 Each connection announces ``connection_name`` (``reservoir-pika:<pid>:<n>``), the same
 across reconnects, so an operator or a test can find and close exactly this broker's.
@@ -204,9 +188,9 @@ def tune_transport(transport: Any) -> bool:
     ``SEND_BYTES`` at most per ``send()`` (so a long backlog is never copied again whole
     after a partial send), and the socket is read ``RECV_BYTES`` at a time until a read
     comes back short, 100 KiB per event at most as before (pika's pollers are all
-    level-triggered: whatever is left is reported again). Measured on a node process under
-    ``reservoir bench`` (100 nodes, 8 requestors): ``sendto`` calls fell to a third, and
-    placements per second rose 4-8 % (docs/performance.md, "The socket's system calls").
+    level-triggered: whatever is left is reported again). Why: every system call on the hot
+    path is CPU a placement pays in each process, and a segment per frame is work RabbitMQ
+    pays per segment (docs/performance.md, "The pika driver").
 
     Only pika's plaintext transport, exactly: an SSL socket keeps pika's I/O, since
     decrypted bytes may wait in the SSL object where no poll sees them, and a write OpenSSL

@@ -28,6 +28,17 @@ from typing import NoReturn
 
 from reservoir.exit_status import EXIT_INTERRUPTED
 
+__all__ = [
+    "STOP_SIGNALS",
+    "deferred",
+    "install",
+    "interrupted",
+    "interruptible",
+    "set_from_a_signal_handler",
+    "stop_on_signals",
+    "stopped",
+]
+
 #: the signals that stop a command as Ctrl-C does
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 

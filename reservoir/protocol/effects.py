@@ -6,10 +6,10 @@ live runtime, or the simulator) carries them out *in order*. Order matters: a no
 an allocation before it sends ``Accepted``, so an acknowledged allocation survives a crash.
 
 Effects are values: frozen msgspec structs, hashed and compared by their fields. A machine
-builds several for every message it handles, and a struct is made in C, for less than
-half the cost of a slotted dataclass's ``__init__`` (docs/performance.md). They are final:
-drivers tell them apart by exact class (``type(effect) is Send``), which is cheaper than
-``isinstance`` on a struct (that asks the struct's metaclass).
+builds several for every message it handles, and a struct is made in C, where a slotted
+dataclass's ``__init__`` is a Python function (docs/performance.md, "The runtime"). They
+are final: drivers tell them apart by exact class (``type(effect) is Send``), which is
+cheaper than ``isinstance`` on a struct (that asks the struct's metaclass).
 """
 
 from __future__ import annotations

@@ -202,7 +202,8 @@ MAX_FEATURES: Final = 64
 class _IdentifierMark:
     """Marks a field as an id. Such fields are checked after decoding (:func:`check_ids`),
     all of a message's ids with one match, rather than one pattern per field by msgspec,
-    which cost half of decoding a message (docs/performance.md)."""
+    which made checking the ids the costliest part of decoding a message
+    (docs/performance.md, "The runtime")."""
 
 
 _IDENTIFIER_MARK: Final = _IdentifierMark()

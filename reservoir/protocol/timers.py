@@ -6,8 +6,9 @@ on positions in a tuple, and a key of one conversation or attempt can never be m
 for another's. They are msgspec structs rather than frozen dataclasses because several
 are made, hashed and compared per placement: a frozen dataclass is built field by field
 through ``object.__setattr__`` and hashed by a generated Python function, a frozen
-struct both in C (docs/performance.md). They are final: a firing is told apart by its
-key's exact class (``type(key) is FreeTimer``), cheaper than ``isinstance`` on a struct.
+struct both in C (docs/performance.md, "The runtime"). They are final: a firing is told
+apart by its key's exact class (``type(key) is FreeTimer``), cheaper than ``isinstance``
+on a struct.
 """
 
 from __future__ import annotations

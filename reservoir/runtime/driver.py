@@ -457,8 +457,9 @@ class Driver:
                         return
                 elif len(outbox) > 1:
                     # A caller's or a timer's thread: what it queued leaves together, for
-                    # one wake-up of the broker's IO thread and one write (a requestor's
-                    # probes; docs/performance.md measures it).
+                    # one wake-up of the broker's IO thread and one write, so a requestor's
+                    # second probe does not wait on the IO thread its first woke
+                    # (docs/performance.md, "The runtime").
                     with self.endpoint.batch():
                         self._drain()
                 else:

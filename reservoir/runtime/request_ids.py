@@ -4,10 +4,9 @@ UUID), from the same source, the OS's random bytes, read for many ids at a time.
 Why not ``uuid.uuid4()`` for each: it reads 16 bytes with ``os.urandom``, which lets go of
 the interpreter's lock for the system call. A caller's thread that lets go of it while the
 broker's IO thread is busy must wait to take it back, and that wait is a wake-up on a
-cold core for every placement (docs/performance.md, "Wake-ups and preemptions per
-placement"). Read :data:`BATCH` ids at a time, the ids are as random as before and the
-wait comes once in :data:`BATCH`. A forked child starts a pool of its own, so it never
-hands out the ids its parent holds.
+cold core for every placement (docs/performance.md, "The runtime"). Read :data:`BATCH`
+ids at a time, the ids are as random as before and the wait comes once in :data:`BATCH`.
+A forked child starts a pool of its own, so it never hands out the ids its parent holds.
 """
 
 from __future__ import annotations

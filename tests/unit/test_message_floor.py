@@ -215,13 +215,22 @@ def test_a_node_process_that_said_nothing_is_a_problem(floor: ModuleType) -> Non
 
 
 @pytest.mark.parametrize("woken_us", [0, 100])
-def test_the_work_runs_both_back_to_back_and_woken(
-    floor: ModuleType, monkeypatch: pytest.MonkeyPatch, woken_us: int
-) -> None:
-    monkeypatch.setattr(floor, "WORK_SIZES", (2, 4))
-    args = argparse.Namespace(nodes=3)
+def test_the_work_runs_both_back_to_back_and_woken(floor: ModuleType, woken_us: int) -> None:
+    args = argparse.Namespace(nodes=3, work_placements=(2, 4))
 
     run = floor.run_work(args, woken_us)
 
     assert run.kind == (floor.WORK_WOKEN if woken_us else floor.WORK)
     assert set(run.cpu_ms_per_placement) == {"this process"}
+
+
+@pytest.mark.parametrize("text", ["", "500", "3500,500", "0,10", "a,b", "1,2,3"])
+def test_work_sizes_other_than_two_growing_counts_are_refused_with_the_text_named(
+    floor: ModuleType, text: str
+) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match=repr(text)):
+        floor.sizes_of(text)
+
+
+def test_work_sizes_are_read_small_then_large(floor: ModuleType) -> None:
+    assert floor.sizes_of("20,60") == (20, 60)

@@ -82,9 +82,10 @@ from reservoir.tools.bench.placing import (
     wait_for_roster,
 )
 
-__all__ = ["BenchError", "BenchResult", "run_bench", "slots_per_node"]
+__all__ = ["RTT_BODY_BYTES", "BenchError", "BenchResult", "run_bench", "slots_per_node"]
 
-#: the size of the body the round trip bounces (a probe or an offer is 400-500 bytes)
+#: the size of the body the round trip bounces (a probe or an offer is 400-500 bytes);
+#: public, since benchmarks/message_floor.py times the same round trip beside its floors
 RTT_BODY_BYTES: Final = 512
 #: round trips before the measured ones, and the most measured
 RTT_WARMUP: Final = 100

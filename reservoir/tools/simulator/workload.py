@@ -2,8 +2,8 @@
 
 This module owns *what happens*, never *how it is placed*:
 
-- **nodes**: a mix of 32, 48 and 64 VCPU nodes with 2 GiB of memory per VCPU (the shapes
-  of ``benchmarks/versus_stale_scheduler.py``), drawn uniformly;
+- **nodes**: a mix of 32, 48 and 64 VCPU nodes with 2 GiB of memory per VCPU, drawn
+  uniformly;
 - **requests**: one instance each, of 1, 2, 4 or 8 VCPUs (weights 40/30/20/10 %) with
   2 GiB per VCPU;
 - **arrivals**: a Poisson process whose rate is set by the *offered load*

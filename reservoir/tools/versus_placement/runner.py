@@ -91,7 +91,7 @@ BULK_CONSUMERS: Final = 100
 SETUP_THREADS: Final = 4
 #: node processes of reservoir's runs (the bench's default)
 NODE_PROCESSES: Final = 2
-#: what the incumbent's side leaves out of Nova (also in --help and docs/performance.md)
+#: what the incumbent's side leaves out of Nova (also in --help and docs/benchmarks.md)
 LEFT_OUT: Final = (
     "Nova's filters on host state (the HostManager's view of compute nodes, "
     "ComputeFilter, NUMA, PCI, affinity): candidates come from Placement alone",

@@ -156,6 +156,14 @@ def test_placement_timeline_splits_every_hop_at_the_socket(amqp_url: str) -> Non
     assert result["round_trip_hop_written_to_read_us"] is not None
 
 
+@pytest.mark.rabbitmq
+def test_task_output_follows_a_task_that_writes_and_audits_its_node(amqp_url: str) -> None:
+    figures = json.loads(run_script("task_output", "--broker", amqp_url, "--bytes", "2M", "--json"))
+
+    assert figures["exit_code"] == 0 and figures["audit_status"] == 0
+    assert figures["bytes_read"] + figures["bytes_skipped"] == figures["bytes_written"]
+
+
 def test_the_index_lists_every_script_in_benchmarks_and_each_has_a_short_run_here() -> None:
     scripts = sorted(p.stem for p in BENCHMARKS.glob("*.py"))
     page = INDEX.read_text()

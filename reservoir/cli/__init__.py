@@ -10,47 +10,30 @@ the matching option is absent. Exit statuses: :mod:`reservoir.exit_status`.
 
 from __future__ import annotations
 
-from reservoir.cli import (
-    audit,
-    bench,
-    bench_service,
-    chaos,
-    demo,
-    free,
-    inspect,
-    keeper,
-    keys,
-    node,
-    nodes,
-    request,
-    run,
-    serve,
-    simulate,
-    versus,
-)
 from reservoir.cli.group import main
 
-__all__ = ["main"]
+__all__ = ["COMMANDS", "main"]
 
-for command in (
-    demo.demo,
-    node.node,
-    keeper.keeper,
-    request.request,
-    run.run,
-    run.tasks_command,
-    run.logs,
-    run.wait,
-    free.free,
-    inspect.inspect,
-    nodes.nodes_command,
-    audit.audit_command,
-    simulate.simulate,
-    bench.bench,
-    bench_service.bench_service,
-    chaos.chaos,
-    serve.serve,
-    keys.keys,
-    versus.versus,
-):
-    main.add_command(command)
+#: every command: its name, and where it is (imported when it is run or listed)
+COMMANDS = {
+    "demo": "reservoir.cli.demo:demo",
+    "node": "reservoir.cli.node:node",
+    "keeper": "reservoir.cli.keeper:keeper",
+    "request": "reservoir.cli.request:request",
+    "run": "reservoir.cli.run:run",
+    "tasks": "reservoir.cli.run:tasks_command",
+    "logs": "reservoir.cli.run:logs",
+    "wait": "reservoir.cli.run:wait",
+    "free": "reservoir.cli.free:free",
+    "inspect": "reservoir.cli.inspect:inspect",
+    "nodes": "reservoir.cli.nodes:nodes_command",
+    "audit": "reservoir.cli.audit:audit_command",
+    "simulate": "reservoir.cli.simulate:simulate",
+    "bench": "reservoir.cli.bench:bench",
+    "bench-service": "reservoir.cli.bench_service:bench_service",
+    "chaos": "reservoir.cli.chaos:chaos",
+    "serve": "reservoir.cli.serve:serve",
+    "keys": "reservoir.cli.keys:keys",
+    "versus": "reservoir.cli.versus:versus",
+}
+main.lazy = COMMANDS

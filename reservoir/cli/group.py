@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import click
@@ -13,7 +14,24 @@ from reservoir.version import version_line
 class _Group(click.Group):
     """The group, with the one interruption path (:mod:`reservoir.interrupt`) around every
     command: click's own turns Ctrl-C into "Aborted!" and exit status 1, the status of
-    "not placed"."""
+    "not placed". Its commands are imported when one is run or listed, not with the
+    group: a command that places one request does not import the benchmarks, the
+    simulator and the service first (half of a command's start)."""
+
+    #: command name -> "module:attribute" of the command, imported when first asked for
+    lazy: dict[str, str] = {}
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *self.lazy})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        command = super().get_command(ctx, cmd_name)
+        if command is None and cmd_name in self.lazy:
+            module, _, attribute = self.lazy[cmd_name].partition(":")
+            command = getattr(importlib.import_module(module), attribute)
+            assert isinstance(command, click.Command), self.lazy[cmd_name]
+            self.add_command(command, cmd_name)
+        return command
 
     def invoke(self, ctx: click.Context) -> Any:
         with interruptible():

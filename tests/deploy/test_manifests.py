@@ -144,7 +144,7 @@ def command_of(container: Container) -> tuple[click.Command, click.Context]:
     start: an unknown option or a bad value fails here)."""
     assert isinstance(main, click.Group)
     name, *args = resolved(container.argv)[1:]
-    command = main.commands.get(name)
+    command = main.get_command(click.Context(main), name)
     assert command is not None, f"{container.where}: reservoir has no command {name!r}"
     # the container's own environment, as click reads it at start (a value from a Secret
     # stands in as a placeholder: it is there at run time)

@@ -3,7 +3,7 @@
     python benchmarks/adapter_instructions.py --round-trips N [--url amqp://...]
 
 The round trip of `adapter_speed.py` (its ``measure`` and its ``AdapterClient``: one
-``brokers.connect(url)`` broker, two endpoints opened ``inline`` as reservoir's driver
+``reservoir.brokers.connect(url)`` broker, two endpoints opened ``inline`` as reservoir's driver
 opens them, B echoing what A sends, one at a time after ``WARM_UP`` unmeasured), for the
 pika adapter alone, so that it can run under callgrind. Its times move with the machine;
 its instructions do not. At two sizes, the difference of the two totals over the
@@ -30,8 +30,8 @@ from dataclasses import asdict
 
 from adapter_speed import AdapterClient, measure
 
-import brokers
-from brokers.url import BrokerUrl
+import reservoir.brokers
+from reservoir.brokers.url import BrokerUrl
 
 BODY = b"x" * 300
 
@@ -48,7 +48,7 @@ def main() -> None:
         parser.error("--url: an amqp:// or amqps:// URL (the pika adapter's)")
     exchange = f"reservoir.adapterinstructions.{uuid.uuid4().hex[:12]}"
     url = url.with_exchange(exchange)
-    with brokers.own_exchange(url, name=exchange):
+    with reservoir.brokers.own_exchange(url, name=exchange):
         result = measure(lambda roles: AdapterClient(url, roles), args.round_trips, 1, BODY)
     print(json.dumps({"round_trips": args.round_trips, **asdict(result)}))
 

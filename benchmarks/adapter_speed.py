@@ -1,5 +1,5 @@
 """The RabbitMQ adapters' own cost: request/reply round trip and message rate through
-``brokers.connect(url)``, against raw pika doing the same on the wire, in one run.
+``reservoir.brokers.connect(url)``, against raw pika doing the same on the wire, in one run.
 
     python benchmarks/adapter_speed.py --url amqp://guest:guest@127.0.0.1:5672/ \\
         [--round-trips 2000] [--messages 20000] [--body-bytes 200] [--repeats 3] [--json]
@@ -41,7 +41,7 @@ Clients alternate (the order rotates every repeat) over ``--repeats`` repeats, s
 machine's drift hits each alike; the medians over repeats are reported, with the ratios
 ``adapter p50 / raw p50`` (target <= 1.2) and ``adapter rate / raw rate`` (target >= 0.8).
 Everything runs on exchanges of the run's own, ``reservoir.adapterbench.<hex>``, deleted at
-the end, on Ctrl-C or SIGTERM too (``brokers.own_exchange``); the queues are exclusive and
+the end, on Ctrl-C or SIGTERM too (``reservoir.brokers.own_exchange``); the queues are exclusive and
 go with their connections. ``--json`` prints one JSON object and nothing else on stdout.
 """
 
@@ -72,10 +72,10 @@ import amqp
 import pika
 import pika.spec
 
-import brokers
-from brokers.amqp.threaded import AmqpBroker
-from brokers.url import BrokerUrl
+import reservoir.brokers
 from reservoir.broker import Delivery
+from reservoir.brokers.amqp.threaded import AmqpBroker
+from reservoir.brokers.url import BrokerUrl
 
 WARM_UP = 50
 #: how long any one wait may take before the run is declared broken
@@ -151,12 +151,12 @@ def _wait_until(done: Callable[[], bool], what: str) -> None:
 
 
 class AdapterClient:
-    """Two endpoints of one ``brokers.connect(url)`` broker; ``inline``: as reservoir's
+    """Two endpoints of one ``reservoir.brokers.connect(url)`` broker; ``inline``: as reservoir's
     driver opens them, handlers on the IO thread."""
 
     def __init__(self, url: BrokerUrl, roles: Roles, *, inline: bool = True) -> None:
         self._roles = roles
-        broker = brokers.connect(url)
+        broker = reservoir.brokers.connect(url)
         if not isinstance(broker, AmqpBroker):
             broker.close()
             raise TypeError(f"not a RabbitMQ adapter: {broker!r}")
@@ -597,7 +597,7 @@ def main() -> int:
         print(text, file=sys.stderr, flush=True)
 
     try:
-        with brokers.own_exchange(pika_url, name=exchange):
+        with reservoir.brokers.own_exchange(pika_url, name=exchange):
             for repeat in range(args.repeats):
                 for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
                     result = measure(clients[name], args.round_trips, args.messages, body)

@@ -38,7 +38,7 @@ import uuid
 
 import pika
 
-from brokers import BrokerUrl
+from reservoir.brokers import BrokerUrl
 from reservoir.tools.bench.limits import CpuMeter, broker_processes
 
 BODY = b"x" * 512

@@ -11,7 +11,7 @@ test runs it with every size small.)
 
 ``reservoir bench``'s throughput run says what a placement costs reservoir's processes
 (the requestors' and the node agents') and RabbitMQ, in CPU. This script says how much of
-reservoir's share the messages alone take, with the same adapter (``brokers.connect``:
+reservoir's share the messages alone take, with the same adapter (``reservoir.brokers.connect``:
 publisher confirms, ``mandatory``, the topic exchanges, an exclusive queue per endpoint,
 handlers ``inline`` on the IO thread, as the driver opens them) and nothing above it:
 
@@ -78,11 +78,11 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
-import brokers
-from brokers.amqp.threaded import AmqpBroker
-from brokers.url import BrokerUrl
+import reservoir.brokers
 from reservoir import interrupt
 from reservoir.broker import Delivery, Endpoint
+from reservoir.brokers.amqp.threaded import AmqpBroker
+from reservoir.brokers.url import BrokerUrl
 from reservoir.tools.bench.limits import CpuMeter, broker_processes, own_cpu
 from reservoir.tools.bench.runner import RTT_BODY_BYTES
 
@@ -216,7 +216,7 @@ def node_answer(message: bytes, node: int) -> bytes | None:
 def serve_nodes(url: BrokerUrl, requestor: str, names: list[str], first: int) -> None:
     """Open an endpoint for each name, answer until stdin closes, print the broker's
     counts (what was sent, confirmed, lost) as one JSON line."""
-    broker = brokers.connect(url)
+    broker = reservoir.brokers.connect(url)
     endpoints: list[Endpoint] = []
 
     def handler(index: int) -> Callable[[Delivery], None]:
@@ -284,7 +284,7 @@ def _nodes_up(args: argparse.Namespace) -> Iterator[_Nodes]:
     run = uuid.uuid4().hex[:8]
     names = [f"floor-{run}-node-{i:04d}" for i in range(args.nodes)]
     requestor = f"floor-{run}-requestor"
-    with brokers.own_exchange(url, name=exchange):
+    with reservoir.brokers.own_exchange(url, name=exchange):
         hosts: list[subprocess.Popen[str]] = []
         try:
             hosts.extend(_node_processes(url, requestor, names, args.node_processes))
@@ -358,7 +358,7 @@ def run_floor(args: argparse.Namespace, callers: Callers) -> Run:
         placements = Placements(len(nodes.names), seed=args.seed)
         total = 2 * args.placements  # the first half is the warm-up
         marks = {args.placements: threading.Event(), total: threading.Event()}
-        broker = brokers.connect(nodes.url)
+        broker = reservoir.brokers.connect(nodes.url)
         assert isinstance(broker, AmqpBroker)
         try:
             requestor = _Requestor(broker, nodes, placements)
@@ -428,7 +428,7 @@ def run_sequential(args: argparse.Namespace) -> Run:
     ``--sequential`` times after :data:`WARM_UP`."""
     with _nodes_up(args) as nodes:
         placements = Placements(len(nodes.names), seed=args.seed)
-        broker = brokers.connect(nodes.url)
+        broker = reservoir.brokers.connect(nodes.url)
         assert isinstance(broker, AmqpBroker)
         round_trips: list[float] = []
         placed: list[float] = []

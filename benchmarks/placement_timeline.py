@@ -15,8 +15,8 @@ socket, RabbitMQ and the reader's IO thread), each participant's work between a 
 arriving and its answer handed over, and the caller waking with the placement.
 
 Each hop is split where its bytes cross a socket, stamped in the pika driver
-(``brokers.pika_broker``: the bytes a ``send()`` wrote, stamped as the call starts, and the
-bytes the connection was handed as they were read): the sender's IO thread (handed over ->
+(``reservoir.brokers.pika_broker``: the bytes a ``send()`` wrote, stamped as the call starts, and
+the bytes the connection was handed as they were read): the sender's IO thread (handed over ->
 written), the wire (written -> read: the kernel, RabbitMQ, and the reading process woken)
 and the reader's adapter (read -> handler). Stamped as ``send()`` starts, not as it
 returns: on loopback the call can return late, once the sender has its core and the
@@ -142,9 +142,9 @@ if _DIR:
 
     _PENDING = {
         "reservoir.runtime.driver": _driver,
-        "brokers.amqp.threaded": _endpoint,
+        "reservoir.brokers.amqp.threaded": _endpoint,
         "reservoir.runtime.requestor": _requestor,
-        "brokers.pika_broker": _socket,
+        "reservoir.brokers.pika_broker": _socket,
     }
     import builtins
 

@@ -44,7 +44,7 @@ import uuid
 from collections.abc import Callable
 
 import reservoir  # noqa: F401  (the package first: brokers imports it back)
-from brokers.inprocess import InProcessBroker
+from reservoir.brokers.inprocess import InProcessBroker
 from reservoir.clock import VirtualScheduler
 from reservoir.protocol.audit import audit
 from reservoir.runtime.node_agent import NodeAgent

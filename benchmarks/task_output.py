@@ -213,7 +213,7 @@ def measure(broker: str, total_bytes: int) -> Figures:
             node.wait(timeout=30)
         except subprocess.TimeoutExpired:
             node.kill()
-        from brokers import connect
+        from reservoir.brokers import connect
 
         with connect(url) as connection:
             connection.delete_exchanges()  # type: ignore[attr-defined]

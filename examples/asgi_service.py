@@ -44,7 +44,7 @@ The module-level ``app`` reads ``RESERVOIR_BROKER_URL`` (and the other ``RESERVO
 settings). Without it the broker is ``memory://``: a fresh in-process broker that no node
 shares, so every ``POST`` answers 409. Nodes and the service must meet on one broker: on
 RabbitMQ, run ``reservoir node`` processes alongside as above; in one process (tests),
-pass ``create_app`` the :class:`~brokers.inprocess.InProcessBroker` the node agents use.
+pass ``create_app`` the :class:`~reservoir.brokers.inprocess.InProcessBroker` the node agents use.
 Each uvicorn worker process gets its own requestor, as it should.
 """
 

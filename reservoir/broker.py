@@ -25,7 +25,8 @@ A publish or send that reaches no queue is handed back to the sender's handler a
 :class:`Delivery` with ``returned=True``: that is how a requestor learns at once that no
 node is bound to a tier (RabbitMQ's ``mandatory`` flag and ``basic.return``).
 
-Adapters live in the ``brokers`` package, one module each; ``brokers.connect(url)`` picks one.
+Adapters live in the ``reservoir.brokers`` package, one module each;
+``reservoir.brokers.connect(url)`` picks one.
 """
 
 from __future__ import annotations

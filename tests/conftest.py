@@ -21,7 +21,7 @@ from types import ModuleType
 import pytest
 from hypothesis import settings
 
-from brokers import BrokerUrl
+from reservoir.brokers import BrokerUrl
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -36,7 +36,7 @@ wheel_cache="${RESERVOIR_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/reservoir/
 label_image="org.reservoir.image"
 label_run="org.reservoir.test-run"
 # what the reservoir wheel is built from
-source_files=(reservoir brokers pyproject.toml README.md)
+source_files=(reservoir pyproject.toml README.md)
 
 say() { echo "docker.sh: $*" >&2; }
 

@@ -9,8 +9,8 @@ import sys
 
 import click
 
-from brokers import BrokerUrl
 from reservoir.broker import BrokerError, UnsupportedBroker
+from reservoir.brokers import BrokerUrl
 from reservoir.cli.options import stopped_by_sigterm, usage_error
 from reservoir.exit_status import EXIT_BROKER, EXIT_RUN_FAILED
 from reservoir.tools.bench.errors import BenchError

@@ -8,8 +8,8 @@ from typing import Any
 
 import click
 
-from brokers.admin import ExchangeInUse
 from reservoir.broker import BrokerError
+from reservoir.brokers.admin import ExchangeInUse
 from reservoir.cli.options import (
     broker_option,
     json_option,

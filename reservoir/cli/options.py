@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 import click
 from pydantic import ValidationError
 
-from brokers import BrokerUrl
 from reservoir.broker import BrokerError, UnsupportedBroker
+from reservoir.brokers import BrokerUrl
 from reservoir.exit_status import EXIT_BROKER, EXIT_USAGE
 from reservoir.runtime.settings import Settings
 

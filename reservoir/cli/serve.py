@@ -31,7 +31,7 @@ from reservoir.version import install_hint
 if TYPE_CHECKING:
     import uvicorn
 
-    from brokers import BrokerUrl
+    from reservoir.brokers import BrokerUrl
 
 
 def _stopped(signum: int, frame: FrameType | None) -> None:
@@ -189,7 +189,7 @@ def _connect(url: BrokerUrl | None, attempts: int) -> Broker | None:
     """The broker at ``url``, waited for as ``reservoir node`` waits for it: a line per
     failed attempt, backing off up to 15 s, ``attempts`` of them (0: until stopped).
     None when SIGTERM or SIGINT came meanwhile."""
-    from brokers import connect
+    from reservoir.brokers import connect
     from reservoir.interrupt import stop_on_signals
     from reservoir.observe.logs import say
     from reservoir.runtime.backoff import quietly_connecting, until_connected

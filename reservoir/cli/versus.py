@@ -9,8 +9,8 @@ import sys
 
 import click
 
-from brokers import BrokerUrl
 from reservoir.broker import BrokerError, UnsupportedBroker
+from reservoir.brokers import BrokerUrl
 from reservoir.cli.options import require_message_counts, stopped_by_sigterm
 from reservoir.exit_status import EXIT_BROKER, EXIT_INTERRUPTED, EXIT_RUN_FAILED
 from reservoir.tools.bench.errors import BenchError

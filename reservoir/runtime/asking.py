@@ -15,8 +15,8 @@ import time
 from abc import abstractmethod
 from collections.abc import Hashable
 
-from brokers import BrokerUrl
 from reservoir.broker import Broker
+from reservoir.brokers import BrokerUrl
 from reservoir.clock import Scheduler
 from reservoir.observe.metrics import Metrics
 from reservoir.protocol.addresses import requestor_address

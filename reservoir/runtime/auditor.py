@@ -28,8 +28,8 @@ from typing import Any
 
 import msgspec.structs
 
-from brokers import BrokerUrl
 from reservoir.broker import Broker
+from reservoir.brokers import BrokerUrl
 from reservoir.clock import Scheduler
 from reservoir.observe.metrics import Metrics
 from reservoir.protocol.addresses import node_address

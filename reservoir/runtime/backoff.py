@@ -73,7 +73,7 @@ def until_connected(
 
 
 #: the loggers of the transports and their adapters, which narrate each connection attempt
-_CONNECTING_LOGGERS: Final = ("pika", "kombu", "amqp", "brokers")
+_CONNECTING_LOGGERS: Final = ("pika", "kombu", "amqp", "reservoir.brokers")
 
 
 @contextlib.contextmanager

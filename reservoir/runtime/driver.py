@@ -46,8 +46,8 @@ from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from functools import partial
 
-from brokers import BrokerUrl
 from reservoir.broker import Broker, BrokerClosed, BrokerError, Delivery, Endpoint
+from reservoir.brokers import BrokerUrl
 from reservoir.clock import Scheduler, ThreadScheduler, Timer
 from reservoir.observe.logs import REQUEST_ID
 from reservoir.observe.metrics import Metrics
@@ -168,7 +168,7 @@ class Driver:
         self._closed = False
         self._owned_broker: Broker | None = None
         if not isinstance(broker, Broker):
-            from brokers import connect  # the adapters package; imported only when needed
+            from reservoir.brokers import connect  # the adapters package; imported only when needed
 
             broker = self._owned_broker = connect(broker or settings.broker_url)
         self._owned_scheduler: Scheduler | None = None

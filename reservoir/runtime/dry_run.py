@@ -15,8 +15,8 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 
-from brokers import BrokerUrl
 from reservoir.broker import Broker
+from reservoir.brokers import BrokerUrl
 from reservoir.clock import Scheduler
 from reservoir.protocol.messages import Assessment, Message, ReservationRequest
 from reservoir.protocol.placement import PlacementRequest, checked_request, reason_label

@@ -18,8 +18,8 @@ from collections.abc import Hashable
 from pathlib import Path
 from typing import Final
 
-from brokers import BrokerUrl
 from reservoir.broker import Broker
+from reservoir.brokers import BrokerUrl
 from reservoir.clock import Scheduler
 from reservoir.observe.metrics import Metrics
 from reservoir.protocol.addresses import requestor_address

@@ -23,8 +23,8 @@ from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
-from brokers import BrokerUrl
 from reservoir.broker import Broker
+from reservoir.brokers import BrokerUrl
 from reservoir.clock import Scheduler
 from reservoir.observe import tracing
 from reservoir.observe.metrics import Metrics, resource_families

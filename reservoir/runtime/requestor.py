@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from msgspec.structs import replace as msgspec_replace
 
-from brokers import BrokerUrl
 from reservoir.broker import Broker
+from reservoir.brokers import BrokerUrl
 from reservoir.clock import Scheduler
 from reservoir.observe import tracing
 from reservoir.observe.logs import REQUEST_ID

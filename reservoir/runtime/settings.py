@@ -23,7 +23,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from brokers import BrokerUrl
+from reservoir.brokers import BrokerUrl
 from reservoir.protocol.compatibility import RELEASE_LINES
 from reservoir.protocol.policies import POLICIES
 from reservoir.protocol.tiers import DEFAULT_TIERS, TierLadder
@@ -55,7 +55,7 @@ class Settings(BaseSettings):
 
     #: where the broker is (``memory://`` is an in-process broker); None when nothing
     #: names one: the commands that talk to a cluster then refuse to start, and a library
-    #: object given neither a broker nor a URL opens ``brokers.connect``'s default
+    #: object given neither a broker nor a URL opens ``reservoir.brokers.connect``'s default
     broker_url: BrokerUrlSetting | None = None
     #: one shared secret for both roles (the first form of signing, still supported): when
     #: set, every message is signed and unsigned ones are dropped, but any participant can

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import secrets
 
-from brokers import BrokerUrl
 from reservoir.broker import Broker
+from reservoir.brokers import BrokerUrl
 from reservoir.protocol.messages import Message, TaskQuery, TaskState
 from reservoir.runtime.asking import AskEveryNode
 from reservoir.runtime.settings import Settings

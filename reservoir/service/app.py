@@ -19,8 +19,8 @@ from fastapi import FastAPI, Request, Response
 from fastapi.openapi.utils import get_openapi
 from starlette.routing import Match
 
-from brokers import BrokerUrl
 from reservoir.broker import Broker
+from reservoir.brokers import BrokerUrl
 from reservoir.observe import tracing
 from reservoir.runtime.settings import Settings
 from reservoir.service.embed import router

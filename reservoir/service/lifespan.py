@@ -23,8 +23,8 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from brokers import BrokerUrl
 from reservoir.broker import Broker, BrokerError
+from reservoir.brokers import BrokerUrl
 from reservoir.observe.metrics import default_participant
 from reservoir.protocol.audit import NodeSnapshot
 from reservoir.protocol.placement import (
@@ -437,7 +437,7 @@ async def reservoir_lifespan(
     settings = settings if settings is not None else Settings()
     owned: Broker | None = None
     if not isinstance(broker, Broker):
-        from brokers import connect
+        from reservoir.brokers import connect
 
         broker = owned = await asyncio.to_thread(connect, broker or settings.broker_url)
     registry = metrics.registry if metrics is not None else None

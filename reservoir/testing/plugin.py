@@ -9,7 +9,7 @@ Fixtures:
   ends. A test on it reaches only the nodes it starts itself: nodes of a deployment
   sharing the broker (another exchange, ``reservoir`` by default) never see its requests,
   and nothing of the test is left on the broker. The ``?exchange=`` parameter is
-  reservoir's: give the URL to reservoir (``brokers.connect``, ``NodeAgent``,
+  reservoir's: give the URL to reservoir (``reservoir.brokers.connect``, ``NodeAgent``,
   ``Requestor``, the ``reservoir`` commands), not to a client library;
 - ``reservoir_amqp_broker_url``: the broker under those, found once per session:
   ``RESERVOIR_TEST_AMQP_URL`` if set, else a testcontainers ``RabbitMqContainer``;

@@ -164,7 +164,7 @@ def _unanswered(url: str, timeout_s: float = 5.0) -> str | None:
     """Why nothing answers at ``url`` (one TCP connection to its first broker), or None.
     Said once, at the fixture, rather than by every test's client library in turn (pika
     logs a page per failed connection)."""
-    from brokers import BrokerUrl
+    from reservoir.brokers import BrokerUrl
 
     try:
         parsed = BrokerUrl.parse(url)
@@ -236,7 +236,7 @@ def private_exchange(url: str) -> Iterator[str]:
     another deployment on the same broker (on their own exchange, ``reservoir`` by
     default) neither take its requests nor answer them. A ``memory://`` URL comes back as
     it is."""
-    from brokers import BrokerUrl, own_exchange
+    from reservoir.brokers import BrokerUrl, own_exchange
 
     name = f"{PRIVATE_EXCHANGE_PREFIX}{uuid.uuid4().hex[:16]}"
     with own_exchange(BrokerUrl.parse(url).with_exchange(name), name=name) as private:

@@ -2,7 +2,7 @@
 
 Every node agent and requestor is the live runtime class, driven by one
 :class:`~reservoir.clock.VirtualScheduler` through one
-:class:`~brokers.inprocess.InProcessBroker`, so a five-second reservation expiry takes no
+:class:`~reservoir.brokers.inprocess.InProcessBroker`, so a five-second reservation expiry takes no
 real time and a run is reproducible from its seed. :meth:`Simulation.finish` settles the run
 and audits the invariants over every node's ledger.
 """
@@ -13,7 +13,7 @@ import concurrent.futures
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from brokers.inprocess import Faults, InProcessBroker
+from reservoir.brokers.inprocess import Faults, InProcessBroker
 from reservoir.clock import VirtualScheduler
 from reservoir.protocol.audit import AuditReport, NodeSnapshot, audit
 from reservoir.protocol.placement import Placement

@@ -105,7 +105,7 @@ def _opened(url: str, run_id: str) -> Iterator[Broker]:
     the URL names one, which must not exist yet (an existing exchange belongs to a live
     deployment: the demo refuses it rather than talk to its nodes, or delete it after).
     Deleted when the demo ends."""
-    from brokers import connect, own_exchange
+    from reservoir.brokers import connect, own_exchange
 
     with own_exchange(url, name=f"reservoir-demo-{run_id}") as run_url, connect(run_url) as broker:
         yield broker

@@ -14,7 +14,7 @@ import pika.exceptions
 import pytest
 from click.testing import CliRunner
 
-from brokers import BrokerUrl
+from reservoir.brokers import BrokerUrl
 from reservoir.cli.bench import bench
 from reservoir.tools.bench.runner import (
     _baseline_moved,

@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from brokers.inprocess import InProcessBroker
 from reservoir import NodeAgent, Requestor, audit
+from reservoir.brokers.inprocess import InProcessBroker
 from reservoir.runtime.docker_driver import LABEL_ALLOCATION, LABEL_NODE, DockerDriver
 from reservoir.testing.rabbitmq import RUN_LABEL, run_id
 

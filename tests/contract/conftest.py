@@ -33,12 +33,12 @@ from urllib.parse import quote, urlsplit
 
 import pytest
 
-from brokers import BrokerUrl, admin, connect
-from brokers.amqp.threaded import AmqpBroker
-from brokers.inprocess import InProcessBroker
-from brokers.kombu_broker import KombuBroker
-from brokers.pika_broker import PikaBroker
 from reservoir.broker import Broker, Delivery, Endpoint
+from reservoir.brokers import BrokerUrl, admin, connect
+from reservoir.brokers.amqp.threaded import AmqpBroker
+from reservoir.brokers.inprocess import InProcessBroker
+from reservoir.brokers.kombu_broker import KombuBroker
+from reservoir.brokers.pika_broker import PikaBroker
 from reservoir.testing.rabbitmq import rabbitmqctl_command
 
 #: generous: a healthy broker answers in milliseconds; only a hang ever waits this long

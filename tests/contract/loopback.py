@@ -1,7 +1,7 @@
 """A driver of the AMQP session with RabbitMQ played in memory, for the contract suite.
 
-``LoopbackBroker`` is an :class:`~brokers.amqp.threaded.AmqpBroker` like the pika and kombu
-drivers, with the same session, the same threaded front and the same IO-thread pump; only
+``LoopbackBroker`` is an :class:`~reservoir.brokers.amqp.threaded.AmqpBroker` like the pika and
+kombu drivers, with the same session, the same threaded front and the same IO-thread pump; only
 ``_do`` differs: instead of a client library it carries out each action against a small
 in-memory model of one RabbitMQ vhost (topic exchanges, exclusive queues, bindings,
 mandatory returns before the ack, a confirm per publish). So the whole broker contract runs
@@ -15,10 +15,10 @@ import queue
 from collections.abc import Callable
 from typing import Any
 
-from brokers.amqp import session as core
-from brokers.amqp.session import Action, Session
-from brokers.amqp.threaded import AmqpBroker, Future
-from brokers.routing import topic_matches
+from reservoir.brokers.amqp import session as core
+from reservoir.brokers.amqp.session import Action, Session
+from reservoir.brokers.amqp.threaded import AmqpBroker, Future
+from reservoir.brokers.routing import topic_matches
 
 
 class LoopbackBroker(AmqpBroker):

@@ -1,6 +1,6 @@
 """What both RabbitMQ drivers promise beyond the broker contract, tested alike for each.
 
-pika and kombu drive one session (:mod:`brokers.amqp.session`), so they must behave, count
+pika and kombu drive one session (:mod:`reservoir.brokers.amqp.session`), so they must behave, count
 and report readiness identically: the topology and its inbox exchange, returns to their own
 sender, the validated ``user_id``, confirms and stats, the bounded buffer, recovery after
 the broker closes the connection, a consumer the broker cancels, a refused (403) publish in
@@ -27,12 +27,12 @@ import pika
 import pika.exceptions
 import pytest
 
-from brokers import BrokerUrl, ExchangeInUse, admin, own_exchange
-from brokers.amqp.session import Session
-from brokers.amqp.threaded import AmqpBroker
-from brokers.kombu_broker import KombuBroker
-from brokers.pika_broker import PikaBroker
 from reservoir.broker import BrokerError, Delivery, Endpoint
+from reservoir.brokers import BrokerUrl, ExchangeInUse, admin, own_exchange
+from reservoir.brokers.amqp.session import Session
+from reservoir.brokers.amqp.threaded import AmqpBroker
+from reservoir.brokers.kombu_broker import KombuBroker
+from reservoir.brokers.pika_broker import PikaBroker
 
 if TYPE_CHECKING:
     from conftest import Collector, Ctl, OpenAmqp, RestrictedUser

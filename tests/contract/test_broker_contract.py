@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from brokers.amqp.threaded import AmqpBroker
-from brokers.inprocess import InProcessBroker
 from reservoir.broker import Broker, BrokerClosed, BrokerError, Delivery, Endpoint
+from reservoir.brokers.amqp.threaded import AmqpBroker
+from reservoir.brokers.inprocess import InProcessBroker
 
 if TYPE_CHECKING:
     # For annotations only: pytest imports conftest itself, and fixtures hand out instances.

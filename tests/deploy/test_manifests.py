@@ -28,7 +28,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from brokers import BrokerUrl
+from reservoir.brokers import BrokerUrl
 from reservoir.cli import main
 from reservoir.runtime.settings import Settings
 from reservoir.service import create_app

@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 import pytest
 
-from brokers import admin
+from reservoir.brokers import admin
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.e2e]
 

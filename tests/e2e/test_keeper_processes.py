@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from brokers import connect
+from reservoir.brokers import connect
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.e2e]
 

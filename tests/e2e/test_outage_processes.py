@@ -19,7 +19,7 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 import pytest
 
-from brokers import admin
+from reservoir.brokers import admin
 from reservoir.runtime.auditor import audit_cluster, read_placements
 from reservoir.testing.tcp_proxy import TcpProxy
 from tests.e2e.test_serve_processes import Process, free_port, node_args, wait_until_ready

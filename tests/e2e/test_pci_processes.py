@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from brokers import connect
+from reservoir.brokers import connect
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.e2e]
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from brokers import connect
+from reservoir.brokers import connect
 from reservoir.runtime.requestor import Requestor
 from reservoir.version import __version__
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from brokers import admin
+from reservoir.brokers import admin
 from tests.e2e.test_serve_processes import Process, free_port, node_args, wait_until_ready
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.e2e]

@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
-from brokers import admin
+from reservoir.brokers import admin
 from reservoir.runtime.auditor import audit_cluster, read_placements
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.e2e]

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from brokers import BrokerUrl, admin
+from reservoir.brokers import BrokerUrl, admin
 from reservoir.protocol.addresses import node_address, requestor_address
 from reservoir.runtime.auditor import audit_cluster, read_placements
 from tests.e2e.test_serve_processes import Process, free_port, node_args, wait_until_ready

@@ -20,7 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import httpx
 import pytest
 
-from brokers import admin
+from reservoir.brokers import admin
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.e2e]
 

@@ -24,7 +24,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
-from brokers import BrokerUrl, admin
+from reservoir.brokers import BrokerUrl, admin
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.e2e]
 

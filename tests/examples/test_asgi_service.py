@@ -12,9 +12,9 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from brokers.inprocess import InProcessBroker
 from examples.asgi_service import PlacementOut, create_app
 from reservoir import NodeAgent, Placement, Requestor, RequestorClosed, Settings, audit
+from reservoir.brokers.inprocess import InProcessBroker
 from reservoir.service import ReservoirService
 from reservoir.testing.asgi import serving
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from brokers import admin, connect
 from reservoir import NodeAgent, audit
+from reservoir.brokers import admin, connect
 from reservoir.service import ReservoirService, reservoir_lifespan
 from reservoir.testing.asgi import serving
 

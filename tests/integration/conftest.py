@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 import pika
 import pytest
 
-from brokers.pika_broker import INBOX_SUFFIX
+from reservoir.brokers.pika_broker import INBOX_SUFFIX
 from reservoir.testing.rabbitmq import rabbitmqctl_command
 
 Rabbitmqctl = Callable[..., str]

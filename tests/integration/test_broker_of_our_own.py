@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from brokers import connect
-from brokers.amqp.threaded import AmqpBroker
 from reservoir import NodeAgent, Requestor
+from reservoir.brokers import connect
+from reservoir.brokers.amqp.threaded import AmqpBroker
 from reservoir.runtime.auditor import audit_cluster
 from reservoir.testing.rabbitmq_cluster import ClusterUnavailable, RabbitMqCluster
 

@@ -12,9 +12,9 @@ from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
-from brokers import connect
 from reservoir import NodeAgent, Requestor
 from reservoir.broker import Broker
+from reservoir.brokers import connect
 from reservoir.runtime.auditor import audit_cluster
 from reservoir.testing.tcp_proxy import TcpProxy
 

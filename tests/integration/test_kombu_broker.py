@@ -21,9 +21,9 @@ from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
-from brokers import connect
-from brokers.kombu_broker import KombuBroker
 from reservoir.broker import BrokerError, Delivery, UnsupportedBroker
+from reservoir.brokers import connect
+from reservoir.brokers.kombu_broker import KombuBroker
 
 WAIT_S = 10.0
 
@@ -255,7 +255,7 @@ def test_silent_server_bounds_pending_publishes_and_close(
 def test_interoperates_with_the_pika_adapter(
     open_broker: OpenBroker, amqp_url: str, exchange: str
 ) -> None:
-    pika_broker = pytest.importorskip("brokers.pika_broker")
+    pika_broker = pytest.importorskip("reservoir.brokers.pika_broker")
     kombu_side = open_broker()
     pika_side = pika_broker.PikaBroker(amqp_url, exchange=exchange)
     try:

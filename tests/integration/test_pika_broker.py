@@ -12,8 +12,12 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from brokers import connect
-from brokers.pika_broker import PikaBroker, TunedPlaintextTransport, strip_reservoir_params
+from reservoir.brokers import connect
+from reservoir.brokers.pika_broker import (
+    PikaBroker,
+    TunedPlaintextTransport,
+    strip_reservoir_params,
+)
 
 pytestmark = pytest.mark.rabbitmq
 

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from brokers import connect
 from reservoir import (
     GroupSpec,
     Inventory,
@@ -27,6 +26,7 @@ from reservoir import (
     audit,
 )
 from reservoir.broker import Broker
+from reservoir.brokers import connect
 
 pytestmark = pytest.mark.rabbitmq
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from brokers import connect
 from reservoir import NodeAgent, Placement, PlacementError, Requestor
+from reservoir.brokers import connect
 from reservoir.runtime.auditor import audit_cluster
 from reservoir.testing.rabbitmq_cluster import ClusterUnavailable, RabbitMqCluster
 

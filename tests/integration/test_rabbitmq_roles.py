@@ -38,10 +38,10 @@ import pika
 import pika.exceptions
 import pytest
 
-from brokers.kombu_broker import KombuBroker
-from brokers.pika_broker import PikaBroker
 from reservoir import NodeAgent, Requestor, audit
 from reservoir.broker import Broker, Delivery, Endpoint, Handler
+from reservoir.brokers.kombu_broker import KombuBroker
+from reservoir.brokers.pika_broker import PikaBroker
 from reservoir.runtime.keeper import RosterKeeper
 from reservoir.runtime.settings import Settings
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import pika
 import pytest
 
-from brokers import connect
 from reservoir import NodeAgent, Requestor, audit
 from reservoir.broker import Broker, Delivery
+from reservoir.brokers import connect
 from reservoir.clock import SystemClock
 from reservoir.protocol.messages import (
     Accepted,

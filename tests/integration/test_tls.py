@@ -15,9 +15,9 @@ from urllib.parse import quote
 
 import pytest
 
-from brokers import connect
 from reservoir import NodeAgent, Requestor
 from reservoir.broker import BrokerError
+from reservoir.brokers import connect
 from reservoir.runtime.auditor import audit_cluster
 from reservoir.testing.rabbitmq_cluster import ClusterUnavailable, RabbitMqCluster
 from reservoir.testing.tls import TlsFiles, make_tls_files

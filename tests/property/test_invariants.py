@@ -16,7 +16,7 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from brokers.inprocess import Faults
+from reservoir.brokers.inprocess import Faults
 from reservoir.protocol.messages import GroupSpec
 from reservoir.protocol.placement import Placement, PlacementError
 from reservoir.testing import Simulation

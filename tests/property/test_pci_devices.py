@@ -10,7 +10,7 @@ import random
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from brokers.inprocess import Faults
+from reservoir.brokers.inprocess import Faults
 from reservoir.protocol.messages import NumaSpec
 from reservoir.protocol.numa import NumaCell, NumaTopology, PciDevice
 from reservoir.protocol.placement import Placement, PlacementError

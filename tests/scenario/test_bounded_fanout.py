@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from brokers.inprocess import Faults
 from reservoir import PlacementError
 from reservoir.broker import Delivery
+from reservoir.brokers.inprocess import Faults
 from reservoir.protocol.placement import Placement
 from reservoir.runtime.settings import Settings
 from reservoir.testing import Simulation

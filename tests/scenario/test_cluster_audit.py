@@ -9,8 +9,8 @@ from collections.abc import Iterator
 import msgspec.structs
 import pytest
 
-from brokers.inprocess import InProcessBroker
 from reservoir import NodeAgent, Requestor
+from reservoir.brokers.inprocess import InProcessBroker
 from reservoir.protocol.ledger import Allocation, Inventory
 from reservoir.protocol.messages import LedgerQuery
 from reservoir.protocol.node import LEDGER_REPORT_ENTRIES, NodeConfig, NodeMachine

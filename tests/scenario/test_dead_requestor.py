@@ -11,8 +11,8 @@ from collections.abc import Callable
 import prometheus_client
 import pytest
 
-from brokers.inprocess import Faults
 from reservoir.broker import Delivery
+from reservoir.brokers.inprocess import Faults
 from reservoir.protocol.placement import PlacementError
 from reservoir.runtime.requestor import Requestor
 from reservoir.runtime.store import MemoryStore

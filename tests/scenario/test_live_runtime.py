@@ -9,8 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from brokers.inprocess import Faults, InProcessBroker
 from reservoir import NodeAgent, Placement, PlacementError, Requestor, audit
+from reservoir.brokers.inprocess import Faults, InProcessBroker
 
 
 @pytest.fixture

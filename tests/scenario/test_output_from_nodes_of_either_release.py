@@ -10,9 +10,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from brokers.inprocess import InProcessBroker
 from reservoir import NodeAgent, Requestor, audit
 from reservoir.broker import Delivery
+from reservoir.brokers.inprocess import InProcessBroker
 from reservoir.protocol.addresses import node_address
 from reservoir.protocol.messages import (
     LedgerQuery,

@@ -11,9 +11,9 @@ import itertools
 
 import pytest
 
-from brokers.inprocess import Faults
 from reservoir import FreeIncomplete, Inventory, PlacementError, PlacementTimeout
 from reservoir.broker import Delivery
+from reservoir.brokers.inprocess import Faults
 from reservoir.protocol.messages import ReservationRequest, encode_message
 from reservoir.testing import Simulation
 

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from brokers.inprocess import Faults, InProcessBroker
 from reservoir.broker import Delivery
+from reservoir.brokers.inprocess import Faults, InProcessBroker
 from reservoir.clock import VirtualScheduler
 from reservoir.protocol.messages import ROOM_TOPIC, ROSTER_TOPIC, decode_message
 from reservoir.runtime.requestor import Requestor

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from brokers.inprocess import InProcessBroker
 from reservoir import NodeAgent, PlacementError, Requestor, audit
+from reservoir.brokers.inprocess import InProcessBroker
 from reservoir.protocol.task_policy import TaskPolicy
 from reservoir.runtime.cgroups import CgroupHost
 from reservoir.runtime.exec_driver import ExecDriver

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from brokers.inprocess import InProcessBroker
 from reservoir import NodeAgent, Requestor, audit
+from reservoir.brokers.inprocess import InProcessBroker
 from reservoir.runtime import node_agent
 from reservoir.runtime.requestor import NoSuchTask
 from reservoir.runtime.settings import Settings

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from brokers.inprocess import Faults, InProcessBroker
 from reservoir import NodeAgent, Requestor, audit
 from reservoir.broker import Delivery
+from reservoir.brokers.inprocess import Faults, InProcessBroker
 from reservoir.protocol.ledger import Allocation
 from reservoir.protocol.messages import TaskSpec, TaskState, decode_message
 from reservoir.runtime.cgroups import CgroupHost

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from brokers.amqp import frames
+from reservoir.brokers.amqp import frames
 
 names = st.text(
     st.characters(min_codepoint=32, max_codepoint=0x2FFF, exclude_categories=("Cs",)),
@@ -184,7 +184,7 @@ class FakeChannel:
 def open_connection(taken: list[object], *, take: bool = True) -> Any:
     """A HotPathConnection as an open one is, with no socket: bytes go in through
     ``_on_data_available`` as its transport would put them."""
-    from brokers.pika_broker import HotPathConnection
+    from reservoir.brokers.pika_broker import HotPathConnection
 
     connection: Any = HotPathConnection.__new__(HotPathConnection)
     connection.connection_state = HotPathConnection.CONNECTION_OPEN

@@ -13,7 +13,8 @@ from collections.abc import Callable
 
 import pytest
 
-from brokers.amqp.session import (
+from reservoir.broker import BrokerClosed, BrokerError
+from reservoir.brokers.amqp.session import (
     TRANSITIONS,
     Action,
     BindQueue,
@@ -36,7 +37,6 @@ from brokers.amqp.session import (
     UnbindQueue,
     claim_queue,
 )
-from reservoir.broker import BrokerClosed, BrokerError
 
 EXCHANGE = "reservoir"
 INBOX = "reservoir.inbox"
@@ -424,7 +424,7 @@ def test_an_outage_is_one_warning_when_lost_and_one_when_back_saying_how_long_an
     link = ready_link(reconnect_initial_s=1.0, reconnect_max_s=4.0)
     open_endpoint(link, "1", "node-a")
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="brokers.amqp"):
+    with caplog.at_level(logging.INFO, logger="reservoir.brokers.amqp"):
         link.session.lost(link.gen, link.now_s, "reset")
         lost_at = link.now_s
         for _ in range(3):  # three attempts refused while the broker is down
@@ -455,7 +455,7 @@ def test_a_connection_lost_and_back_at_once_is_said_twice_only(
 ) -> None:
     link = ready_link()
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="brokers.amqp"):
+    with caplog.at_level(logging.INFO, logger="reservoir.brokers.amqp"):
         for _ in range(2):  # two outages: a pair of lines each
             link.session.lost(link.gen, link.now_s, "reset")
             link.session.tick(link.now_s)

@@ -7,12 +7,13 @@ from __future__ import annotations
 import ast
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("reservoir", "brokers")
+PACKAGES = ("reservoir",)
 
 
 def library_files() -> list[Path]:
@@ -61,10 +62,26 @@ def test_no_module_takes_a_private_name_from_another_package() -> None:
 
 def test_every_module_is_in_a_layer_package_or_is_a_named_foundation() -> None:
     # the top of the tree says the architecture: packages by layer, and beside them only
-    # these small modules every layer stands on (and the deprecated re-exports)
+    # these small modules every layer stands on
     top = {p.name for p in (ROOT / "reservoir").glob("*.py")}
     assert top == {
         "__init__.py", "__main__.py", "broker.py", "clock.py", "exit_status.py", "version.py",
         "interrupt.py",  # the commands' Ctrl-C path, loaded before anything else
-        "serve.py", "prometheus.py",  # deprecated re-exports, for one release
     }  # fmt: skip
+
+
+def test_the_distribution_installs_one_top_level_package_and_brokers_is_not_one() -> None:
+    # what setuptools packs (pyproject.toml's packages.find), found as it finds them
+    import tomllib
+
+    from setuptools import find_packages
+
+    found = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    packages = find_packages(where=str(ROOT), **found["packages"]["find"])
+    assert {p.partition(".")[0] for p in packages} == {"reservoir"}
+    assert "reservoir.brokers" in packages
+    gone = subprocess.run(
+        [sys.executable, "-c", "import brokers"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert gone.returncode == 1
+    assert "No module named 'brokers'" in gone.stderr

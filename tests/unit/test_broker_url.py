@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from brokers import BrokerUrl, admin, connect, own_exchange
-from brokers.admin import TopologyAdmin
-from brokers.inprocess import InProcessBroker
 from reservoir.broker import UnsupportedBroker
+from reservoir.brokers import BrokerUrl, admin, connect, own_exchange
+from reservoir.brokers.admin import TopologyAdmin
+from reservoir.brokers.inprocess import InProcessBroker
 
 
 @pytest.mark.parametrize(

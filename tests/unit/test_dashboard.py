@@ -11,8 +11,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from brokers.inprocess import InProcessBroker
 from reservoir import NodeAgent, audit
+from reservoir.brokers.inprocess import InProcessBroker
 from reservoir.clock import FakeClock
 from reservoir.service import ReservoirService, create_app
 from reservoir.service.activity import MAX_BUCKETS, Activity, percentile

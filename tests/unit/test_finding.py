@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from brokers.inprocess import InProcessBroker
 from reservoir import NodeAgent, Placement, Requestor, RequestorClosed, audit
+from reservoir.brokers.inprocess import InProcessBroker
 from reservoir.protocol.effects import Found, Publish, SetTimer
 from reservoir.protocol.finding import Finding, FindTimer
 from reservoir.protocol.messages import (

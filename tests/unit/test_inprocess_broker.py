@@ -10,8 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from brokers.inprocess import BrokerStats, Faults, InProcessBroker
 from reservoir.broker import BrokerClosed, BrokerError, Delivery
+from reservoir.brokers.inprocess import BrokerStats, Faults, InProcessBroker
 from reservoir.clock import VirtualScheduler
 
 
@@ -321,13 +321,13 @@ def test_handler_errors_are_logged_and_counted(
     broker.open_endpoint(explode, name="bad").bind("t")
     broker.open_endpoint(receiver, name="good").bind("t")
     sender = broker.open_endpoint(Recorder(scheduler))
-    with caplog.at_level(logging.ERROR, logger="brokers.inprocess"):
+    with caplog.at_level(logging.ERROR, logger="reservoir.brokers.inprocess"):
         sender.publish("t", b"1")
         sender.publish("t", b"2")
         scheduler.run_until_idle()
     assert receiver.bodies == [b"1", b"2"]
     assert broker.stats.handler_errors == 2
-    failures = [r for r in caplog.records if r.name == "brokers.inprocess"]
+    failures = [r for r in caplog.records if r.name == "reservoir.brokers.inprocess"]
     assert len(failures) == 2
     assert all(r.exc_info is not None and "bad" in r.getMessage() for r in failures)
 

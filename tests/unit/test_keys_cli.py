@@ -1,12 +1,10 @@
 """``reservoir keys``: role keys that parse, a node's own key and its keyring file, a rollover
 in three commands, ids and fingerprints shown but never a secret, and one line for a
-mistake; the old ``python -m reservoir.runtime.keys`` says where it went."""
+mistake."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -123,17 +121,3 @@ def test_a_keyring_with_a_private_key_in_it_is_one_line_naming_the_file(tmp_path
     assert err.count("\n") == 1
     assert "n1.pub" in err
     assert "public keys only" in err
-
-
-def test_the_old_module_path_says_where_the_command_went_with_no_runpy_warning() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "reservoir.runtime.keys", "generate", "--id", "x"],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
-    assert done.returncode == 2
-    assert done.stdout == ""
-    assert "RuntimeWarning" not in done.stderr
-    assert done.stderr.strip().splitlines() == [
-        "python -m reservoir.runtime.keys is gone: use `reservoir keys generate --id ID "
-        "[--ed25519]` (and `reservoir keys --help` for keys per node)"
-    ]

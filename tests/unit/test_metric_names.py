@@ -14,8 +14,8 @@ import prometheus_client
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from brokers.inprocess import InProcessBroker
 from reservoir import NodeAgent, Requestor
+from reservoir.brokers.inprocess import InProcessBroker
 from reservoir.runtime.settings import Settings
 from reservoir.service import create_app
 from reservoir.testing import Simulation

@@ -18,9 +18,9 @@ import msgspec
 import pytest
 from click.testing import CliRunner
 
-from brokers.inprocess import InProcessBroker
 from reservoir import PlacementError, Requestor
 from reservoir.broker import Delivery
+from reservoir.brokers.inprocess import InProcessBroker
 from reservoir.cli import main
 from reservoir.protocol.messages import GroupSpec, NumaSpec, ReservationRequest, TaskSpec
 from reservoir.protocol.placement import InvalidRequest, PlacementRequest, request_of
@@ -99,7 +99,7 @@ def by_the_library(broker: InProcessBroker, request_id: str) -> None:
 
 
 def by_the_command(broker: InProcessBroker, request_id: str, monkeypatch: Any) -> None:
-    monkeypatch.setattr("brokers.connect", lambda url: Shared(broker))
+    monkeypatch.setattr("reservoir.brokers.connect", lambda url: Shared(broker))
     done = CliRunner().invoke(
         main,
         ["request", "--broker", "memory://", "--vcpus", "2", "--memory-mb", "1024",
@@ -240,7 +240,7 @@ def test_reservoir_run_puts_the_same_request_on_the_wire_with_its_task(
     broker: InProcessBroker, heard: dict[str, ReservationRequest], monkeypatch: Any
 ) -> None:
     by_the_library(broker, "by-library")
-    monkeypatch.setattr("brokers.connect", lambda url: Shared(broker))
+    monkeypatch.setattr("reservoir.brokers.connect", lambda url: Shared(broker))
     done = CliRunner().invoke(
         main,
         ["run", "--broker", "memory://", "--vcpus", "2", "--memory-mb", "1024",

@@ -15,8 +15,8 @@ import prometheus_client
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from brokers.inprocess import InProcessBroker
 from reservoir import NodeAgent, PlacementError, Requestor, audit
+from reservoir.brokers.inprocess import InProcessBroker
 from reservoir.protocol.ledger import Allocation
 from reservoir.runtime.store import SqliteStore
 

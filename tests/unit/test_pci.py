@@ -314,8 +314,8 @@ def test_a_device_held_by_an_allocation_makes_the_node_full_not_busy() -> None:
 def test_over_http_a_gpu_request_is_placed_and_names_its_device_and_cell() -> None:
     import asyncio
 
-    from brokers.inprocess import InProcessBroker
     from reservoir import NodeAgent, audit
+    from reservoir.brokers.inprocess import InProcessBroker
     from reservoir.service import create_app
     from reservoir.testing.asgi import serving
 

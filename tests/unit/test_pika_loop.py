@@ -1,5 +1,5 @@
-"""The pika driver's event loop (:class:`brokers.pika_loop.EpollLoop`): what pika's adapter
-needs of a loop, on real descriptors (a socket pair) and a fake clock for the timers."""
+"""The pika driver's event loop (:class:`reservoir.brokers.pika_loop.EpollLoop`): what pika's
+adapter needs of a loop, on real descriptors (a socket pair) and a fake clock for the timers."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from brokers.pika_loop import CANCELLED_KEPT, MAX_WAIT_S, EpollLoop, new_loop
+from reservoir.brokers.pika_loop import CANCELLED_KEPT, MAX_WAIT_S, EpollLoop, new_loop
 from reservoir.clock import FakeClock
 
 

@@ -1,4 +1,4 @@
-"""The pika driver's socket tuning (:func:`brokers.pika_broker.tune_transport`), on pika's
+"""The pika driver's socket tuning (:func:`reservoir.brokers.pika_broker.tune_transport`), on pika's
 own plaintext transport over a socket pair: frames waiting together leave in one write of
 at most ``SEND_BYTES``, and a readable socket is read until a read comes back short."""
 
@@ -12,7 +12,12 @@ from typing import Any
 import pytest
 from pika.adapters.utils import io_services_utils
 
-from brokers.pika_broker import RECV_BYTES, SEND_BYTES, TunedPlaintextTransport, tune_transport
+from reservoir.brokers.pika_broker import (
+    RECV_BYTES,
+    SEND_BYTES,
+    TunedPlaintextTransport,
+    tune_transport,
+)
 
 PlaintextTransport: Any = io_services_utils._AsyncPlaintextTransport
 

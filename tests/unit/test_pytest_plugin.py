@@ -43,7 +43,7 @@ def test_a_users_own_run_slow_option_and_slow_tests_are_left_alone(tmp_path: Pat
 
 
 USERS_BROKER_TESTS = """
-from brokers import connect
+from reservoir.brokers import connect
 
 def test_one(reservoir_amqp_url):
     connect(reservoir_amqp_url).close()

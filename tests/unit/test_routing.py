@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from brokers.routing import BindingTable, split_words, topic_matches
+from reservoir.brokers.routing import BindingTable, split_words, topic_matches
 
 # (pattern, topic, matches): the RabbitMQ rule, edge cases first.
 CASES = [

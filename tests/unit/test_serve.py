@@ -1,6 +1,6 @@
 """The ``reservoir serve`` app (reservoir/service/) over HTTP, against a live in-process
 cluster: node agents on their own threads and the app's one shared Requestor on one
-:class:`~brokers.inprocess.InProcessBroker`, driven through httpx's ASGI transport, with
+:class:`~reservoir.brokers.inprocess.InProcessBroker`, driven through httpx's ASGI transport, with
 the invariant audit over the nodes' ledgers at the end."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import pytest
 from click.testing import CliRunner
 from fastapi import FastAPI, Request
 
-from brokers.inprocess import Faults, InProcessBroker
 from reservoir import NodeAgent, Placement, PlacementRequest, RequestorClosed, audit
+from reservoir.brokers.inprocess import Faults, InProcessBroker
 from reservoir.cli import main
 from reservoir.service import ReservoirService, create_app, reservoir_lifespan
 from reservoir.testing.asgi import running, serving

@@ -20,8 +20,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from brokers.inprocess import InProcessBroker
 from reservoir import NodeAgent, audit
+from reservoir.brokers.inprocess import InProcessBroker
 from reservoir.service import ReservoirService, create_app
 from reservoir.service.shapes import MAX_HINT_DEPTH
 from reservoir.testing.asgi import running, serving

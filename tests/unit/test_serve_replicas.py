@@ -13,8 +13,8 @@ from typing import Any
 import httpx
 import pytest
 
-from brokers.inprocess import InProcessBroker
 from reservoir import NodeAgent, audit
+from reservoir.brokers.inprocess import InProcessBroker
 from reservoir.runtime.auditor import read_placements
 from reservoir.service import ReservoirService, create_app
 from reservoir.testing.asgi import serving

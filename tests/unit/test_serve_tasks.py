@@ -11,8 +11,8 @@ from typing import Any
 import httpx
 import pytest
 
-from brokers.inprocess import InProcessBroker
 from reservoir import NodeAgent, audit
+from reservoir.brokers.inprocess import InProcessBroker
 from reservoir.runtime.cgroups import CgroupHost
 from reservoir.runtime.exec_driver import ExecDriver
 from reservoir.runtime.settings import Settings

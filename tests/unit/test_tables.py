@@ -16,8 +16,8 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from brokers.inprocess import InProcessBroker
 from reservoir import NodeAgent
+from reservoir.brokers.inprocess import InProcessBroker
 from reservoir.cli import main
 from reservoir.protocol.ledger import Inventory
 from reservoir.runtime import dry_run

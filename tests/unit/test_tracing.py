@@ -19,8 +19,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from brokers.inprocess import InProcessBroker
 from reservoir import NodeAgent, Placement, audit
+from reservoir.brokers.inprocess import InProcessBroker
 from reservoir.observe import tracing
 from reservoir.protocol.messages import ReservationRequest, encode_message
 from reservoir.service import create_app

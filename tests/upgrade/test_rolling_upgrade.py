@@ -37,7 +37,7 @@ from typing import Any
 
 import pytest
 
-from brokers import connect
+from reservoir.brokers import connect
 from reservoir.version import __version__
 from tests.e2e.test_task_processes import processes_with
 from tests.upgrade.release_builds import ROOT, ReleaseBuild

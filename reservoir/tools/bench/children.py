@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Final
 
-from brokers import BrokerUrl
+from reservoir.brokers import BrokerUrl
 from reservoir.exit_status import EXIT_BROKER, EXIT_RUN_FAILED
 from reservoir.tools.bench.errors import BenchError
 from reservoir.tools.bench.limits import Switches

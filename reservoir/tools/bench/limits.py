@@ -31,8 +31,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from brokers import BrokerUrl
 from reservoir.broker import Broker, Delivery
+from reservoir.brokers import BrokerUrl
 
 __all__ = [
     "CpuMeter",

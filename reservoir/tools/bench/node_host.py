@@ -105,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
     commands = Commands()
     settings = Settings(broker_url=args.broker)
-    from brokers import connect
+    from reservoir.brokers import connect
 
     try:
         broker: Broker = connect(args.broker)

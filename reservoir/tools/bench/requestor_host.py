@@ -90,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
     commands = Commands()
     settings = Settings(broker_url=args.broker, roster_from=args.roster_from)
-    from brokers import connect
+    from reservoir.brokers import connect
 
     try:
         broker: Broker = connect(settings.broker_url)

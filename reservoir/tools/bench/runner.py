@@ -3,7 +3,7 @@ round trip measured in the same run.
 
 This module owns the command and everything one run does, in order:
 
-1. **round trip**: two endpoints of one ``brokers.connect(url)`` broker bounce a
+1. **round trip**: two endpoints of one ``reservoir.brokers.connect(url)`` broker bounce a
    :data:`RTT_BODY_BYTES`-byte body, one at a time (the baseline);
 2. **nodes**: ``--nodes`` node agents spread over ``--node-processes`` processes
    (:mod:`reservoir.tools.bench.node_host`, several agents per broker connection), plus a small
@@ -50,8 +50,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Final, Protocol
 
-from brokers import BrokerUrl
 from reservoir.broker import Broker, Delivery, Endpoint
+from reservoir.brokers import BrokerUrl
 from reservoir.clock import SystemClock, ThreadScheduler
 from reservoir.protocol.placement import PlacementError
 from reservoir.runtime.backoff import quietly_connecting
@@ -593,7 +593,7 @@ def _machine() -> dict[str, Any]:
 
 def _delete_exchanges(url: BrokerUrl) -> None:
     """Delete the run's own exchanges (nothing to do on memory://)."""
-    from brokers import admin
+    from reservoir.brokers import admin
 
     topology = admin(url)
     if topology is not None:
@@ -602,7 +602,7 @@ def _delete_exchanges(url: BrokerUrl) -> None:
 
 @contextlib.contextmanager
 def _broker(url: BrokerUrl, *, own_exchanges: bool) -> Iterator[Broker]:
-    from brokers import connect
+    from reservoir.brokers import connect
 
     broker = connect(url)
     try:

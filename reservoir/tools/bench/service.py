@@ -51,7 +51,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from brokers import BrokerUrl
+from reservoir.brokers import BrokerUrl
 from reservoir.runtime.requestor import Requestor
 from reservoir.runtime.settings import Settings
 from reservoir.tools.bench.children import ProcessNodes, child_env
@@ -757,7 +757,7 @@ def _summary(name: str, samples: Sequence[float], *, suffix: str = "") -> dict[s
 
 
 def _delete_exchanges(url: BrokerUrl) -> None:
-    from brokers import admin
+    from reservoir.brokers import admin
 
     topology = admin(url)
     if topology is not None:

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from brokers import BrokerUrl
+from reservoir.brokers import BrokerUrl
 from reservoir.protocol.audit import NodeSnapshot
 from reservoir.protocol.ledger import Inventory, Ledger
 from reservoir.runtime.auditor import audit_cluster, check
@@ -214,7 +214,7 @@ class _Isolation:
             with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired):
                 _rabbitmqctl("delete_vhost", self.vhost)
         elif self.exchange is not None:
-            from brokers import connect
+            from reservoir.brokers import connect
 
             with contextlib.suppress(Exception), connect(direct_url) as broker:
                 broker.delete_exchanges()  # type: ignore[attr-defined]

@@ -8,7 +8,7 @@ real clock. It instantiates :class:`~reservoir.protocol.node.NodeMachine` and
 ``NodeAgent``/``Requestor`` classes, with their locks, codecs and schedulers, are far too
 heavy for 100,000 nodes) and carries out their effects in order:
 
-- ``Publish(topic, message)`` routes through a :class:`brokers.routing.BindingTable`
+- ``Publish(topic, message)`` routes through a :class:`reservoir.brokers.routing.BindingTable`
   (topic-exchange semantics) to every bound participant, in participant order;
   ``Send(address, message)`` goes to the participant with that address. A publish or send
   that reaches nobody comes back to its sender as unroutable, one latency later: a
@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, Final, NamedTuple
 
-from brokers.routing import BindingTable
+from reservoir.brokers.routing import BindingTable
 from reservoir.protocol.addresses import node_address, requestor_address
 from reservoir.protocol.audit import Claim, NodeSnapshot, audit
 from reservoir.protocol.effects import (

@@ -43,7 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import IO, Any, Final
 
-from brokers import BrokerUrl
+from reservoir.brokers import BrokerUrl
 from reservoir.clock import SystemClock, ThreadScheduler
 from reservoir.protocol.placement import PlacementError
 from reservoir.runtime.requestor import Requestor
@@ -323,7 +323,7 @@ def _in_threads(
 
 
 def _reservoir_fill(url: BrokerUrl, nodes: int, requestors: int, progress: Progress) -> _Fill:
-    from brokers import admin, connect
+    from reservoir.brokers import admin, connect
 
     run_id = secrets.token_hex(4)
     fill_url = url.with_exchange(f"reservoir.versus.{run_id}")

@@ -2,7 +2,7 @@
 
 This module owns the part of a RabbitMQ broker that has nothing to do with the client
 library: the :class:`~reservoir.broker.Broker` and :class:`~reservoir.broker.Endpoint`
-methods, the one lock under which the :class:`~brokers.amqp.session.Session` is called,
+methods, the one lock under which the :class:`~reservoir.brokers.amqp.session.Session` is called,
 callers waiting (``timeout_s``) on a future the session resolves, the dispatcher thread that
 runs handlers one at a time in arrival order (and the ``inline`` ones, run on the IO thread
 itself), readiness (:meth:`AmqpBroker.wait_ready`),
@@ -40,7 +40,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, ClassVar, ParamSpec
 
-from brokers._rules import (
+from reservoir.broker import Broker, BrokerClosed, BrokerError, Delivery, Endpoint, Handler
+from reservoir.brokers._rules import (
     check_body,
     check_endpoint_name,
     check_exchange,
@@ -51,8 +52,8 @@ from brokers._rules import (
     run_handler,
     run_handlers,
 )
-from brokers.admin import RabbitAdmin
-from brokers.amqp.session import (
+from reservoir.brokers.admin import RabbitAdmin
+from reservoir.brokers.amqp.session import (
     Action,
     AmqpStats,
     ClaimedElsewhere,
@@ -63,12 +64,11 @@ from brokers.amqp.session import (
     Session,
     State,
 )
-from brokers.url import BrokerUrl
-from reservoir.broker import Broker, BrokerClosed, BrokerError, Delivery, Endpoint, Handler
+from reservoir.brokers.url import BrokerUrl
 
 __all__ = ["AmqpBroker", "AmqpEndpoint", "Future"]
 
-log = logging.getLogger("brokers.amqp")
+log = logging.getLogger("reservoir.brokers.amqp")
 
 Future = concurrent.futures.Future[None]
 P = ParamSpec("P")
@@ -321,7 +321,7 @@ class AmqpBroker(Broker, ABC):
         return self.wait_ready(timeout_s, min_reconnects=count - 1)
 
     def delete_exchanges(self) -> None:
-        """Delete ``<exchange>`` and ``<exchange>.inbox`` (see :mod:`brokers.admin`: only
+        """Delete ``<exchange>`` and ``<exchange>.inbox`` (see :mod:`reservoir.brokers.admin`: only
         for exchanges this run made itself). Works before or after :meth:`close`."""
         admin = RabbitAdmin(self.broker_url, timeout_s=self._timeout_s, client=self.connection_name)
         admin.delete_reservoir_exchanges()

@@ -13,7 +13,7 @@ declares anything, whether the exchange it was pointed at is someone else's, and
 :func:`own_exchange` does the whole dance for a tool that wants a run of its own::
 
     with own_exchange(url, name=f"reservoir-demo-{run_id}") as run_url:
-        broker = brokers.connect(run_url)   # declares the exchanges; deleted afterwards
+        broker = reservoir.brokers.connect(run_url)   # declares the exchanges; deleted afterwards
         ...
 
 If the URL names (``?exchange=``) an exchange that already exists, :func:`own_exchange`
@@ -31,8 +31,8 @@ import ssl
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from brokers.url import BrokerUrl
 from reservoir.broker import BrokerError
+from reservoir.brokers.url import BrokerUrl
 
 if TYPE_CHECKING:
     import pika

@@ -1,8 +1,8 @@
 """The AMQP session, sans I/O: what reservoir does on one RabbitMQ connection, as a state
 machine that takes the client library's events and returns the actions to carry out.
 
-This module owns, for both RabbitMQ drivers (:mod:`brokers.pika_broker`,
-:mod:`brokers.kombu_broker`):
+This module owns, for both RabbitMQ drivers (:mod:`reservoir.brokers.pika_broker`,
+:mod:`reservoir.brokers.kombu_broker`):
 
 - the **outbox** (accepted, not yet written) and its cap, ``max_pending``, which counts the
   outbox and the unconfirmed messages together;
@@ -86,8 +86,14 @@ from typing import Generic, Literal, TypeVar
 
 import msgspec
 
-from brokers._rules import aimed_at, check_pending, missing_exchange, refused_target, topic_of
 from reservoir.broker import BrokerClosed, BrokerError, Delivery
+from reservoir.brokers._rules import (
+    aimed_at,
+    check_pending,
+    missing_exchange,
+    refused_target,
+    topic_of,
+)
 
 __all__ = [
     "TRANSITIONS",
@@ -115,7 +121,7 @@ __all__ = [
     "claim_queue",
 ]
 
-log = logging.getLogger("brokers.amqp")
+log = logging.getLogger("reservoir.brokers.amqp")
 
 W = TypeVar("W")
 

@@ -5,7 +5,7 @@ This module owns what a broker URL means to reservoir: which adapter serves its 
 kombu), the exchange (``?exchange=``, a reservoir-only parameter, parsed here and nowhere
 else, stripped before a client library sees the URL), the vhost, the credentials (kept, and
 masked in :attr:`BrokerUrl.display`, the only form fit for logs and error messages) and the
-TLS options. Everything else reads a :class:`BrokerUrl`; :func:`brokers.connect` takes one
+TLS options. Everything else reads a :class:`BrokerUrl`; :func:`reservoir.brokers.connect` takes one
 or a string.
 
 ``BrokerUrl.parse`` checks the scheme and the exchange name and nothing a transport decides
@@ -27,8 +27,8 @@ from dataclasses import dataclass, field, replace
 from typing import Final, Literal
 from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
 
-from brokers._rules import DEFAULT_EXCHANGE, check_exchange, inbox_exchange, mask_password
 from reservoir.broker import UnsupportedBroker
+from reservoir.brokers._rules import DEFAULT_EXCHANGE, check_exchange, inbox_exchange, mask_password
 
 __all__ = ["DEFAULT_BROKER_URL", "Adapter", "BrokerUrl"]
 

@@ -1,13 +1,13 @@
 """The RabbitMQ driver on pika, the default for ``amqp://`` and ``amqps://`` URLs.
 
 This module owns only what is pika's: one ``SelectConnection`` and its loop
-(:mod:`brokers.pika_loop`, pika's ``IOLoop`` where there is no ``epoll``) on an IO thread
+(:mod:`reservoir.brokers.pika_loop`, pika's ``IOLoop`` where there is no ``epoll``) on an IO thread
 the broker owns (the loop outlives reconnects), the three channels, and turning
 pika's callbacks into the session's events and the session's actions into pika calls.
 What reservoir does on RabbitMQ (topology, confirms, returns, the 403 in a batch,
 reconnection and replay, flow control, stats) is decided by the sans-I/O session in
-:mod:`brokers.amqp.session`, the same one the kombu driver runs; callers' threads talk to
-:mod:`brokers.amqp.threaded`. Read those first.
+:mod:`reservoir.brokers.amqp.session`, the same one the kombu driver runs; callers' threads talk to
+:mod:`reservoir.brokers.amqp.threaded`. Read those first.
 
 Why ``SelectConnection`` rather than a ``BlockingConnection`` on a thread: confirms must be
 asynchronous. The blocking adapter's ``confirm_delivery`` turns every publish into a round
@@ -44,13 +44,13 @@ import pika
 import pika.exceptions
 from pika.adapters.utils import io_services_utils
 
-from brokers._rules import DEFAULT_EXCHANGE, INBOX_SUFFIX, failure_words
-from brokers.amqp import frames
-from brokers.amqp import session as core
-from brokers.amqp.session import Action, Role, Session
-from brokers.amqp.threaded import AmqpBroker, AmqpEndpoint, Future
-from brokers.pika_loop import new_loop
-from brokers.url import BrokerUrl
+from reservoir.brokers._rules import DEFAULT_EXCHANGE, INBOX_SUFFIX, failure_words
+from reservoir.brokers.amqp import frames
+from reservoir.brokers.amqp import session as core
+from reservoir.brokers.amqp.session import Action, Role, Session
+from reservoir.brokers.amqp.threaded import AmqpBroker, AmqpEndpoint, Future
+from reservoir.brokers.pika_loop import new_loop
+from reservoir.brokers.url import BrokerUrl
 
 __all__ = [
     "DEFAULT_EXCHANGE",
@@ -206,7 +206,7 @@ def tune_transport(transport: Any) -> bool:
 
 class HotPathConnection(pika.SelectConnection):  # type: ignore[misc]
     """pika's ``SelectConnection``, reading the frames of a delivery and of a publisher
-    confirm itself (:mod:`brokers.amqp.frames`) and handing them to ``hot`` straight, and
+    confirm itself (:mod:`reservoir.brokers.amqp.frames`) and handing them to ``hot`` straight, and
     every other frame to pika as pika would. ``hot`` is the broker's: it takes a frame
     (True) or declines it, and a declined frame goes pika's way.
 
@@ -280,8 +280,9 @@ def _describe(reason: object) -> str:
 
 
 class PikaBroker(AmqpBroker):
-    """A RabbitMQ connection through pika. Options: :class:`~brokers.amqp.threaded.AmqpBroker`;
-    the URL's pika query parameters (``heartbeat``, ``ssl_options``...) win over them."""
+    """A RabbitMQ connection through pika. Options:
+    :class:`~reservoir.brokers.amqp.threaded.AmqpBroker`; the URL's pika query parameters
+    (``heartbeat``, ``ssl_options``...) win over them."""
 
     driver = "pika"
 
@@ -441,7 +442,7 @@ class PikaBroker(AmqpBroker):
     def _publish(self, exchange: str, routing_key: str, body: bytes, token: str) -> None:
         """``basic.publish``, ``mandatory``, with our ``user_id`` and the sender's token as
         ``app_id`` (so that a ``basic.return`` finds its sender), written as frames here
-        (:mod:`brokers.amqp.frames`) rather than through pika's ``basic_publish``."""
+        (:mod:`reservoir.brokers.amqp.frames`) rather than through pika's ``basic_publish``."""
         channel = self._channels["publish"]
         connection: HotPathConnection = self._connection
         if not channel.is_open:

@@ -3,8 +3,8 @@
 This module owns the in-process transport: the endpoint registry (exclusive inboxes by
 address), the binding table, delivery through a :class:`~reservoir.clock.Scheduler`, and
 fault injection (loss, duplication, delay) for chaos tests and the simulator. What callers
-may pass (bodies, keys, endpoint names) it checks by the rules in :mod:`brokers._rules`, as
-the RabbitMQ adapters do.
+may pass (bodies, keys, endpoint names) it checks by the rules in :mod:`reservoir.brokers._rules`,
+as the RabbitMQ adapters do.
 
 Every delivery is one ``scheduler.call_at``: with a :class:`~reservoir.clock.ThreadScheduler`
 (the default, owned by the broker) messages flow in real time on one delivery thread; with a
@@ -25,9 +25,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
 
-from brokers._rules import call_handler, check_body, check_endpoint_name, check_handler, check_key
-from brokers.routing import BindingTable
 from reservoir.broker import Broker, BrokerClosed, BrokerError, Delivery, Endpoint, Handler
+from reservoir.brokers._rules import (
+    call_handler,
+    check_body,
+    check_endpoint_name,
+    check_handler,
+    check_key,
+)
+from reservoir.brokers.routing import BindingTable
 from reservoir.clock import Scheduler, ThreadScheduler
 
 __all__ = ["BrokerStats", "Faults", "InProcessBroker", "InProcessEndpoint"]

@@ -1,21 +1,21 @@
 """Broker adapters behind reservoir's one small interface (:mod:`reservoir.broker`).
 
-One module per transport: :mod:`brokers.inprocess` (the embedded default, ``memory://``),
-:mod:`brokers.pika_broker` (RabbitMQ, ``amqp://`` and ``amqps://``) and
-:mod:`brokers.kombu_broker` (``kombu+<kombu URL>``). :func:`connect` picks one by URL.
-The two RabbitMQ drivers share one sans-I/O session (:mod:`brokers.amqp`). URLs are parsed
-once, into a :class:`~brokers.url.BrokerUrl`; exchange administration, which the Broker
-contract leaves out, is :func:`admin` (:mod:`brokers.admin`). The small rules every adapter
-shares live in :mod:`brokers._rules`.
+One module per transport: :mod:`reservoir.brokers.inprocess` (the embedded default, ``memory://``),
+:mod:`reservoir.brokers.pika_broker` (RabbitMQ, ``amqp://`` and ``amqps://``) and
+:mod:`reservoir.brokers.kombu_broker` (``kombu+<kombu URL>``). :func:`connect` picks one by URL.
+The two RabbitMQ drivers share one sans-I/O session (:mod:`reservoir.brokers.amqp`). URLs are parsed
+once, into a :class:`~reservoir.brokers.url.BrokerUrl`; exchange administration, which the Broker
+contract leaves out, is :func:`admin` (:mod:`reservoir.brokers.admin`). The small rules every
+adapter shares live in :mod:`reservoir.brokers._rules`.
 """
 
 from __future__ import annotations
 
 import os
 
-from brokers.admin import ExchangeInUse, TopologyAdmin, admin, own_exchange
-from brokers.url import DEFAULT_BROKER_URL, BrokerUrl
 from reservoir.broker import Broker
+from reservoir.brokers.admin import ExchangeInUse, TopologyAdmin, admin, own_exchange
+from reservoir.brokers.url import DEFAULT_BROKER_URL, BrokerUrl
 
 __all__ = [
     "DEFAULT_BROKER_URL",
@@ -38,13 +38,13 @@ def connect(url: str | BrokerUrl | None = None) -> Broker:
     url = url or os.environ.get("RESERVOIR_BROKER_URL") or DEFAULT_BROKER_URL
     parsed = BrokerUrl.parse(url)
     if parsed.adapter == "memory":
-        from brokers.inprocess import InProcessBroker
+        from reservoir.brokers.inprocess import InProcessBroker
 
         return InProcessBroker(url=parsed.display)
     if parsed.adapter == "pika":
-        from brokers.pika_broker import PikaBroker
+        from reservoir.brokers.pika_broker import PikaBroker
 
         return PikaBroker(parsed)
-    from brokers.kombu_broker import KombuBroker
+    from reservoir.brokers.kombu_broker import KombuBroker
 
     return KombuBroker(parsed)

@@ -7,8 +7,8 @@ channels on an IO thread the broker owns, a selector loop over the AMQP socket a
 socket (nothing polls: the only timed wake-ups are the session's timer and the heartbeat
 tick), and turning py-amqp's events into the session's and the session's actions into kombu
 calls. What reservoir does on RabbitMQ is decided by the sans-I/O session in
-:mod:`brokers.amqp.session`, the same one the pika driver runs, so both behave, count and
-report readiness alike; callers' threads talk to :mod:`brokers.amqp.threaded`.
+:mod:`reservoir.brokers.amqp.session`, the same one the pika driver runs, so both behave, count and
+report readiness alike; callers' threads talk to :mod:`reservoir.brokers.amqp.threaded`.
 
 kombu's calls are synchronous: each control method is answered (or refused) before the call
 returns, so the driver reports the answer at once. py-amqp raises a channel the server
@@ -64,12 +64,12 @@ import amqp.exceptions
 import kombu.connection
 import kombu.entity
 
-from brokers._rules import DEFAULT_EXCHANGE, INBOX_SUFFIX, failure_words
-from brokers.amqp import session as core
-from brokers.amqp.session import Action, Role, Session
-from brokers.amqp.threaded import AmqpBroker, AmqpEndpoint, Future
-from brokers.url import BrokerUrl
 from reservoir.broker import UnsupportedBroker
+from reservoir.brokers._rules import DEFAULT_EXCHANGE, INBOX_SUFFIX, failure_words
+from reservoir.brokers.amqp import session as core
+from reservoir.brokers.amqp.session import Action, Role, Session
+from reservoir.brokers.amqp.threaded import AmqpBroker, AmqpEndpoint, Future
+from reservoir.brokers.url import BrokerUrl
 
 __all__ = [
     "ACCEPTED_TRANSPORTS",
@@ -160,7 +160,7 @@ def kombu_transport_url(url: BrokerUrl) -> str:
 
 class KombuBroker(AmqpBroker):
     """A RabbitMQ connection through kombu's py-amqp transport. Options:
-    :class:`~brokers.amqp.threaded.AmqpBroker`, and ``connect_timeout_s``, the TCP connect
+    :class:`~reservoir.brokers.amqp.threaded.AmqpBroker`, and ``connect_timeout_s``, the TCP connect
     timeout of one attempt. kombu's query parameters (``heartbeat``, ``ssl_*``) win."""
 
     driver = "kombu"

@@ -1,8 +1,8 @@
 """The rules the broker adapters share, each in one place.
 
-Every adapter (:mod:`brokers.inprocess`, :mod:`brokers.pika_broker`,
-:mod:`brokers.kombu_broker`) refuses the same input alike: a body must be bytes, a key must
-fit in an AMQP short string (RabbitMQ could not carry a longer one, so the in-process broker
+Every adapter (:mod:`reservoir.brokers.inprocess`, :mod:`reservoir.brokers.pika_broker`,
+:mod:`reservoir.brokers.kombu_broker`) refuses the same input alike: a body must be bytes, a key
+must fit in an AMQP short string (RabbitMQ could not carry a longer one, so the in-process broker
 refuses it too), and an endpoint name may not be empty or start with ``amq.``.
 
 The two RabbitMQ drivers share reservoir's topology and RabbitMQ's ways, so that they
@@ -12,8 +12,8 @@ return came through (the inbox exchange or the default one means a send), how Ra
 what it refused a publish for, the bound on unconfirmed messages, how a password is masked,
 and the dispatcher thread's loop, which runs handlers one at a time in arrival order.
 
-What the drivers do on a connection is decided in one place, :mod:`brokers.amqp.session`;
-URLs are parsed in one place, :mod:`brokers.url`.
+What the drivers do on a connection is decided in one place, :mod:`reservoir.brokers.amqp.session`;
+URLs are parsed in one place, :mod:`reservoir.brokers.url`.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ through, written straight with :mod:`struct` rather than through a client librar
 general method and property objects:
 
 - **out**, a ``basic.publish``: its method frame, a content header carrying only
-  ``user_id`` and ``app_id`` (what :mod:`brokers.amqp.session` puts on every message), and
+  ``user_id`` and ``app_id`` (what :mod:`reservoir.brokers.amqp.session` puts on every message), and
   the body in frames of at most the negotiated ``frame_max``;
 - **in**, a ``basic.deliver``: the method frame, the content header and every body frame,
   taken only when all of them are in the buffer, so a client library never sees half a

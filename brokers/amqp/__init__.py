@@ -1,5 +1,0 @@
-"""What the two RabbitMQ drivers share: the sans-I/O session (:mod:`brokers.amqp.session`),
-which decides everything, and the threaded front (:mod:`brokers.amqp.threaded`), which
-callers' threads talk to. A driver (:mod:`brokers.pika_broker`, :mod:`brokers.kombu_broker`)
-only carries out the session's actions with its client library and reports that library's
-events back."""

@@ -81,7 +81,11 @@ def test_the_distribution_installs_one_top_level_package_and_brokers_is_not_one(
     assert {p.partition(".")[0] for p in packages} == {"reservoir"}
     assert "reservoir.brokers" in packages
     gone = subprocess.run(
-        [sys.executable, "-c", "import brokers"], cwd=ROOT, capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", "import brokers"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert gone.returncode == 1
     assert "No module named 'brokers'" in gone.stderr

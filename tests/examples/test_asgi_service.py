@@ -14,7 +14,7 @@ from fastapi import FastAPI
 
 from examples.asgi_service import PlacementOut, create_app
 from reservoir import NodeAgent, Placement, Requestor, RequestorClosed, Settings, audit
-from reservoir.brokers.inprocess import InProcessBroker
+from reservoir.brokers.inprocess import Faults, InProcessBroker
 from reservoir.service import ReservoirService
 from reservoir.testing.asgi import serving
 
@@ -283,13 +283,17 @@ def test_a_client_that_goes_away_leaves_a_placement_its_retry_finds(
     app = create_app(broker)
     order = {"vcpus": 1, "memory_mb": 256}
     key = {"Idempotency-Key": "gone-away"}
+    # every message a little late, so that the placement is still in flight when the
+    # client goes away, however busy the machine (it takes several of them)
+    broker.faults = Faults(delay_s=(0.05, 0.05))
 
     async def scenario() -> tuple[httpx.Response, list[Placement]]:
         async with serving(app) as client:
             requestor = service_of(app).requestor
             first = asyncio.create_task(client.post("/servers", json=order, headers=key))
-            while requestor.in_flight() == 0:
+            while requestor.in_flight() == 0 and not first.done():
                 await asyncio.sleep(0.001)
+            assert not first.done(), "placed before the client could go away"
             first.cancel()  # the ASGI handler is cancelled with it
             with pytest.raises(asyncio.CancelledError):
                 await first

@@ -1,8 +1,7 @@
 """The RabbitMQ driver on pika, the default for ``amqp://`` and ``amqps://`` URLs.
 
-This module owns only what is pika's: one ``SelectConnection`` and its loop
-(:mod:`reservoir.brokers.pika_loop`, pika's ``IOLoop`` where there is no ``epoll``) on an IO thread
-the broker owns (the loop outlives reconnects), the three channels, and turning
+This module owns only what is pika's: one ``SelectConnection`` and pika's ``IOLoop`` on an
+IO thread the broker owns (the loop outlives reconnects), the three channels, and turning
 pika's callbacks into the session's events and the session's actions into pika calls.
 What reservoir does on RabbitMQ (topology, confirms, returns, the 403 in a batch,
 reconnection and replay, flow control, stats) is decided by the sans-I/O session in
@@ -35,7 +34,6 @@ from __future__ import annotations
 import collections
 import errno
 import logging
-import os
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -43,6 +41,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 import pika
 import pika.exceptions
+from pika.adapters.select_connection import IOLoop
 from pika.adapters.utils import io_services_utils
 
 from reservoir.brokers._rules import DEFAULT_EXCHANGE, INBOX_SUFFIX, failure_words
@@ -50,7 +49,6 @@ from reservoir.brokers.amqp import frames
 from reservoir.brokers.amqp import session as core
 from reservoir.brokers.amqp.session import Action, Role, Session
 from reservoir.brokers.amqp.threaded import AmqpBroker, AmqpEndpoint, Future
-from reservoir.brokers.pika_loop import new_loop
 from reservoir.brokers.url import BrokerUrl
 
 __all__ = [
@@ -78,19 +76,6 @@ _FATAL = (
     pika.exceptions.ProbableAccessDeniedError,
     pika.exceptions.IncompatibleProtocolError,
 )
-
-
-# For issue 56's measurement only (removed with its decision): the same tree on pika's own
-# IOLoop (RESERVOIR_PIKA_OWN_LOOP=1) and on pika's own frame codec and callbacks
-# (RESERVOIR_PIKA_OWN_CODEC=1), read once.
-_OWN_LOOP = os.environ.get("RESERVOIR_PIKA_OWN_LOOP") == "1"
-_OWN_CODEC = os.environ.get("RESERVOIR_PIKA_OWN_CODEC") == "1"
-
-
-def _pika_loop() -> Any:
-    from pika.adapters.select_connection import IOLoop
-
-    return IOLoop()
 
 
 #: what one read of the socket may take (pika reads 4 KiB at a time), and what one write
@@ -314,7 +299,7 @@ class PikaBroker(AmqpBroker):
         # RabbitMQ checks user_id against the authenticated user; EXTERNAL (certificate)
         # auth has no user name we could know, so it stays unset there.
         self._user_id: str | None = getattr(self._params.credentials, "username", None)
-        self._ioloop = _pika_loop() if _OWN_LOOP else new_loop()
+        self._ioloop = IOLoop()
         self._connection: Any = None
         self._gen = 0
         self._channels: dict[Role, Channel] = {}
@@ -322,7 +307,6 @@ class PikaBroker(AmqpBroker):
         self._consumers: dict[str, str] = {}
         #: token -> the content header properties of its messages, as bytes
         self._wire_properties: dict[str, bytes] = {}
-        self._pika_properties: dict[str, Any] = {}
         self._timer: object | None = None
         self._stopping = False
         super().__init__(parsed, **options)
@@ -432,8 +416,7 @@ class PikaBroker(AmqpBroker):
             "product": "reservoir",
         }
         try:
-            connection_class = pika.SelectConnection if _OWN_CODEC else HotPathConnection
-            self._connection = connection_class(
+            self._connection = HotPathConnection(
                 self._params,
                 on_open_callback=partial(self._on_open, gen),
                 on_open_error_callback=partial(self._on_lost, gen, opening=True),
@@ -463,13 +446,6 @@ class PikaBroker(AmqpBroker):
         connection: HotPathConnection = self._connection
         if not channel.is_open:
             raise pika.exceptions.ChannelWrongStateError("the publish channel is not open")
-        if _OWN_CODEC:
-            pika_properties = self._pika_properties.get(token)
-            if pika_properties is None:
-                pika_properties = pika.BasicProperties(user_id=self._user_id, app_id=token)
-                self._pika_properties[token] = pika_properties
-            channel.basic_publish(exchange, routing_key, body, pika_properties, mandatory=True)
-            return
         properties = self._wire_properties.get(token)
         if properties is None:
             properties = self._wire_properties[token] = frames.publish_properties(
@@ -518,8 +494,7 @@ class PikaBroker(AmqpBroker):
         self._event(Session.tick, self._now())
 
     def _on_open(self, gen: int, connection: Any) -> None:
-        if not _OWN_CODEC:
-            connection.hot = partial(self._hot_frame, gen)  # a HotPathConnection: see _connect
+        connection.hot = partial(self._hot_frame, gen)  # a HotPathConnection: see _connect
         if not tune_transport(getattr(connection, "_transport", None)):
             log.debug(
                 "%s: pika's own socket I/O kept (an SSL or unfamiliar transport)",

@@ -1,8 +1,7 @@
 """The RabbitMQ driver on pika, the default for ``amqp://`` and ``amqps://`` URLs.
 
-This module owns only what is pika's: one ``SelectConnection`` and its loop
-(:mod:`reservoir.brokers.pika_loop`, pika's ``IOLoop`` where there is no ``epoll``) on an IO thread
-the broker owns (the loop outlives reconnects), the three channels, and turning
+This module owns only what is pika's: one ``SelectConnection`` and pika's ``IOLoop`` on an
+IO thread the broker owns (the loop outlives reconnects), the three channels, and turning
 pika's callbacks into the session's events and the session's actions into pika calls.
 What reservoir does on RabbitMQ (topology, confirms, returns, the 403 in a batch,
 reconnection and replay, flow control, stats) is decided by the sans-I/O session in
@@ -42,6 +41,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 import pika
 import pika.exceptions
+from pika.adapters.select_connection import IOLoop
 from pika.adapters.utils import io_services_utils
 
 from reservoir.brokers._rules import DEFAULT_EXCHANGE, INBOX_SUFFIX, failure_words
@@ -49,7 +49,6 @@ from reservoir.brokers.amqp import frames
 from reservoir.brokers.amqp import session as core
 from reservoir.brokers.amqp.session import Action, Role, Session
 from reservoir.brokers.amqp.threaded import AmqpBroker, AmqpEndpoint, Future
-from reservoir.brokers.pika_loop import new_loop
 from reservoir.brokers.url import BrokerUrl
 
 __all__ = [
@@ -300,7 +299,7 @@ class PikaBroker(AmqpBroker):
         # RabbitMQ checks user_id against the authenticated user; EXTERNAL (certificate)
         # auth has no user name we could know, so it stays unset there.
         self._user_id: str | None = getattr(self._params.credentials, "username", None)
-        self._ioloop = new_loop()
+        self._ioloop = IOLoop()
         self._connection: Any = None
         self._gen = 0
         self._channels: dict[Role, Channel] = {}

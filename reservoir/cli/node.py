@@ -8,7 +8,7 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -19,7 +19,6 @@ from reservoir.cli.options import (
     broker_problem,
     connect_attempts_option,
     load_settings,
-    parse_pairs,
     set_up_tracing,
     shown_url,
     usage_error,
@@ -27,48 +26,12 @@ from reservoir.cli.options import (
 from reservoir.exit_status import EXIT_BROKER, EXIT_USAGE
 from reservoir.interrupt import stop_on_signals, stopped
 from reservoir.protocol.addresses import node_address
-from reservoir.protocol.ledger import Inventory
-from reservoir.protocol.numa import NumaTopology, PciDevice
-from reservoir.protocol.placement import SHORTHAND_CLASSES
 from reservoir.version import __version__, install_hint
 
-
-def _node_inventories(
-    vcpus: int | None,
-    memory_mb: int | None,
-    disk_gb: int | None,
-    inventory: Sequence[str],
-    ratio: Sequence[str],
-    reserved: Sequence[str],
-) -> dict[str, Inventory]:
-    shorthands = {"vcpus": vcpus, "memory_mb": memory_mb, "disk_gb": disk_gb}
-    totals = {
-        SHORTHAND_CLASSES[name]: amount for name, amount in shorthands.items() if amount is not None
-    }
-    for rc, total in parse_pairs(inventory, "CLASS=TOTAL").items():
-        try:
-            totals[rc] = int(total)
-        except ValueError:
-            raise click.BadParameter(f"{rc}={total}: the total must be a whole number") from None
-    from reservoir.runtime.node_config import inventories_of
-
-    ratios = parse_pairs(ratio, "CLASS=RATIO")
-    reserve = parse_pairs(reserved, "CLASS=AMOUNT")
-    for rc in (*ratios, *reserve):
-        if rc not in totals:
-            raise click.BadParameter(f"{rc} has no inventory: give its total first")
-    if not totals:
-        raise click.UsageError(
-            "a node needs an inventory: --vcpus, --memory-mb, --disk-gb or --inventory CLASS=TOTAL"
-        )
-    try:
-        return inventories_of(
-            totals,
-            {rc: float(r) for rc, r in ratios.items()},
-            {rc: int(n) for rc, n in reserve.items()},
-        )
-    except ValueError as error:
-        raise click.BadParameter(str(error)) from None
+if TYPE_CHECKING:
+    from reservoir.runtime.host import Host
+    from reservoir.runtime.node_config import NodeFile
+    from reservoir.runtime.node_setup import NodeFlags, NodeSetup
 
 
 @click.command()
@@ -182,31 +145,7 @@ def _node_inventories(
     "the agent's own user.",
 )
 @connect_attempts_option()
-def node(
-    broker_url: str | None,
-    config_path: Path | None,
-    discovering: bool | None,
-    discovery_root: Path | None,
-    print_only: bool,
-    as_json: bool,
-    name: str | None,
-    vcpus: int | None,
-    memory_mb: int | None,
-    disk_gb: int | None,
-    inventory: tuple[str, ...],
-    ratio: tuple[str, ...],
-    reserved: tuple[str, ...],
-    traits: tuple[str, ...],
-    state_dir: Path | None,
-    node_key: Path | None,
-    numa_cells: int | None,
-    hugepages: tuple[str, ...],
-    metrics_port: int | None,
-    status_interval: float | None,
-    drivers: tuple[str, ...],
-    task_user: str | None,
-    connect_attempts: int,
-) -> None:
+def node(print_only: bool, as_json: bool, connect_attempts: int, **given: Any) -> None:
     """Run a node agent until SIGTERM, SIGINT or SIGHUP (all three alike).
 
     A broker that is not up yet (or restarting) is waited for, with a line per failed
@@ -219,67 +158,31 @@ def node(
     from reservoir.runtime.keys import KeyConfigError
     from reservoir.runtime.node_agent import NodeAgent
     from reservoir.runtime.node_config import NodeFile
+    from reservoir.runtime.node_setup import NodeFlags
     from reservoir.runtime.store import StateError
     from reservoir.runtime.tasks import TaskConfigError, TaskDriverError
 
+    flags = NodeFlags(**given)
+    config_path = flags.config_path
     file = _node_file(config_path) if config_path is not None else NodeFile()
-    if discovering is None:
-        discovering = file.discovery.enabled
-    host = _discover(file, discovery_root) if discovering else None
+    host = _discover(file, flags.discovery_root) if flags.discovers(file) else None
     if print_only:
         if host is None:
             raise click.UsageError("--print shows what discovery finds: give --discover")
         _print_host(host, file, as_json)
         return
-    name = name or file.name
-    if not name:
-        raise click.UsageError("a node needs a name: --name, or name in the --config file")
-    broker_url = broker_url or file.broker_url
-    if not broker_url:
-        usage_error(NO_BROKER)  # (the file may name it too: see --config)
-    # the file's settings first, the flags after them: a flag overrides the file
-    base_totals, base_reserved, host_traits = _discovered_amounts(host, file, name)
-    shorthands = {"vcpus": vcpus, "memory_mb": memory_mb, "disk_gb": disk_gb}
-    inventories = _node_inventories(
-        None,
-        None,
-        None,
-        (
-            *(f"{rc}={n}" for rc, n in base_totals.items()),
-            *(f"{rc}={n}" for rc, n in file.inventory.items()),
-            *(f"{SHORTHAND_CLASSES[k]}={v}" for k, v in shorthands.items() if v is not None),
-            *inventory,
-        ),
-        (*(f"{rc}={r}" for rc, r in file.allocation_ratio.items()), *ratio),
-        (
-            *(f"{rc}={n}" for rc, n in base_reserved.items()),
-            *(f"{rc}={n}" for rc, n in file.reserved.items()),
-            *reserved,
-        ),
-    )
-    traits = (*file.traits, *sorted(host_traits), *traits)
-    topology = _node_topology(file, host, numa_cells, hugepages, inventories)
-    state_dir = state_dir or (Path(file.state_dir) if file.state_dir else None)
-    metrics_port = metrics_port or file.metrics_port
-    status_interval = status_interval or file.status_interval or 1.0
-    node_key = node_key or (Path(file.node_key) if file.node_key else None)
-    settings = load_settings(
-        broker_url=broker_url,
-        state_dir=state_dir,
-        node_key=node_key,
-        task_drivers=drivers or None,
-    )
+    setup = _node_setup(flags, file, host)
+    name, state_dir, metrics_port = setup.name, setup.state_dir, setup.metrics_port
+    settings = load_settings(**setup.settings_fields())
     # before connecting: a port in use is a usage error, said before any waiting
     registry = _serve_metrics(metrics_port) if metrics_port is not None else None
     set_up_tracing("node")
     stop = threading.Event()
     stop_on_signals(stop, hangup=True)
 
-    running = _running_configuration(
-        config_path, inventories, traits, topology, state_dir, metrics_port, host
-    )
+    running = _running_configuration(config_path, setup, host)
     try:
-        task_config = file.tasks.task_config(user=task_user)
+        task_config = setup.task_config()
     except TaskConfigError as error:
         usage_error(f"{config_path or 'the node'}: {error}")
 
@@ -289,9 +192,9 @@ def node(
             return NodeAgent(
                 settings.broker_url,
                 name=name,
-                inventories=inventories,
-                traits=[t.upper() for t in traits],
-                numa=topology,
+                inventories=setup.inventories,
+                traits=[t.upper() for t in setup.traits],
+                numa=setup.topology,
                 configuration=json.loads(running),
                 settings=settings,
                 metrics_registry=registry,
@@ -343,7 +246,7 @@ def node(
         while True:
             if status_path is not None:
                 agent.write_status(status_path)
-            if stop.wait(status_interval):
+            if stop.wait(setup.status_interval):
                 break
     finally:
         agent.close()
@@ -422,48 +325,23 @@ def _discover(file: Any, root: Path | None) -> Any:
         raise click.UsageError(f"--discover: cannot read the host: {error}") from None
 
 
-def _discovered_amounts(
-    host: Any, file: Any, name: str
-) -> tuple[dict[str, int], dict[str, int], frozenset[str]]:
-    if host is None:
-        return {}, {}, frozenset()
+def _node_setup(flags: NodeFlags, file: NodeFile, host: Host | None) -> NodeSetup:
+    """The configuration the node runs with (reservoir/runtime/node_setup.py says which
+    layer wins), or the line the command says when it cannot run."""
     from reservoir.observe.logs import say
-    from reservoir.runtime.node_config import host_inventories
+    from reservoir.runtime.node_setup import NodeSetupError, node_setup
 
-    found = host_inventories(host, file)
-    if found.traits_unread is not None:
-        say(
-            f"node {name}: warning: discovered without the CPU's traits: {found.traits_unread}",
-            node=name,
-            outcome="warning",
-        )
-    return found.totals, found.reserved, found.traits
+    def warn(name: str, line: str) -> None:
+        say(line, node=name, outcome="warning")
 
-
-def _node_topology(
-    file: Any,
-    host: Any,
-    numa_cells: int | None,
-    hugepages: Sequence[str],
-    inventories: dict[str, Inventory],
-) -> NumaTopology | None:
-    """The discovered topology, or equal cells (--numa-cells, else the file's), with the
-    file's PCI devices."""
-    from reservoir.runtime.node_config import devices_of, host_topology
-
-    if host is not None and numa_cells is None and not hugepages:
-        try:
-            return host_topology(host, file, devices_of(file, host))
-        except ValueError as error:
-            raise click.UsageError(f"--discover: {error}") from None
-    cells = numa_cells or file.numa.cells
-    pages = (*(f"{size}={n}" for size, n in file.numa.hugepages.items()), *hugepages)
-    devices = devices_of(file, None)
-    if devices and cells is None:
-        raise click.UsageError(
-            "PCI devices sit on NUMA cells: set [numa] cells in the file, or --numa-cells"
-        )
-    return _numa_topology(cells, pages, inventories, devices)
+    try:
+        return node_setup(flags, file, host, on_warning=warn)
+    except NodeSetupError as error:
+        if error.kind == "no_broker":
+            usage_error(NO_BROKER)  # (the file may name it too: see --config)
+        if error.kind == "value":
+            raise click.BadParameter(str(error)) from None
+        raise click.UsageError(str(error)) from None
 
 
 def _print_host(host: Any, file: Any, as_json: bool) -> None:
@@ -550,15 +428,7 @@ def _task_lines(agent: Any) -> list[str]:
     return lines
 
 
-def _running_configuration(
-    config_path: Path | None,
-    inventories: dict[str, Inventory],
-    traits: Sequence[str],
-    topology: NumaTopology | None,
-    state_dir: Path | None,
-    metrics_port: int | None,
-    host: Any,
-) -> str:
+def _running_configuration(config_path: Path | None, setup: NodeSetup, host: Any) -> str:
     """The configuration the node runs with, as one line of JSON for its log."""
     import json
 
@@ -567,12 +437,13 @@ def _running_configuration(
         "discovered_under": host.root if host is not None else None,
         "inventory": {
             rc: {"total": i.total, "reserved": i.reserved, "allocation_ratio": i.allocation_ratio}
-            for rc, i in sorted(inventories.items())
+            for rc, i in sorted(setup.inventories.items())
         },
-        "traits": sorted({t.upper() for t in traits}),
-        "state_dir": str(state_dir) if state_dir else None,
-        "metrics_port": metrics_port,
+        "traits": sorted({t.upper() for t in setup.traits}),
+        "state_dir": str(setup.state_dir) if setup.state_dir else None,
+        "metrics_port": setup.metrics_port,
     }
+    topology = setup.topology
     if topology is not None:
         shown["numa_cells"] = [
             {"cell": c.cell_id, "cpus": _cpu_ranges(sorted(c.cpus)), "memory_mb": c.memory_mb}
@@ -582,28 +453,6 @@ def _running_configuration(
             {"address": d.address, "alias": d.alias, "cell": d.cell} for d in topology.devices
         ]
     return json.dumps(shown, sort_keys=True)
-
-
-def _numa_topology(
-    cells: int | None,
-    hugepages: Sequence[str],
-    inventories: dict[str, Inventory],
-    devices: Sequence[PciDevice] = (),
-) -> NumaTopology | None:
-    if cells is None:
-        if hugepages:
-            raise click.UsageError("--hugepages describes NUMA cells: give --numa-cells too")
-        return None
-    cpus = inventories.get("PCPU") or inventories.get("VCPU")
-    memory = inventories.get("MEMORY_MB")
-    if cpus is None or memory is None:
-        raise click.UsageError("--numa-cells needs CPUs (--vcpus or PCPU) and --memory-mb")
-    try:
-        pages = {int(k): int(v) for k, v in parse_pairs(hugepages, "SIZE_KB=COUNT").items()}
-        uniform = NumaTopology.uniform(cells, cpus.total, memory.total, pages)
-        return NumaTopology(uniform.cells, devices=tuple(devices))
-    except ValueError as error:
-        raise click.BadParameter(str(error)) from None
 
 
 # -- request -------------------------------------------------------------------------------

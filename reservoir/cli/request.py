@@ -28,6 +28,7 @@ from reservoir.protocol.placement import (
     PlacementRequest,
     PlacementTimeout,
 )
+from reservoir.runtime.checked_request import CheckedRequest
 
 
 @click.command()
@@ -86,7 +87,14 @@ def request(
         request_id=request_id, explain=explain,
     )  # fmt: skip
     if dry_run:
-        _dry_run(spec, broker_url, min(timeout_s, DRY_RUN_WAIT_S), as_json, output_format, columns)
+        _dry_run(
+            spec.request,
+            broker_url,
+            min(timeout_s, DRY_RUN_WAIT_S),
+            as_json,
+            output_format,
+            columns,
+        )
         return
     set_up_tracing("request")
     shown = Shown(as_json, output_format, columns)
@@ -125,7 +133,7 @@ def _amounts_shown(resources: dict[str, int]) -> str:
 
 
 def _place_and_print(
-    spec: PlacementRequest, broker_url: str | None, timeout_s: float, shown: Shown
+    spec: CheckedRequest, broker_url: str | None, timeout_s: float, shown: Shown
 ) -> None:
     """The placement printed, or the failure printed and exit status 1. Ctrl-C or SIGTERM
     while it is placed ends it (the requestor's close releases what it holds); once it is

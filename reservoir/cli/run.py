@@ -120,18 +120,8 @@ def run(
 
     with open_requestor(broker_url) as requestor:
         try:
-            task_run = requestor.run(
-                command,
-                driver=task.driver,
-                env=variables,
-                workdir=workdir,
-                image=image,
-                keep_allocation=keep_allocation,
-                stop_grace_s=grace_s,
-                timeout_s=timeout_s,
-                on_change=show,
-                **{name: getattr(spec, name) for name in spec.__struct_fields__ if name != "task"},
-            )
+            # the request carries the task, checked once by request_from_options
+            task_run = requestor.run(request=spec, timeout_s=timeout_s, on_change=show)
         except ValueError as error:
             raise click.UsageError(f"not a valid request: {error}") from None
         try:

@@ -21,7 +21,7 @@ from reservoir.protocol.messages import (
     NumaSpec,
     TaskSpec,
 )
-from reservoir.protocol.placement import PlacementRequest, request_of
+from reservoir.runtime.checked_request import CheckedRequest
 
 __all__ = ["SHAPE_PARAMETERS", "request_from_options", "shape_options"]
 
@@ -142,9 +142,10 @@ def shape_options(command: F) -> F:
     return command
 
 
-def request_from_options(task: TaskSpec | None = None, **options: Any) -> PlacementRequest:
+def request_from_options(task: TaskSpec | None = None, **options: Any) -> CheckedRequest:
     """The request the shape's options describe (``options``: :data:`SHAPE_PARAMETERS`),
-    carrying ``task``; a usage error naming the option at fault otherwise."""
+    carrying ``task``, checked here, once (the requestor places it as it is); a usage
+    error naming the option at fault otherwise."""
     group, group_policy = options["group"], options["group_policy"]
     if (group is None) != (group_policy is None):
         raise click.UsageError("--group and --policy go together")
@@ -164,7 +165,7 @@ def request_from_options(task: TaskSpec | None = None, **options: Any) -> Placem
     ):
         _check_traits(option, traits)
     try:
-        return request_of(
+        return CheckedRequest.of(
             vcpus=options["vcpus"],
             memory_mb=options["memory_mb"],
             disk_gb=options["disk_gb"],
@@ -228,11 +229,3 @@ def _devices(pairs: tuple[str, ...]) -> dict[str, int]:
             )
         devices[alias] = devices.get(alias, 0) + int(text)
     return devices
-
-
-def _request_of(**fields: Any) -> PlacementRequest:
-    """The options' request, built as every front door builds it, or a usage error."""
-    try:
-        return request_of(**fields)
-    except ValueError as error:
-        raise click.UsageError(f"not a valid request: {error}") from None

@@ -28,7 +28,6 @@ from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-from msgspec.structs import replace as msgspec_replace
 
 from reservoir.broker import Broker
 from reservoir.brokers import BrokerUrl
@@ -61,13 +60,12 @@ from reservoir.protocol.placement import (
     Placement,
     PlacementError,
     PlacementRequest,
-    checked_request,
-    request_of,
 )
 from reservoir.protocol.policies import Policy, policy_named
 from reservoir.protocol.requestor import RequestorConfig, RequestorMachine
 from reservoir.protocol.tasks import ENDED_STATES
 from reservoir.protocol.timers import ConversationTimer, FreeTimer
+from reservoir.runtime.checked_request import CheckedRequest
 from reservoir.runtime.driver import Driver, Outcome
 from reservoir.runtime.finding import Finder
 from reservoir.runtime.output_reader import (
@@ -143,14 +141,45 @@ _OUTPUT_ASKED_MAX = 1024
 _OUTPUT_ENVELOPE_BYTES = 4096
 
 
-def _shape(request: PlacementRequest | None, fields: dict[str, Any]) -> PlacementRequest:
-    """The request to place: ``request`` as it is, or one built from the caller's keywords
-    by :func:`~reservoir.protocol.placement.request_of`, the same as every front door's."""
+def _shape(
+    request: PlacementRequest | CheckedRequest | None, fields: dict[str, Any]
+) -> CheckedRequest:
+    """The request to place, checked exactly once: a :class:`CheckedRequest` as it is (a
+    front door checked it), a ``PlacementRequest`` checked here, or one built from the
+    caller's keywords by :meth:`CheckedRequest.of`, the same as every front door's."""
     if request is not None:
         if any(value is not None for value in fields.values()):
             raise TypeError("pass either a PlacementRequest or keyword fields, not both")
-        return checked_request(request)
-    return request_of(**fields)
+        if isinstance(request, CheckedRequest):
+            return request
+        return CheckedRequest.check(request)
+    return CheckedRequest.of(**fields)
+
+
+def _task_given_once(
+    fields: dict[str, Any],
+    command: Iterable[str],
+    driver: str,
+    env: dict[str, str] | None,
+    workdir: str | None,
+    image: str | None,
+    keep_allocation: bool,
+    stop_grace_s: float,
+) -> None:
+    """A TypeError when :meth:`Requestor.run` is given a request and, besides it, the
+    task's words or a request's fields (each has one source)."""
+    told = (
+        fields
+        or tuple(command)
+        or env
+        or workdir is not None
+        or image is not None
+        or driver != "exec"
+        or keep_allocation
+        or stop_grace_s != 10.0
+    )
+    if told:
+        raise TypeError("pass either a request carrying its task or the task's words, not both")
 
 
 class Requestor(Driver):
@@ -254,7 +283,7 @@ class Requestor(Driver):
 
     def submit(
         self,
-        request: PlacementRequest | None = None,
+        request: PlacementRequest | CheckedRequest | None = None,
         *,
         timeout_s: float | None = None,
         **fields: Any,
@@ -270,8 +299,14 @@ class Requestor(Driver):
         Callbacks added to the future run on the thread that resolves it, which on RabbitMQ
         is the broker's IO thread: keep them short, and never wait in one for another
         placement (``reserve``, ``result()``), whose answer that thread would have to read,
-        nor open or close a participant there. Calling ``submit`` from a callback is fine."""
-        spec = _shape(request, fields)
+        nor open or close a participant there. Calling ``submit`` from a callback is fine.
+
+        The request is checked once, as a node will check it, before anything is sent
+        (:class:`~reservoir.protocol.placement.InvalidRequest` otherwise): the keywords
+        and a ``PlacementRequest`` here; a
+        :class:`~reservoir.runtime.checked_request.CheckedRequest` (what the commands and
+        the HTTP service hand over) was checked where it was made, and is placed as it is."""
+        spec = _shape(request, fields).request
         request_id = spec.request_id or new_request_id()
         timeout_s = self.settings.request_timeout_s if timeout_s is None else timeout_s
         span, traceparent = tracing.start_place(request_id, spec.resources, spec.count)
@@ -331,7 +366,7 @@ class Requestor(Driver):
 
     def reserve(
         self,
-        request: PlacementRequest | None = None,
+        request: PlacementRequest | CheckedRequest | None = None,
         *,
         timeout_s: float | None = None,
         **fields: Any,
@@ -343,7 +378,7 @@ class Requestor(Driver):
 
     async def reserve_async(
         self,
-        request: PlacementRequest | None = None,
+        request: PlacementRequest | CheckedRequest | None = None,
         *,
         timeout_s: float | None = None,
         **fields: Any,
@@ -365,6 +400,7 @@ class Requestor(Driver):
         stop_grace_s: float = 10.0,
         timeout_s: float | None = None,
         on_change: Callable[[TaskState], None] | None = None,
+        request: PlacementRequest | CheckedRequest | None = None,
         **fields: Any,
     ) -> TaskRun:
         """Place a request whose instances run ``command`` (through the task driver
@@ -374,19 +410,38 @@ class Requestor(Driver):
         as for :meth:`submit`. A task that ends frees its allocation (unless
         ``keep_allocation``); releasing the placement stops a task still running (SIGTERM,
         SIGKILL after ``stop_grace_s``). ``on_change`` is called with each state, on the
-        thread that received it: keep it short, and never call the requestor from it."""
-        task = TaskSpec(
-            driver=driver,
-            command=tuple(command),
-            env=dict(env or {}),
-            workdir=workdir,
-            image=image,
-            keep_allocation=keep_allocation,
-            stop_grace_s=stop_grace_s,
-        )
-        spec = request_of(task=task, **fields)
-        request_id = spec.request_id or new_request_id()
-        spec = checked_request(msgspec_replace(spec, request_id=request_id))
+        thread that received it: keep it short, and never call the requestor from it.
+
+        ``request`` instead of the task's words and ``fields``: a request carrying its
+        task (``task`` set), checked here when it is a ``PlacementRequest`` and placed as
+        it is when it is a :class:`~reservoir.runtime.checked_request.CheckedRequest`
+        (``reservoir run`` hands one over). Either way the request is checked once."""
+        if request is None:
+            task = TaskSpec(
+                driver=driver,
+                command=tuple(command),
+                env=dict(env or {}),
+                workdir=workdir,
+                image=image,
+                keep_allocation=keep_allocation,
+                stop_grace_s=stop_grace_s,
+            )
+            # the id chosen before the check, so that the one check covers the caller's
+            given_id = fields.pop("request_id", None)
+            checked = CheckedRequest.of(
+                task=task,
+                request_id=new_request_id() if given_id is None else given_id,
+                **fields,
+            )
+        else:
+            _task_given_once(
+                fields, command, driver, env, workdir, image, keep_allocation, stop_grace_s
+            )
+            checked = _shape(request, {}).identified()
+            if checked.request.task is None:
+                raise ValueError("a request to run carries its task: give task= or a command")
+        request_id = checked.request_id
+        assert request_id is not None  # chosen above, or identified()
         placement: concurrent.futures.Future[Placement] = concurrent.futures.Future()
         run = TaskRun(
             request_id,
@@ -397,7 +452,7 @@ class Requestor(Driver):
         )
         with self._lock:
             self._runs[request_id] = run  # before any state can come back
-        placing = self.submit(spec, timeout_s=timeout_s)
+        placing = self.submit(checked, timeout_s=timeout_s)
 
         def placed(done: concurrent.futures.Future[Placement]) -> None:
             error = done.exception()

@@ -1,7 +1,11 @@
 """Settings shared by every participant, read from ``RESERVOIR_*`` environment variables.
 
 Every field can also be passed directly (``Settings(ttl_s=3.0)``); command-line options
-override both. Defaults are those of docs/design.md. Signing keys come from here too
+override both. A node's configuration file sits beneath the environment: which of its
+settings, the environment's and the flags' a node runs with is decided in one place,
+:func:`reservoir.runtime.node_setup.node_setup`, whose
+:meth:`~reservoir.runtime.node_setup.NodeSetup.settings_fields` the node's settings are
+made from. Defaults are those of docs/design.md. Signing keys come from here too
 (``RESERVOIR_SECRET``, or ``RESERVOIR_NODE_KEYS`` and ``RESERVOIR_REQUESTOR_KEYS``, or
 ``RESERVOIR_KEYS_FILE``, with ``RESERVOIR_NODE_KEY`` and ``RESERVOIR_NODE_KEYRING`` for keys
 per node; see :mod:`reservoir.runtime.keys`) and are checked when the settings are made, so a

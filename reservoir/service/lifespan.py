@@ -35,6 +35,7 @@ from reservoir.protocol.placement import (
     PlacementTimeout,
 )
 from reservoir.runtime.auditor import LedgerCollector
+from reservoir.runtime.checked_request import CheckedRequest
 from reservoir.runtime.requestor import Requestor, RequestorClosed
 from reservoir.runtime.settings import Settings
 from reservoir.service.activity import Activity
@@ -133,7 +134,9 @@ class ReservoirService:
                 request_id=key,
             )
 
-    async def place(self, spec: PlacementRequest, *, timeout_s: float | None = None) -> Placement:
+    async def place(
+        self, spec: PlacementRequest | CheckedRequest, *, timeout_s: float | None = None
+    ) -> Placement:
         """Place ``spec`` and record it, even should the caller go away (the retry with
         the same key then finds it)."""
         try:
@@ -232,7 +235,9 @@ class ReservoirService:
         # a listing still gathering ends within its wait_s (up to 30 s): not waited for
         self._ledger_threads.shutdown(wait=False, cancel_futures=True)
 
-    async def _place(self, spec: PlacementRequest, timeout_s: float | None) -> Placement:
+    async def _place(
+        self, spec: PlacementRequest | CheckedRequest, timeout_s: float | None
+    ) -> Placement:
         metrics = self.metrics
         started = time.monotonic()
         if metrics is not None:

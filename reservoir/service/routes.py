@@ -22,7 +22,8 @@ from fastapi.responses import StreamingResponse
 
 from reservoir.broker import BrokerError
 from reservoir.protocol.messages import InvalidField
-from reservoir.protocol.placement import Holdings, Placement, PlacementError, PlacementRequest
+from reservoir.protocol.placement import Holdings, Placement, PlacementError
+from reservoir.runtime.checked_request import CheckedRequest
 from reservoir.runtime.output_reader import OutputPiece, OutputReader, OutputUnreachable
 from reservoir.runtime.requestor import RequestorClosed
 from reservoir.service.lifespan import ReservoirService
@@ -135,7 +136,7 @@ def _idempotency_key(body: ReservationIn, header: str | None) -> str | None:
 
 def _placement_request(
     body: ReservationIn, key: str | None, explain: bool, *, key_in_header: bool
-) -> PlacementRequest:
+) -> CheckedRequest:
     """The protocol's request, or a 422 naming the field the protocol refuses."""
     try:
         return body.to_placement_request(key, explain)
@@ -164,7 +165,7 @@ async def _replay(service: ReservoirService, key: str, body: ReservationIn) -> P
 
 
 async def _place(
-    service: ReservoirService, spec: PlacementRequest, key: str | None, timeout_s: float | None
+    service: ReservoirService, spec: CheckedRequest, key: str | None, timeout_s: float | None
 ) -> Placement:
     try:
         return await service.place(spec, timeout_s=timeout_s)

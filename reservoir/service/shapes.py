@@ -38,11 +38,10 @@ from reservoir.protocol.messages import (
 from reservoir.protocol.placement import (
     Placement,
     PlacementError,
-    PlacementRequest,
     PlacementTimeout,
-    request_of,
 )
 from reservoir.runtime.auditor import node_fields
+from reservoir.runtime.checked_request import CheckedRequest
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
@@ -232,17 +231,18 @@ class ReservationIn(BaseModel):
         canonical = json.dumps(shape, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()
 
-    def to_placement_request(self, request_id: str | None, explain: bool) -> PlacementRequest:
+    def to_placement_request(self, request_id: str | None, explain: bool) -> CheckedRequest:
         """The protocol's request, built as every front door builds it
-        (:func:`~reservoir.protocol.placement.request_of`); ``explain`` is the service's
-        default. Raises :class:`ValueError` for a shape the protocol refuses; when one
-        field is at fault the error is an
-        :class:`~reservoir.protocol.placement.InvalidRequest`, whose ``field`` names it."""
+        (:func:`~reservoir.protocol.placement.request_of`) and checked here, once: the
+        requestor places it as it is. ``explain`` is the service's default. Raises
+        :class:`ValueError` for a shape the protocol refuses; when one field is at fault
+        the error is an :class:`~reservoir.protocol.placement.InvalidRequest`, whose
+        ``field`` names it."""
         group = None
         if self.group is not None:
             group = GroupSpec(name=self.group, policy=self.policy or "anti-affinity")
         numa = NumaSpec(**self.numa.model_dump()) if self.numa is not None else None
-        return request_of(
+        return CheckedRequest.of(
             vcpus=self.vcpus,
             memory_mb=self.memory_mb,
             disk_gb=self.disk_gb,

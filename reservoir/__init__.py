@@ -39,6 +39,7 @@ if TYPE_CHECKING:
         PlacementTimeout,
     )
     from reservoir.protocol.tiers import TierLadder
+    from reservoir.runtime.checked_request import CheckedRequest
     from reservoir.runtime.keeper import RosterKeeper
     from reservoir.runtime.node_agent import NodeAgent
     from reservoir.runtime.requestor import (
@@ -56,6 +57,7 @@ _WHERE = {
     "AuditFailed": "reservoir.protocol.audit",
     "AuditReport": "reservoir.protocol.audit",
     "Broker": "reservoir.broker",
+    "CheckedRequest": "reservoir.runtime.checked_request",
     "BrokerError": "reservoir.broker",
     "Clock": "reservoir.clock",
     "Delivery": "reservoir.broker",
@@ -113,6 +115,7 @@ __all__ = [
     "AuditReport",
     "Broker",
     "BrokerError",
+    "CheckedRequest",
     "Clock",
     "Delivery",
     "Endpoint",

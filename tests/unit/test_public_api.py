@@ -12,7 +12,7 @@ PROTOCOL = Path(reservoir.__file__).parent / "protocol"
 PUBLIC_NAMES = {
     "Allocation", "AuditFailed", "AuditReport", "Broker", "BrokerError", "Clock", "Delivery",
     "Endpoint", "Explanation", "FakeClock", "FindIncomplete", "FreeIncomplete", "GroupSpec",
-    "Holdings", "Inventory",
+    "CheckedRequest", "Holdings", "Inventory",
     "NodeAgent", "NodeSnapshot", "NumaCell", "NumaSpec", "NumaTopology", "PciDevice",
     "PlacedAllocation",
     "Placement",

@@ -41,11 +41,12 @@ from enum import Enum
 from typing import Final
 
 from reservoir.protocol.contention import IdContention
+from reservoir.protocol.effects import CancelTimer, Effect, SetTimer
 from reservoir.protocol.errors import ProtocolBug
 from reservoir.protocol.messages import NO_FEATURES, Decline, Offer
 from reservoir.protocol.placement import PlacedAllocation, PlacementRequest
 from reservoir.protocol.policies import Candidate
-from reservoir.protocol.timers import ConversationTimer, TimerKind
+from reservoir.protocol.timers import PER_ATTEMPT, ConversationTimer, TimerKind
 
 __all__ = ["TRANSITIONS", "Awarded", "Conversation", "Event", "Held", "Phase", "ProtocolBug"]
 
@@ -153,7 +154,7 @@ class Conversation:
     broadcast_at: float = 0.0
     collect_timer_set: bool = False
     busy_rounds: int = 0
-    #: rounds over every tier in which no node answered at all (see ``_start_over``)
+    #: rounds over every tier in which no node answered at all (see ``Deciding.start_over``)
     unheard_rounds: int = 0
     #: answers from nodes (offers, declines, acceptances, refusals, "already placed")
     #: since the conversation began, and how many of them came before the current pass
@@ -197,6 +198,32 @@ class Conversation:
         if event not in TRANSITIONS[self.phase]:
             raise ProtocolBug(f"{self.request_id}: {event.value} is not allowed {self.phase.value}")
         self.phase = _TARGET[event]
+
+    def set_timer(self, kind: TimerKind, at: float, effects: list[Effect]) -> None:
+        """Arm the conversation's timer of ``kind`` (one per kind: a later one replaces
+        it), keyed by the attempt for the kinds that belong to one."""
+        attempt = self.attempt if kind in PER_ATTEMPT else 0
+        key = self.armed[kind] = ConversationTimer(self.request_id, kind, attempt)
+        effects.append(SetTimer(key, at))
+
+    def cancel_timer(self, kind: TimerKind, effects: list[Effect]) -> None:
+        """Cancel the conversation's timer of ``kind``, if one is armed. Only armed timers
+        are cancelled: a conversation cancels its collect and widen timers at every
+        attempt and all six kinds when it ends, and a cancel for a timer never set was
+        an effect (and a driver operation) for nothing, ten of them per placement."""
+        key = self.armed.pop(kind, None)
+        if key is not None:
+            effects.append(CancelTimer(key))
+
+    def new_attempt(self, now: float, effects: list[Effect]) -> None:
+        """The request goes out again: the last attempt's windows close, and its answers
+        no longer count as this one's."""
+        self.cancel_timer(TimerKind.COLLECT, effects)
+        self.cancel_timer(TimerKind.WIDEN, effects)
+        self.attempt += 1
+        self.collect_timer_set = False
+        self.broadcast_at = now
+        self.expected.clear()
 
     @property
     def collecting(self) -> bool:

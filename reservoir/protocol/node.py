@@ -76,6 +76,7 @@ from reservoir.protocol.filters import (
 )
 from reservoir.protocol.ledger import Allocation, Inventory, Ledger, Reservation
 from reservoir.protocol.messages import (
+    IN_FLIGHT_ELSEWHERE,
     MESSAGE_CLASSES,
     REJOINED_TOPIC,
     ROOM_TOPIC,
@@ -114,7 +115,6 @@ from reservoir.protocol.tiers import DEFAULT_LADDER, TierLadder
 
 __all__ = [
     "EXPIRY_TIMER",
-    "IN_FLIGHT_ELSEWHERE",
     "OVERCOMMITTED",
     "TASK_DRIVER_MISSING",
     "UNKNOWN_FEATURE",
@@ -122,8 +122,6 @@ __all__ = [
     "NodeMachine",
 ]
 
-#: Decline reason: another requestor holds a reservation for the same request id here.
-IN_FLIGHT_ELSEWHERE: Final = "in_flight_elsewhere"
 #: Decline reason: the request's task names a task driver this node does not offer.
 TASK_DRIVER_MISSING: Final = "task_driver"
 #: Decline reason: the request needs a feature this node's release does not know

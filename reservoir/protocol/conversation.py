@@ -27,9 +27,14 @@ the machine and raises :class:`ProtocolBug` (as h11's ``_state.py`` does).
                    requestor with precedence goes first, or  BROADCAST, AWARD (a late offer
                    the id is claimed elsewhere               fills the gap), BACK_OFF, FOLLOW,
                                                              CLAIM (claimed elsewhere: again)
-    FOLLOWING      another requestor owns the placement: we  BACK_OFF, PROBE, BROADCAST
-                   look the id up until it is whole          (the owner let go), AWARD,
-                                                             FOLLOW
+    FOLLOWING      another requestor owns the placement: we  BACK_OFF (until the owner is
+                   look the id up until it is whole          done), PROBE, BROADCAST (the
+                                                             owner let go), AWARD
+
+A claim is asked for only first or after a pause, never mid-conversation; nothing is
+awarded before anything is asked; and following goes on through a pause (BACK_OFF, then
+FOLLOW), never from FOLLOWING itself. An event in a phase that does not list it is a
+:class:`ProtocolBug` (tests/unit/test_conversation_table.py provokes each one).
 
 Any phase may end in a placement or a failure; the conversation is then dropped.
 """
@@ -91,19 +96,38 @@ _TARGET: Final = {
     Event.CLAIM: Phase.CLAIMING,
 }
 
-#: every event but a claim, which is asked for only before anything else, or again after
-#: a pause
-_ASKING: Final = frozenset(Event) - {Event.CLAIM}
-
-#: phase -> the events allowed in it; each event leads to one phase (``_TARGET``)
+#: phase -> the events the machine may take in it; each event leads to one phase
+#: (``_TARGET``). Every pair listed is one a path of the machine takes (the comment names
+#: it); any other is a bug in the machine, and :meth:`Conversation.enter` raises.
 TRANSITIONS: Final[dict[Phase, frozenset[Event]]] = {
+    # place(): ask (a keeper's sample awaited: back off), or claim a caller-chosen id
     Phase.NEW: frozenset({Event.PROBE, Event.BROADCAST, Event.BACK_OFF, Event.CLAIM}),
+    # the claim's answer, or its lookup's end: ask, or follow the placement it found;
+    # refused, back off. Nothing is held yet to award, and the claim is asked for already
     Phase.CLAIMING: frozenset({Event.PROBE, Event.BROADCAST, Event.BACK_OFF, Event.FOLLOW}),
-    Phase.PROBING: _ASKING,
-    Phase.BROADCASTING: _ASKING,
-    Phase.AWARDING: _ASKING,
-    Phase.BACKING_OFF: frozenset(Event),
-    Phase.FOLLOWING: _ASKING,
+    # the answers decide: award, widen (the next round, the exhaustive step, a recheck of
+    # nodes with more room), stand back or back off, or follow another's placement
+    Phase.PROBING: frozenset(
+        {Event.PROBE, Event.BROADCAST, Event.AWARD, Event.BACK_OFF, Event.FOLLOW}
+    ),
+    Phase.BROADCASTING: frozenset(
+        {Event.PROBE, Event.BROADCAST, Event.AWARD, Event.BACK_OFF, Event.FOLLOW}
+    ),
+    # a refusal or an award given up: a spare fills the gap (award), else ask again, or
+    # stand back, or follow; a late offer fills a gap (award)
+    Phase.AWARDING: frozenset(
+        {Event.PROBE, Event.BROADCAST, Event.AWARD, Event.BACK_OFF, Event.FOLLOW}
+    ),
+    # the retry timer: the busy nodes (probe), from the roster or every node, the claim
+    # again, follow, or wait for a keeper's sample (back off); a late offer that fills
+    # the gap (award), or one another requestor with precedence makes us let go
+    Phase.BACKING_OFF: frozenset(
+        {Event.PROBE, Event.BROADCAST, Event.AWARD, Event.BACK_OFF, Event.FOLLOW, Event.CLAIM}
+    ),
+    # a lookup's end: the owner let go (ask again: probe, broadcast, or wait for a keeper's
+    # sample), or the deferred decision (award, or stand back until the owner is done,
+    # after which the retry follows again: following never follows from here directly)
+    Phase.FOLLOWING: frozenset({Event.PROBE, Event.BROADCAST, Event.AWARD, Event.BACK_OFF}),
 }
 
 #: the phases in which answers to an attempt are being gathered

@@ -27,9 +27,14 @@ the machine and raises :class:`ProtocolBug` (as h11's ``_state.py`` does).
                    requestor with precedence goes first, or  BROADCAST, AWARD (a late offer
                    the id is claimed elsewhere               fills the gap), BACK_OFF, FOLLOW,
                                                              CLAIM (claimed elsewhere: again)
-    FOLLOWING      another requestor owns the placement: we  BACK_OFF, PROBE, BROADCAST
-                   look the id up until it is whole          (the owner let go), AWARD,
-                                                             FOLLOW
+    FOLLOWING      another requestor owns the placement: we  BACK_OFF (until the owner is
+                   look the id up until it is whole          done), PROBE, BROADCAST (the
+                                                             owner let go), AWARD
+
+A claim is asked for only first or after a pause, never mid-conversation; nothing is
+awarded before anything is asked; and following goes on through a pause (BACK_OFF, then
+FOLLOW), never from FOLLOWING itself. An event in a phase that does not list it is a
+:class:`ProtocolBug` (tests/unit/test_conversation_table.py provokes each one).
 
 Any phase may end in a placement or a failure; the conversation is then dropped.
 """
@@ -41,11 +46,12 @@ from enum import Enum
 from typing import Final
 
 from reservoir.protocol.contention import IdContention
+from reservoir.protocol.effects import CancelTimer, Effect, SetTimer
 from reservoir.protocol.errors import ProtocolBug
 from reservoir.protocol.messages import NO_FEATURES, Decline, Offer
 from reservoir.protocol.placement import PlacedAllocation, PlacementRequest
 from reservoir.protocol.policies import Candidate
-from reservoir.protocol.timers import ConversationTimer, TimerKind
+from reservoir.protocol.timers import PER_ATTEMPT, ConversationTimer, TimerKind
 
 __all__ = ["TRANSITIONS", "Awarded", "Conversation", "Event", "Held", "Phase", "ProtocolBug"]
 
@@ -90,19 +96,38 @@ _TARGET: Final = {
     Event.CLAIM: Phase.CLAIMING,
 }
 
-#: every event but a claim, which is asked for only before anything else, or again after
-#: a pause
-_ASKING: Final = frozenset(Event) - {Event.CLAIM}
-
-#: phase -> the events allowed in it; each event leads to one phase (``_TARGET``)
+#: phase -> the events the machine may take in it; each event leads to one phase
+#: (``_TARGET``). Every pair listed is one a path of the machine takes (the comment names
+#: it); any other is a bug in the machine, and :meth:`Conversation.enter` raises.
 TRANSITIONS: Final[dict[Phase, frozenset[Event]]] = {
+    # place(): ask (a keeper's sample awaited: back off), or claim a caller-chosen id
     Phase.NEW: frozenset({Event.PROBE, Event.BROADCAST, Event.BACK_OFF, Event.CLAIM}),
+    # the claim's answer, or its lookup's end: ask, or follow the placement it found;
+    # refused, back off. Nothing is held yet to award, and the claim is asked for already
     Phase.CLAIMING: frozenset({Event.PROBE, Event.BROADCAST, Event.BACK_OFF, Event.FOLLOW}),
-    Phase.PROBING: _ASKING,
-    Phase.BROADCASTING: _ASKING,
-    Phase.AWARDING: _ASKING,
-    Phase.BACKING_OFF: frozenset(Event),
-    Phase.FOLLOWING: _ASKING,
+    # the answers decide: award, widen (the next round, the exhaustive step, a recheck of
+    # nodes with more room), stand back or back off, or follow another's placement
+    Phase.PROBING: frozenset(
+        {Event.PROBE, Event.BROADCAST, Event.AWARD, Event.BACK_OFF, Event.FOLLOW}
+    ),
+    Phase.BROADCASTING: frozenset(
+        {Event.PROBE, Event.BROADCAST, Event.AWARD, Event.BACK_OFF, Event.FOLLOW}
+    ),
+    # a refusal or an award given up: a spare fills the gap (award), else ask again, or
+    # stand back, or follow; a late offer fills a gap (award)
+    Phase.AWARDING: frozenset(
+        {Event.PROBE, Event.BROADCAST, Event.AWARD, Event.BACK_OFF, Event.FOLLOW}
+    ),
+    # the retry timer: the busy nodes (probe), from the roster or every node, the claim
+    # again, follow, or wait for a keeper's sample (back off); a late offer that fills
+    # the gap (award), or one another requestor with precedence makes us let go
+    Phase.BACKING_OFF: frozenset(
+        {Event.PROBE, Event.BROADCAST, Event.AWARD, Event.BACK_OFF, Event.FOLLOW, Event.CLAIM}
+    ),
+    # a lookup's end: the owner let go (ask again: probe, broadcast, or wait for a keeper's
+    # sample), or the deferred decision (award, or stand back until the owner is done,
+    # after which the retry follows again: following never follows from here directly)
+    Phase.FOLLOWING: frozenset({Event.PROBE, Event.BROADCAST, Event.AWARD, Event.BACK_OFF}),
 }
 
 #: the phases in which answers to an attempt are being gathered
@@ -153,7 +178,7 @@ class Conversation:
     broadcast_at: float = 0.0
     collect_timer_set: bool = False
     busy_rounds: int = 0
-    #: rounds over every tier in which no node answered at all (see ``_start_over``)
+    #: rounds over every tier in which no node answered at all (see ``Deciding.start_over``)
     unheard_rounds: int = 0
     #: answers from nodes (offers, declines, acceptances, refusals, "already placed")
     #: since the conversation began, and how many of them came before the current pass
@@ -197,6 +222,32 @@ class Conversation:
         if event not in TRANSITIONS[self.phase]:
             raise ProtocolBug(f"{self.request_id}: {event.value} is not allowed {self.phase.value}")
         self.phase = _TARGET[event]
+
+    def set_timer(self, kind: TimerKind, at: float, effects: list[Effect]) -> None:
+        """Arm the conversation's timer of ``kind`` (one per kind: a later one replaces
+        it), keyed by the attempt for the kinds that belong to one."""
+        attempt = self.attempt if kind in PER_ATTEMPT else 0
+        key = self.armed[kind] = ConversationTimer(self.request_id, kind, attempt)
+        effects.append(SetTimer(key, at))
+
+    def cancel_timer(self, kind: TimerKind, effects: list[Effect]) -> None:
+        """Cancel the conversation's timer of ``kind``, if one is armed. Only armed timers
+        are cancelled: a conversation cancels its collect and widen timers at every
+        attempt and all six kinds when it ends, and a cancel for a timer never set was
+        an effect (and a driver operation) for nothing, ten of them per placement."""
+        key = self.armed.pop(kind, None)
+        if key is not None:
+            effects.append(CancelTimer(key))
+
+    def new_attempt(self, now: float, effects: list[Effect]) -> None:
+        """The request goes out again: the last attempt's windows close, and its answers
+        no longer count as this one's."""
+        self.cancel_timer(TimerKind.COLLECT, effects)
+        self.cancel_timer(TimerKind.WIDEN, effects)
+        self.attempt += 1
+        self.collect_timer_set = False
+        self.broadcast_at = now
+        self.expected.clear()
 
     @property
     def collecting(self) -> bool:

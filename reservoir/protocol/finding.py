@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 from reservoir.protocol.effects import CancelTimer, Dropped, Effect, Found, Publish, SetTimer
 from reservoir.protocol.messages import (
+    IN_FLIGHT_ELSEWHERE,
     AlreadyPlaced,
     Decline,
     Lookup,
@@ -43,7 +44,6 @@ from reservoir.protocol.messages import (
     check_ids,
     lookup_topic,
 )
-from reservoir.protocol.node import IN_FLIGHT_ELSEWHERE
 from reservoir.protocol.placement import Holdings, PlacedAllocation, Placement
 
 __all__ = ["FindTimer", "Finding"]

@@ -73,6 +73,7 @@ __all__ = [
     "FEATURE_PATTERN",
     "IDENTIFIER_MAX_LENGTH",
     "IDENTIFIER_PATTERN",
+    "IN_FLIGHT_ELSEWHERE",
     "KEEPER_TOPIC",
     "LOOKUP_BUCKETS",
     "MAX_FEATURES",
@@ -513,6 +514,11 @@ class Reason(_Frozen, frozen=True, kw_only=True):
     #: for a resource: how much more the node would need
     shortfall: int | None = None
     detail: Annotated[str, Meta(max_length=500)] = ""
+
+
+#: Decline reason: another requestor holds a reservation for the same request id here
+#: (a node says it; a requestor and a finder act on it).
+IN_FLIGHT_ELSEWHERE: Final = "in_flight_elsewhere"
 
 
 #: What a task can be doing, as a node reports it: ``starting`` (awarded, its driver

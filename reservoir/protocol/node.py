@@ -41,7 +41,7 @@ it offers, so that a ``Lookup`` for the id reaches it and no node that holds not
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -76,6 +76,7 @@ from reservoir.protocol.filters import (
 )
 from reservoir.protocol.ledger import Allocation, Inventory, Ledger, Reservation
 from reservoir.protocol.messages import (
+    IN_FLIGHT_ELSEWHERE,
     MESSAGE_CLASSES,
     REJOINED_TOPIC,
     ROOM_TOPIC,
@@ -100,6 +101,7 @@ from reservoir.protocol.messages import (
     Release,
     ReservationRequest,
     ResourceTally,
+    RollCall,
     TaskQuery,
     TaskState,
     bucket_bitmap,
@@ -114,7 +116,6 @@ from reservoir.protocol.tiers import DEFAULT_LADDER, TierLadder
 
 __all__ = [
     "EXPIRY_TIMER",
-    "IN_FLIGHT_ELSEWHERE",
     "OVERCOMMITTED",
     "TASK_DRIVER_MISSING",
     "UNKNOWN_FEATURE",
@@ -122,8 +123,6 @@ __all__ = [
     "NodeMachine",
 ]
 
-#: Decline reason: another requestor holds a reservation for the same request id here.
-IN_FLIGHT_ELSEWHERE: Final = "in_flight_elsewhere"
 #: Decline reason: the request's task names a task driver this node does not offer.
 TASK_DRIVER_MISSING: Final = "task_driver"
 #: Decline reason: the request needs a feature this node's release does not know
@@ -317,31 +316,17 @@ class NodeMachine:
     def handle(self, message: Message, now: float) -> list[Effect]:
         effects: list[Effect] = []
         self._expire(now, effects)
-        # Dispatched on the wire's discriminator, not isinstance: see RequestorMachine.handle
-        if type(message) not in MESSAGE_CLASSES:
+        # Dispatched through a table of the classes a node takes: one dict lookup for any
+        # kind, where isinstance tests would run one per kind before the right one
+        handler = _HANDLERS.get(type(message))
+        if handler is not None:
+            handler(self, message, now, effects)
+        elif type(message) in MESSAGE_CLASSES:
+            effects.append(Dropped("unexpected", f"a node does not take {message.kind!r}"))
+        else:
             effects.append(
                 Dropped("unexpected", f"a node does not take a {type(message).__name__}")
             )
-        elif message.kind == "request":
-            self._on_request(message, now, effects)
-        elif message.kind == "award":
-            self._on_award(message, effects)
-        elif message.kind == "release":
-            self._on_release(message, effects)
-        elif message.kind == "free":
-            self._on_free(message, effects)
-        elif message.kind == "lookup":
-            self._on_lookup(message, effects)
-        elif message.kind == "roll_call":
-            self._keepers_listen = self._keepers_listen or message.from_keeper
-            if not self.stopping:
-                effects.append(Send(message.reply_to, self._status(answering=True)))
-        elif message.kind == "ledger_query":
-            effects.extend(Send(message.reply_to, r) for r in self.ledger_report(message, now))
-        elif message.kind == "task_query":
-            self._on_task_query(message, effects)
-        else:
-            effects.append(Dropped("unexpected", f"a node does not take {message.kind!r}"))
         self._sync_lookups(effects)
         self._retier(effects)
         self._schedule_expiry(effects)
@@ -451,7 +436,7 @@ class NodeMachine:
             task.stop_reason = why
             effects.append(StopTask(allocation_id, task.driver, task.stop_grace_s))
 
-    def _on_task_query(self, query: TaskQuery, effects: list[Effect]) -> None:
+    def _on_task_query(self, query: TaskQuery, now: float, effects: list[Effect]) -> None:
         tasks = self.tasks.all() if query.every else self.tasks.of_request(query.request_id)
         for task in tasks:
             effects.append(Send(query.reply_to, self._task_message(task.report(), answering=True)))
@@ -563,7 +548,15 @@ class NodeMachine:
 
     # -- messages ----------------------------------------------------------------------
 
-    def _on_lookup(self, lookup: Lookup, effects: list[Effect]) -> None:
+    def _on_roll_call(self, roll_call: RollCall, now: float, effects: list[Effect]) -> None:
+        self._keepers_listen = self._keepers_listen or roll_call.from_keeper
+        if not self.stopping:
+            effects.append(Send(roll_call.reply_to, self._status(answering=True)))
+
+    def _on_ledger_query(self, query: LedgerQuery, now: float, effects: list[Effect]) -> None:
+        effects.extend(Send(query.reply_to, r) for r in self.ledger_report(query, now))
+
+    def _on_lookup(self, lookup: Lookup, now: float, effects: list[Effect]) -> None:
         placed = self._already_placed(
             lookup.request_id, lookup.reply_to, effects, with_tasks=lookup.following
         )
@@ -666,7 +659,7 @@ class NodeMachine:
                     reasons=(reason,),
                 )
             else:
-                answer = msgspec.structs.replace(self._decline(request), reasons=(reason,))
+                answer = self._decline(request, reasons=(reason,))
             effects.append(Send(request.reply_to, answer))
             return
         if request.dry_run:
@@ -706,14 +699,8 @@ class NodeMachine:
             self.counters["refused_overcommitted"] += 1
             if request.probed_node or request.declines_wanted or request.explain:
                 reason = Reason(code=OVERCOMMITTED, detail="; ".join(self.overcommitted())[:500])
-                effects.append(
-                    Send(
-                        request.reply_to,
-                        msgspec.structs.replace(
-                            self._decline(request), reasons=(reason,) if request.explain else ()
-                        ),
-                    )
-                )
+                reasons = (reason,) if request.explain else ()
+                effects.append(Send(request.reply_to, self._decline(request, reasons=reasons)))
             return
         refused = self._task_refusal(request)
         if refused is not None:
@@ -737,21 +724,13 @@ class NodeMachine:
                 or members
                 or group_reasons
             ):
-                effects.append(
-                    Send(
-                        request.reply_to,
-                        Decline(
-                            request_id=request.request_id,
-                            sender=self.name,
-                            reply_to=self.config.address,
-                            attempt=request.attempt,
-                            busy=evaluation.busy,
-                            reasons=evaluation.reasons if request.explain else told,
-                            group_members=members,
-                            room=self.ledger.room(),
-                        ),
-                    )
+                decline = self._decline(
+                    request,
+                    busy=evaluation.busy,
+                    reasons=evaluation.reasons if request.explain else told,
+                    group_members=members,
                 )
+                effects.append(Send(request.reply_to, decline))
             return
         self._sequence += 1
         reservation = Reservation(
@@ -798,12 +777,22 @@ class NodeMachine:
             )[:500],
         )
 
-    def _decline(self, request: ReservationRequest) -> Decline:
+    def _decline(
+        self,
+        request: ReservationRequest,
+        *,
+        reasons: tuple[Reason, ...] = (),
+        busy: bool = False,
+        group_members: int = 0,
+    ) -> Decline:
         return Decline(
             request_id=request.request_id,
             sender=self.name,
             reply_to=self.config.address,
             attempt=request.attempt,
+            busy=busy,
+            reasons=reasons,
+            group_members=group_members,
             room=self.ledger.room(),
         )
 
@@ -849,7 +838,7 @@ class NodeMachine:
     def _group_members(self, request: ReservationRequest) -> int:
         return self.ledger.group_members(request.group.name) if request.group else 0
 
-    def _on_award(self, award: Award, effects: list[Effect]) -> None:
+    def _on_award(self, award: Award, now: float, effects: list[Effect]) -> None:
         reservation = self.ledger.reservations.get(award.reservation_id)
         if reservation is None:
             done = self.ledger.allocations_from(award.reservation_id)
@@ -949,7 +938,7 @@ class NodeMachine:
             ),
         )
 
-    def _on_release(self, release: Release, effects: list[Effect]) -> None:
+    def _on_release(self, release: Release, now: float, effects: list[Effect]) -> None:
         reservation = self.ledger.reservations.get(release.reservation_id)
         if reservation is None:
             effects.append(Dropped("late_release", f"no reservation {release.reservation_id}"))
@@ -965,7 +954,7 @@ class NodeMachine:
             self.ledger.pop_reservation(release.reservation_id)
             self.counters["released"] += 1
 
-    def _on_free(self, free: Free, effects: list[Effect]) -> None:
+    def _on_free(self, free: Free, now: float, effects: list[Effect]) -> None:
         reservation: Reservation | None = None
         if free.allocation_ids:
             wanted = [self.ledger.allocations.get(a) for a in free.allocation_ids]
@@ -1110,6 +1099,20 @@ class NodeMachine:
         if self._expiry_at is None or deadline < self._expiry_at:
             self._expiry_at = deadline
             effects.append(SetTimer(EXPIRY_TIMER, deadline))
+
+
+#: the node's handler of each message class it takes: one dict lookup per message,
+#: whatever its kind
+_HANDLERS: Final[dict[type[Message], Callable[[NodeMachine, Any, float, list[Effect]], None]]] = {
+    ReservationRequest: NodeMachine._on_request,
+    Award: NodeMachine._on_award,
+    Release: NodeMachine._on_release,
+    Free: NodeMachine._on_free,
+    Lookup: NodeMachine._on_lookup,
+    RollCall: NodeMachine._on_roll_call,
+    LedgerQuery: NodeMachine._on_ledger_query,
+    TaskQuery: NodeMachine._on_task_query,
+}
 
 
 def _grew(before: dict[str, int] | None, room: dict[str, int]) -> bool:

@@ -62,7 +62,8 @@ from reservoir.protocol.placement import (
     PlacementRequest,
 )
 from reservoir.protocol.policies import Policy, policy_named
-from reservoir.protocol.requestor import RequestorConfig, RequestorMachine
+from reservoir.protocol.requestor import RequestorMachine
+from reservoir.protocol.requestor_state import RequestorConfig
 from reservoir.protocol.tasks import ENDED_STATES
 from reservoir.protocol.timers import ConversationTimer, FreeTimer
 from reservoir.runtime.checked_request import CheckedRequest

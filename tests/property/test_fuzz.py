@@ -42,7 +42,8 @@ from reservoir.protocol.messages import (
 )
 from reservoir.protocol.node import NodeConfig, NodeMachine
 from reservoir.protocol.placement import PlacementRequest
-from reservoir.protocol.requestor import RequestorConfig, RequestorMachine
+from reservoir.protocol.requestor import RequestorMachine
+from reservoir.protocol.requestor_state import RequestorConfig
 from reservoir.protocol.timers import ConversationTimer, FreeTimer, TimerKind
 from reservoir.runtime.wire import Codec, DecodeError
 

@@ -42,7 +42,8 @@ from reservoir.protocol.messages import (
 )
 from reservoir.protocol.node import UNKNOWN_FEATURE, NodeConfig, NodeMachine
 from reservoir.protocol.placement import PlacementError, PlacementRequest
-from reservoir.protocol.requestor import RequestorConfig, RequestorMachine
+from reservoir.protocol.requestor import RequestorMachine
+from reservoir.protocol.requestor_state import RequestorConfig
 from reservoir.runtime.settings import Settings
 from reservoir.runtime.wire import Codec
 

@@ -18,6 +18,7 @@ from reservoir.brokers.inprocess import InProcessBroker
 from reservoir.protocol.effects import Found, Publish, SetTimer
 from reservoir.protocol.finding import Finding, FindTimer
 from reservoir.protocol.messages import (
+    IN_FLIGHT_ELSEWHERE,
     AllocationInfo,
     AlreadyPlaced,
     Decline,
@@ -28,7 +29,6 @@ from reservoir.protocol.messages import (
     encode_message,
     lookup_topic,
 )
-from reservoir.protocol.node import IN_FLIGHT_ELSEWHERE
 from reservoir.protocol.placement import Holdings
 from reservoir.runtime.requestor import FindIncomplete
 from reservoir.runtime.store import MemoryStore

@@ -43,7 +43,8 @@ from reservoir.protocol.messages import (
     lookup_topic,
 )
 from reservoir.protocol.placement import PlacementRequest, PlacementTimeout
-from reservoir.protocol.requestor import RequestorConfig, RequestorMachine
+from reservoir.protocol.requestor import RequestorMachine
+from reservoir.protocol.requestor_state import RequestorConfig
 from reservoir.protocol.room import NOTHING_FREE
 
 T0 = 1000.0

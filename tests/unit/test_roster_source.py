@@ -17,7 +17,7 @@ from reservoir.protocol.messages import (
     RosterQuery,
     RosterSample,
 )
-from reservoir.protocol.requestor import LatencyEstimate
+from reservoir.protocol.requestor_state import LatencyEstimate
 from reservoir.protocol.roster import Roster, Sampler
 from reservoir.protocol.roster_source import RosterFrom, RosterSource, SourceConfig
 from reservoir.protocol.tiers import DEFAULT_LADDER

@@ -93,7 +93,8 @@ def machine_messages() -> list[Message]:
     from reservoir.protocol.messages import RollCall, RosterQuery
     from reservoir.protocol.node import NodeConfig, NodeMachine
     from reservoir.protocol.placement import PlacementRequest
-    from reservoir.protocol.requestor import RequestorConfig, RequestorMachine
+    from reservoir.protocol.requestor import RequestorMachine
+    from reservoir.protocol.requestor_state import RequestorConfig
 
     def said(effects: list[Any]) -> list[Message]:
         return [e.message for e in effects if isinstance(e, Send | Publish)]

@@ -64,7 +64,8 @@ from reservoir.protocol.ledger import Allocation, Inventory
 from reservoir.protocol.messages import Message
 from reservoir.protocol.node import NodeConfig, NodeMachine
 from reservoir.protocol.placement import PlacedAllocation, Placement, PlacementRequest
-from reservoir.protocol.requestor import RequestorConfig, RequestorMachine
+from reservoir.protocol.requestor import RequestorMachine
+from reservoir.protocol.requestor_state import RequestorConfig
 from reservoir.tools.simulator.calendar import LaterSeconds
 from reservoir.tools.simulator.capacity import FreeIndex
 from reservoir.tools.simulator.memory import collector_paused, roster_bytes_per_entry

@@ -37,7 +37,8 @@ What kombu's public API cannot do, and what this module uses instead:
 - *Publishing without kombu's* ``Producer``: the driver builds the ``amqp.Message`` and calls
   the publish channel's ``basic_publish`` (public methods of py-amqp, which kombu's
   ``Producer.publish`` ends in after re-deriving the same properties on every call), a
-  layer that cost a tenth of the IO thread per message (docs/performance.md); returned
+  layer that cost a tenth of the IO thread per message (docs/performance.md, "Adapter
+  speed"); returned
   messages come from the channel's ``events["basic_return"]``, where the ``Producer``
   would have registered the same callback.
 

@@ -301,7 +301,8 @@ class RequestorMachine:
         deciding = self.deciding
         # Dispatched on the wire's discriminator, not by isinstance: a status, the message
         # a requestor hears most (every node's announcements), would go through a test per
-        # kind before its branch (docs/performance.md, under reservoir simulate).
+        # kind before its branch (docs/performance.md, "`reservoir simulate`: the machines per
+        # arrival").
         if type(message) not in MESSAGE_CLASSES:
             effects.append(
                 Dropped("unexpected", f"a requestor does not take a {type(message).__name__}")

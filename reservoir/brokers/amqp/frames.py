@@ -21,7 +21,7 @@ and decoder); the layout is the AMQP 0-9-1 specification's, section 4.2.
 Why: under ``reservoir bench`` on RabbitMQ, pika's general path (a ``Method`` and a
 ``Frame`` object per frame, ``BasicProperties`` decoded field by field, a callback lookup
 per frame, the frame buffer copied once per frame) was a quarter of each process's CPU;
-docs/performance.md has the profile and the figures before and after.
+docs/performance.md, "The pika driver", has the figures before and after.
 """
 
 from __future__ import annotations

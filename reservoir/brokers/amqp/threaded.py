@@ -18,8 +18,8 @@ A handler runs on the dispatcher thread unless its endpoint was opened ``inline`
 blocking ``bind`` there would wait for the IO thread, that is for itself. An inline handler
 runs on the IO thread as the message is read, and what it sends is carried out as soon as it
 returns, without waking the IO thread through the client library: two thread hand-overs
-fewer per message each way (docs/performance.md measures the quicker round trip and the
-CPU saved per placement). Its ``bind`` and ``unbind`` raise, and its
+fewer per message each way (docs/performance.md, "The runtime", measures the quicker
+round trip and the CPU saved per placement). Its ``bind`` and ``unbind`` raise, and its
 endpoint's ``blocking_allowed()`` is False, so a caller such as reservoir's driver hands a
 bind to a thread of its own.
 """

@@ -25,7 +25,7 @@ Fixtures:
   own and removes them;
 - ``reservoir_process_cluster``: a :class:`~reservoir.testing.ProcessCluster` on
   ``reservoir_amqp_url``, its state in the test's ``tmp_path``: real ``reservoir node``
-  processes and commands; whatever still runs is killed when the test ends.
+  processes and commands; whatever still runs is stopped when the test ends.
 
 It adds fixtures and nothing else: no command-line option, no marker and no collection
 hook, so it never clashes with a project's own ``--run-slow`` or ``slow`` marker and never

@@ -8,7 +8,7 @@ broker.
   its end;
 - :class:`ProcessCluster`: node processes and commands sharing one broker URL (give it the
   ``reservoir_amqp_url`` fixture's, an exchange of the test's own) and one state
-  directory; :meth:`ProcessCluster.close` kills whatever is still running.
+  directory; :meth:`ProcessCluster.close` stops whatever is still running.
 
 The children run ``sys.executable -m reservoir`` with the environment given (by default
 this process's, with ``RESERVOIR_BROKER_URL`` set), so they run the reservoir this test
@@ -30,6 +30,7 @@ from pathlib import Path
 from types import TracebackType
 
 __all__ = [
+    "NODE_READY",
     "READY_TIMEOUT_S",
     "ProcessCluster",
     "ReservoirProcess",
@@ -40,6 +41,9 @@ __all__ = [
 #: how long :meth:`ReservoirProcess.wait_for` waits by default: a node is ready in about a
 #: second; only a broken start waits this long
 READY_TIMEOUT_S = 30.0
+#: what ``reservoir node`` says once it is ready (``node <name>: ready on <broker>; ...``);
+#: "ready" alone would match its "already connected" while another holds its name
+NODE_READY = ": ready on "
 
 
 def run_reservoir(
@@ -127,10 +131,14 @@ class ProcessCluster:
     """Node processes and commands on one broker ``url``, with one ``state_dir``.
 
     ``env``: the children's environment; by default this process's with
-    ``RESERVOIR_BROKER_URL`` set to ``url``. Every process started is in :attr:`started`
-    and :meth:`close` kills those still running; the nodes are in :attr:`nodes` too."""
+    ``RESERVOIR_BROKER_URL`` set to ``url``. ``state_dir``: where the nodes keep their
+    ledgers (``--state-dir``); None starts them without one. Every process started is in
+    :attr:`started` and :meth:`close` stops those still running; the nodes are in
+    :attr:`nodes` too."""
 
-    def __init__(self, url: str, state_dir: Path, env: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self, url: str, state_dir: Path | None = None, env: Mapping[str, str] | None = None
+    ) -> None:
         self.url = url
         self.state_dir = state_dir
         self.env: dict[str, str] = (
@@ -154,24 +162,14 @@ class ProcessCluster:
         vcpus: int = 8,
         memory_mb: int = 16384,
         env: Mapping[str, str] | None = None,
-        ready: str = "ready",
+        ready: str = NODE_READY,
     ) -> ReservoirProcess:
         """Start ``reservoir node --name <name>`` of that size, its state in
-        :attr:`state_dir`, with further options ``args``; returns once it says ``ready``."""
-        node = self.start(
-            name,
-            "node",
-            "--name",
-            name,
-            "--vcpus",
-            str(vcpus),
-            "--memory-mb",
-            str(memory_mb),
-            "--state-dir",
-            str(self.state_dir),
-            *args,
-            env=env,
-        )
+        :attr:`state_dir`, with further options ``args``; returns once it says it is ready
+        (:data:`NODE_READY`, or the ``ready`` text given)."""
+        where = [] if self.state_dir is None else ["--state-dir", str(self.state_dir)]
+        size = ["--vcpus", str(vcpus), "--memory-mb", str(memory_mb)]
+        node = self.start(name, "node", "--name", name, *size, *where, *args, env=env)
         node.wait_for(ready)
         self.nodes[name] = node
         return node
@@ -182,10 +180,18 @@ class ProcessCluster:
         """``reservoir <args>`` run to its end (see :func:`run_reservoir`)."""
         return run_reservoir(*args, env=self.env if env is None else env, timeout_s=timeout_s)
 
-    def close(self) -> None:
-        """Kill every process started that still runs."""
-        for child in self.started:
-            child.kill()
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop every process started that still runs: SIGTERM to all of them, then SIGKILL
+        to whichever has not ended within ``timeout_s``."""
+        running = [child for child in self.started if child.running]
+        for child in running:
+            child.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for child in running:
+            try:
+                child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.kill()
 
     def __enter__(self) -> ProcessCluster:
         return self

@@ -68,8 +68,8 @@ from reservoir.protocol.policies import Policy, policy_named
 from reservoir.protocol.requestor import RequestorConfig, RequestorMachine
 from reservoir.protocol.tasks import ENDED_STATES
 from reservoir.protocol.timers import ConversationTimer, FreeTimer
-from reservoir.runtime.driver import Driver, Outcome
 from reservoir.runtime.finding import Finder
+from reservoir.runtime.machine_runner import Driver, Outcome
 from reservoir.runtime.output_reader import (
     FOLLOW_WAIT_S,
     OutputNotKnown,

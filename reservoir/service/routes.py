@@ -25,8 +25,8 @@ from reservoir.protocol.messages import InvalidField
 from reservoir.protocol.placement import Holdings, Placement, PlacementError, PlacementRequest
 from reservoir.runtime.output_reader import OutputPiece, OutputReader, OutputUnreachable
 from reservoir.runtime.requestor import RequestorClosed
-from reservoir.service.lifespan import ReservoirService
 from reservoir.service.problems import ProblemRoute
+from reservoir.service.reservoir_service import ReservoirService
 from reservoir.service.shapes import (
     PROBLEM_JSON,
     NodeOut,

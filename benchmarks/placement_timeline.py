@@ -141,7 +141,7 @@ if _DIR:
         connection._on_data_available = read
 
     _PENDING = {
-        "reservoir.runtime.driver": _driver,
+        "reservoir.runtime.machine_runner": _driver,
         "reservoir.brokers.amqp.threaded": _endpoint,
         "reservoir.runtime.requestor": _requestor,
         "reservoir.brokers.pika_broker": _socket,

@@ -7,7 +7,9 @@ this suite's own: the pytest plugin reservoir
 installs for its users adds none. The report's header says where the RabbitMQ tests' broker
 comes from (the URL in ``RESERVOIR_TEST_AMQP_URL``, or a testcontainers image). The
 ``benchmark_script`` fixture loads a script of ``benchmarks/`` for its tests; ``task_files``
-is a directory the (unprivileged) tasks of a test's nodes can use."""
+is a directory the (unprivileged) tasks of a test's nodes can use; ``broker`` is the
+in-process broker most tests run on (the plugin's ``reservoir_broker``; the contract and
+integration suites define a ``broker`` of their own)."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import pytest
 from hypothesis import settings
 
 from reservoir.brokers import BrokerUrl
+from reservoir.brokers.inprocess import InProcessBroker
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -98,3 +101,10 @@ def task_files() -> Iterator[Path]:
     directory.chmod(0o777)
     yield directory
     shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture
+def broker(reservoir_broker: InProcessBroker) -> InProcessBroker:
+    """The plugin's ``reservoir_broker``, under the name the suite's tests give it: the
+    broker of the plugin's ``reservoir_cluster`` too, closed when the test ends."""
+    return reservoir_broker

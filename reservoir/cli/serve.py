@@ -24,7 +24,7 @@ from reservoir.cli.options import (
     shown_url,
     usage_error,
 )
-from reservoir.service.lifespan import DEFAULT_DRAIN_TIMEOUT_S
+from reservoir.service.reservoir_service import DEFAULT_DRAIN_TIMEOUT_S
 from reservoir.service.shapes import DEFAULT_MAX_BODY_BYTES
 from reservoir.version import install_hint
 
@@ -226,7 +226,7 @@ def draining_server(config: uvicorn.Config, drain_timeout_s: float) -> uvicorn.S
     in flight into a bare 500 and run the lifespan's drain after it."""
     import uvicorn
 
-    from reservoir.service.lifespan import ReservoirService
+    from reservoir.service.reservoir_service import ReservoirService
 
     class DrainingServer(uvicorn.Server):
         async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:

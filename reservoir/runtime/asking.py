@@ -22,7 +22,7 @@ from reservoir.observe.metrics import Metrics
 from reservoir.protocol.addresses import requestor_address
 from reservoir.protocol.effects import Dropped, Effect, Publish
 from reservoir.protocol.messages import Message
-from reservoir.runtime.driver import Driver
+from reservoir.runtime.machine_runner import Driver
 from reservoir.runtime.settings import Settings
 
 __all__ = ["AskEveryNode"]

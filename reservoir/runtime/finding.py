@@ -24,7 +24,7 @@ from reservoir.protocol.effects import Effect, Found
 from reservoir.protocol.finding import Finding, FindTimer
 from reservoir.protocol.messages import Message
 from reservoir.protocol.placement import Holdings, Placement
-from reservoir.runtime.driver import Driver, Outcome
+from reservoir.runtime.machine_runner import Driver, Outcome
 from reservoir.runtime.settings import Settings
 
 __all__ = ["Finder"]

@@ -26,7 +26,7 @@ from reservoir.protocol.addresses import requestor_address
 from reservoir.protocol.effects import Effect
 from reservoir.protocol.keeper import KeeperConfig, KeeperMachine
 from reservoir.protocol.messages import Message
-from reservoir.runtime.driver import Driver
+from reservoir.runtime.machine_runner import Driver
 from reservoir.runtime.node_agent import REJOIN_CHECK_S
 from reservoir.runtime.settings import Settings
 

@@ -57,9 +57,9 @@ from reservoir.protocol.messages import (
 from reservoir.protocol.node import NodeConfig, NodeMachine
 from reservoir.protocol.numa import NumaTopology
 from reservoir.protocol.placement import SHORTHAND_CLASSES
-from reservoir.runtime.driver import Driver, Outcome
 from reservoir.runtime.keys import KeyConfigError
 from reservoir.runtime.keys.nodes import key_standing
+from reservoir.runtime.machine_runner import Driver, Outcome
 from reservoir.runtime.output_desk import OutputDesk
 from reservoir.runtime.plugins import load_filters, load_weighers
 from reservoir.runtime.settings import Settings

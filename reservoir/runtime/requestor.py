@@ -67,8 +67,8 @@ from reservoir.protocol.requestor_state import RequestorConfig
 from reservoir.protocol.tasks import ENDED_STATES
 from reservoir.protocol.timers import ConversationTimer, FreeTimer
 from reservoir.runtime.checked_request import CheckedRequest
-from reservoir.runtime.driver import Driver, Outcome
 from reservoir.runtime.finding import Finder
+from reservoir.runtime.machine_runner import Driver, Outcome
 from reservoir.runtime.output_reader import (
     FOLLOW_WAIT_S,
     OutputNotKnown,

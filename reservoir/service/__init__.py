@@ -3,8 +3,9 @@ ASGI app mounts.
 
 - :mod:`.shapes`: the HTTP shapes (pydantic) and :class:`Problem`, answered as
   ``application/problem+json`` (RFC 9457);
-- :mod:`.lifespan`: :class:`ReservoirService` (one shared requestor per process) and
-  :func:`reservoir_lifespan`, which opens it for an ASGI app's lifetime;
+- :mod:`.reservoir_service`: :class:`ReservoirService` (one shared requestor per process),
+  and :mod:`.lifespan`: :func:`reservoir_lifespan`, which opens it for an ASGI app's
+  lifetime;
 - :data:`router`: the whole service as one FastAPI ``APIRouter`` for a user's own app
   (:mod:`.embed`): :mod:`.routes`, the API routes, and :mod:`.dashboard`, the live
   dashboard (``/ui``) and ``/v1/activity`` over :mod:`.activity`, each replica's ring of
@@ -23,7 +24,8 @@ without the extra still imports.
 
 from typing import Any
 
-from reservoir.service.lifespan import DEFAULT_DRAIN_TIMEOUT_S, ReservoirService, reservoir_lifespan
+from reservoir.service.lifespan import reservoir_lifespan
+from reservoir.service.reservoir_service import DEFAULT_DRAIN_TIMEOUT_S, ReservoirService
 from reservoir.service.shapes import (
     AllocationOut,
     Identifier,

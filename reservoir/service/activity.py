@@ -79,7 +79,8 @@ def percentile(sorted_values: Sequence[float], fraction: float) -> float | None:
 
 class Activity:
     """The ring of a replica's outcomes and its summaries. Touched only by the event
-    loop's thread (as the rest of :class:`~reservoir.service.lifespan.ReservoirService`)."""
+    loop's thread (as the rest of
+    :class:`~reservoir.service.reservoir_service.ReservoirService`)."""
 
     def __init__(
         self, capacity: int = ACTIVITY_CAPACITY, now: Callable[[], float] = time.monotonic

@@ -24,7 +24,7 @@ from reservoir.brokers import BrokerUrl
 from reservoir.observe import tracing
 from reservoir.runtime.settings import Settings
 from reservoir.service.embed import router
-from reservoir.service.lifespan import DEFAULT_DRAIN_TIMEOUT_S, reservoir_lifespan
+from reservoir.service.lifespan import reservoir_lifespan
 from reservoir.service.metrics import ServiceMetrics
 from reservoir.service.problems import (
     ASGIApp,
@@ -37,6 +37,7 @@ from reservoir.service.problems import (
     internal_error,
     problem_response,
 )
+from reservoir.service.reservoir_service import DEFAULT_DRAIN_TIMEOUT_S
 from reservoir.service.shapes import DEFAULT_MAX_BODY_BYTES, PROBLEM_JSON, ProblemOut
 
 __all__ = ["add_problem_handlers", "create_app", "problem_openapi"]

@@ -26,8 +26,8 @@ from reservoir.protocol.placement import Holdings, Placement, PlacementError
 from reservoir.runtime.checked_request import CheckedRequest
 from reservoir.runtime.output_reader import OutputPiece, OutputReader, OutputUnreachable
 from reservoir.runtime.requestor import RequestorClosed
-from reservoir.service.lifespan import ReservoirService
 from reservoir.service.problems import ProblemRoute
+from reservoir.service.reservoir_service import ReservoirService
 from reservoir.service.shapes import (
     PROBLEM_JSON,
     NodeOut,

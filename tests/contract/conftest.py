@@ -62,16 +62,10 @@ def _on_rabbitmq(adapter: str) -> Callable[[pytest.FixtureRequest], Broker]:
     of its own, deleted afterwards."""
 
     def open_broker(request: pytest.FixtureRequest) -> Broker:
-        amqp_url: str = request.getfixturevalue("reservoir_amqp_broker_url")
-        separator = "&" if "?" in amqp_url else "?"
-        url = f"{amqp_url}{separator}exchange=contract-{uuid.uuid4().hex}"
-        broker = connect(f"kombu+{url}" if adapter == "kombu" else url)
-        # Registered before the broker fixture's own teardown, so it runs after broker.close()
-        # (the admin uses a connection of its own).
-        topology = admin(url)
-        assert topology is not None
-        request.addfinalizer(topology.delete_reservoir_exchanges)
-        return broker
+        # the plugin's fixture, asked for here, is torn down after the broker fixture: its
+        # exchanges are deleted after broker.close()
+        url: str = request.getfixturevalue("reservoir_amqp_url")
+        return connect(f"kombu+{url}" if adapter == "kombu" else url)
 
     return open_broker
 

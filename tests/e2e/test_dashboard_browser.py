@@ -10,13 +10,7 @@ fails the test (.ci/run installs chromium and chromium-driver with apt when miss
 from __future__ import annotations
 
 import os
-import queue
 import shutil
-import signal
-import socket
-import subprocess
-import sys
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -26,11 +20,11 @@ from typing import Any
 import httpx
 import pytest
 
-from reservoir.brokers import admin
+from reservoir.testing.processes import ProcessCluster, free_port
+from tests.e2e.serving import wait_until_ready
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.e2e]
 
-READY_TIMEOUT_S = 30.0
 RUN = uuid.uuid4().hex[:6]
 NODES = tuple(f"dash-{RUN}-{letter}" for letter in "abc")
 
@@ -57,87 +51,18 @@ def _browser() -> Any:
     return webdriver.Chrome(service=Service(executable_path=driver_path), options=options)
 
 
-class Child:
-    """A reservoir process and its stderr, line by line."""
-
-    def __init__(self, name: str, args: list[str], env: dict[str, str]) -> None:
-        self.name = name
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.seen: list[str] = []
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "reservoir.cli", *args],
-            env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-        )  # fmt: skip
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        assert self.process.stderr is not None
-        for line in self.process.stderr:
-            self.seen.append(line)
-            self.lines.put(line)
-
-    def wait_for(self, text: str) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while (remaining := deadline - time.monotonic()) > 0:
-            try:
-                if text in self.lines.get(timeout=remaining):
-                    return
-            except queue.Empty:
-                break
-        raise AssertionError(f"{self.name} never said {text!r}: {''.join(self.seen)}")
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
 @pytest.fixture
-def service(reservoir_amqp_broker_url: str, tmp_path: Path) -> Iterator[str]:
+def service(reservoir_amqp_url: str, tmp_path: Path) -> Iterator[str]:
     """The base URL of a ``reservoir serve`` before three node processes."""
-    separator = "&" if "?" in reservoir_amqp_broker_url else "?"
-    url = f"{reservoir_amqp_broker_url}{separator}exchange=e2e-dash-{uuid.uuid4().hex[:10]}"
-    env = {**os.environ, "RESERVOIR_BROKER_URL": url}  # PYTHONPATH: this tree's reservoir
-    children = [
-        Child(name, ["node", "--name", name, "--vcpus", str(4 * (i + 1)), "--memory-mb",
-                     "8192", "--state-dir", str(tmp_path)], env)
-        for i, name in enumerate(NODES)
-    ]  # fmt: skip
-    port = _free_port()
-    children.append(Child("serve", ["serve", "--port", str(port)], env))
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        for child in children[:-1]:
-            child.wait_for("ready")
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        with httpx.Client(base_url=base_url, timeout=2.0) as client:
-            while True:
-                assert children[-1].process.poll() is None, "".join(children[-1].seen)
-                try:
-                    if client.get("/readyz").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert time.monotonic() < deadline, "reservoir serve never became ready"
-                time.sleep(0.1)  # a real process starting: nothing to wait on but its port
+    # the environment passes through: PYTHONPATH says where this tree's reservoir is
+    with ProcessCluster(reservoir_amqp_url, tmp_path) as cluster:
+        for i, name in enumerate(NODES):
+            cluster.start_node(name, vcpus=4 * (i + 1), memory_mb=8192)
+        port = free_port()
+        cluster.start("serve", "serve", "--port", str(port))
+        base_url = f"http://127.0.0.1:{port}"
+        wait_until_ready(base_url, cluster.started[-1])
         yield base_url
-    finally:
-        for child in children:
-            child.stop()
-        topology = admin(url)
-        assert topology is not None
-        topology.delete_reservoir_exchanges()
 
 
 def _until(what: str, check: Callable[[], bool], timeout_s: float = 30.0) -> None:

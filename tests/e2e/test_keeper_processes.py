@@ -16,15 +16,12 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
-
-from reservoir.brokers import connect
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.e2e]
 
@@ -133,17 +130,12 @@ def wait_until(condition: Any, timeout_s: float = READY_TIMEOUT_S) -> None:
 
 
 @pytest.fixture
-def deployment(reservoir_amqp_broker_url: str, tmp_path: Path) -> Iterator[Deployment]:
-    exchange = f"e2e-keepers-{uuid.uuid4().hex[:10]}"
-    separator = "&" if "?" in reservoir_amqp_broker_url else "?"
-    url = f"{reservoir_amqp_broker_url}{separator}exchange={exchange}"
-    env = {**os.environ, "RESERVOIR_BROKER_URL": url}
+def deployment(reservoir_amqp_url: str, tmp_path: Path) -> Iterator[Deployment]:
+    env = {**os.environ, "RESERVOIR_BROKER_URL": reservoir_amqp_url}
     env.pop("RESERVOIR_ROSTER_FROM", None)  # the default, as deployed
     built = Deployment(env, tmp_path)
     yield built
     built.close()
-    with connect(url) as broker:
-        broker.delete_exchanges()  # type: ignore[attr-defined]
 
 
 def samples_sent(deployment: Deployment, keeper: str) -> int:

@@ -19,10 +19,10 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 import pytest
 
-from reservoir.brokers import admin
 from reservoir.runtime.auditor import audit_cluster, read_placements
+from reservoir.testing.processes import NODE_READY, ReservoirProcess, free_port
 from reservoir.testing.tcp_proxy import TcpProxy
-from tests.e2e.test_serve_processes import Process, free_port, node_args, wait_until_ready
+from tests.e2e.serving import node_args, wait_until_ready
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.e2e]
 
@@ -41,24 +41,16 @@ class Outage:
 
 
 @pytest.fixture
-def outage(reservoir_amqp_broker_url: str) -> Iterator[Outage]:
-    exchange = f"e2e-outage-{uuid.uuid4().hex[:10]}"
-    parts = urlsplit(reservoir_amqp_broker_url)
-    query = f"{parts.query}&" if parts.query else ""
-    direct = urlunsplit(parts._replace(query=f"{query}exchange={exchange}"))
+def outage(reservoir_amqp_url: str) -> Iterator[Outage]:
+    parts = urlsplit(reservoir_amqp_url)
     with TcpProxy(parts.port or 5672) as proxy:
         netloc = f"{parts.netloc.rsplit('@', 1)[0]}@127.0.0.1:{proxy.port}"
-        url = urlunsplit(parts._replace(netloc=netloc, query=f"{query}exchange={exchange}"))
+        url = urlunsplit(parts._replace(netloc=netloc))
         env = {**os.environ, "RESERVOIR_BROKER_URL": url}
-        try:
-            yield Outage(url, direct, proxy, env)
-        finally:
-            topology = admin(direct)
-            assert topology is not None
-            topology.delete_reservoir_exchanges()
+        yield Outage(url, reservoir_amqp_url, proxy, env)
 
 
-def stopped(*children: Process) -> None:
+def stopped(*children: ReservoirProcess) -> None:
     for child in children:
         if child.process.poll() is None:
             child.process.kill()
@@ -70,22 +62,22 @@ def test_serve_started_while_the_broker_is_down_waits_for_it_then_serves(
 ) -> None:
     outage.proxy.refuse()  # down before anything starts
     port = free_port()
-    serve = Process.start("serve", ["serve", "--port", str(port)], outage.env)
+    serve = ReservoirProcess("serve", ["serve", "--port", str(port)], outage.env)
     node_name = f"outage-{RUN}-start"
-    node = Process.start(node_name, node_args(node_name, tmp_path), outage.env)
+    node = ReservoirProcess(node_name, node_args(node_name, tmp_path), outage.env)
     try:
         # it retries rather than exiting 3 (its first wait is a second, then 2 s, 4 s ...)
         serve.wait_for("reservoir serve: cannot connect to")
         serve.wait_for("retrying in")
-        assert serve.process.poll() is None, "".join(serve.seen)
+        assert serve.process.poll() is None, "".join(serve.said)
         outage.proxy.restore()
-        node.wait_for("ready")
+        node.wait_for(NODE_READY)
         base_url = f"http://127.0.0.1:{port}"
         wait_until_ready(base_url, serve)
         with httpx.Client(base_url=base_url, timeout=30) as client:
             placed = client.post("/v1/reservations", json=SHAPE)
             assert placed.status_code == 201, placed.text
-        assert serve.terminate() == 0, "".join(serve.seen)
+        assert serve.terminate() == 0, "".join(serve.said)
         report = audit_cluster(
             outage.direct_url,
             placements=read_placements([json.dumps(placed.json())]),
@@ -102,12 +94,12 @@ def test_after_an_outage_serve_node_and_keeper_each_say_reconnected_once(
 ) -> None:
     port = free_port()
     node_name = f"outage-{RUN}-node"
-    node = Process.start(node_name, node_args(node_name, tmp_path), outage.env)
-    keeper = Process.start("keeper", ["keeper", "--name", f"outage-{RUN}-keeper"], outage.env)
-    serve = Process.start("serve", ["serve", "--port", str(port)], outage.env)
+    node = ReservoirProcess(node_name, node_args(node_name, tmp_path), outage.env)
+    keeper = ReservoirProcess("keeper", ["keeper", "--name", f"outage-{RUN}-keeper"], outage.env)
+    serve = ReservoirProcess("serve", ["serve", "--port", str(port)], outage.env)
     children = (serve, node, keeper)
     try:
-        node.wait_for("ready")
+        node.wait_for(NODE_READY)
         keeper.wait_for("ready")
         base_url = f"http://127.0.0.1:{port}"
         wait_until_ready(base_url, serve)
@@ -131,11 +123,11 @@ def test_after_an_outage_serve_node_and_keeper_each_say_reconnected_once(
             assert after.status_code == 201, after.text
 
         for child in children:
-            said = "".join(child.seen)
+            said = "".join(child.said)
             assert said.count("; reconnecting") == 1, said  # the loss, said once
             assert said.count("reconnected after") == 1, said
             assert "attempt(s)" in said
-        assert serve.terminate() == 0, "".join(serve.seen)
+        assert serve.terminate() == 0, "".join(serve.said)
         report = audit_cluster(
             outage.direct_url,
             placements=read_placements(json.dumps(p.json()) for p in (before, after)),

@@ -5,97 +5,48 @@ themselves keep (their SQLite ledgers and status files)."""
 from __future__ import annotations
 
 import json
-import os
-import queue
 import signal
 import subprocess
 import sys
-import threading
 import time
-import uuid
 from collections import defaultdict
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from reservoir.brokers import connect
 from reservoir.runtime.requestor import Requestor
+from reservoir.testing import ProcessCluster, ReservoirProcess
+from reservoir.testing.processes import NODE_READY
 from reservoir.version import __version__
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.e2e]
 
-READY_TIMEOUT_S = 20.0
 
+class Cluster(ProcessCluster):
+    """Node processes on the test's own exchange, with the size each was started with."""
 
-def reservoir(
-    *args: str, env: dict[str, str], timeout_s: float = 60.0
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "reservoir.cli", *args],
-        env=env, capture_output=True, text=True, timeout=timeout_s, check=False,
-    )  # fmt: skip
+    def __init__(self, url: str, state_dir: Path) -> None:
+        super().__init__(url, state_dir)
+        self.sizes: dict[str, tuple[int, int]] = {}
 
-
-@dataclass
-class NodeProcess:
-    name: str
-    vcpus: int
-    memory_mb: int
-    process: subprocess.Popen[str]
-    lines: queue.Queue[str] = field(default_factory=queue.Queue)
-    first_line: str = ""
-
-    def wait_for(self, text: str, timeout_s: float = READY_TIMEOUT_S) -> str:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise AssertionError(f"node {self.name} never said {text!r}")
-            try:
-                line = self.lines.get(timeout=remaining)
-            except queue.Empty:
-                continue
-            if text in line:
-                return line
-
-
-@dataclass
-class Cluster:
-    url: str
-    state_dir: Path
-    env: dict[str, str]
-    nodes: dict[str, NodeProcess] = field(default_factory=dict)
-
-    def start_node(self, name: str, vcpus: int = 8, memory_mb: int = 16384) -> NodeProcess:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "reservoir.cli", "node", "--name", name,
-             "--vcpus", str(vcpus), "--memory-mb", str(memory_mb),
-             "--state-dir", str(self.state_dir), "--status-interval", "0.2"],
-            env=self.env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-        )  # fmt: skip
-        node = NodeProcess(name, vcpus, memory_mb, process)
-
-        def pump() -> None:
-            assert process.stderr is not None
-            for line in process.stderr:
-                node.lines.put(line)
-
-        threading.Thread(target=pump, daemon=True).start()
-        node.first_line = node.wait_for("ready")
-        self.nodes[name] = node
+    def start_node(  # type: ignore[override]
+        self, name: str, vcpus: int = 8, memory_mb: int = 16384
+    ) -> ReservoirProcess:
+        node = super().start_node(
+            name, "--status-interval", "0.2", vcpus=vcpus, memory_mb=memory_mb
+        )
+        self.sizes[name] = (vcpus, memory_mb)
         return node
 
     def request(self, *args: str) -> tuple[int, dict[str, Any]]:
-        done = reservoir("request", "--json", "--timeout", "20", *args, env=self.env)
+        done = self.run("request", "--json", "--timeout", "20", *args)
         return done.returncode, json.loads(done.stdout) if done.stdout.strip() else {}
 
     def allocations(self, name: str) -> list[dict[str, Any]]:
-        done = reservoir("inspect", "--state-dir", str(self.state_dir), "--name", name,
-                         "--json", env=self.env)  # fmt: skip
+        done = self.run("inspect", "--state-dir", str(self.state_dir), "--name", name, "--json")
         assert done.returncode == 0, done.stderr
         allocations: list[dict[str, Any]] = json.loads(done.stdout)["allocations"]
         return allocations
@@ -106,37 +57,27 @@ class Cluster:
 
     def stop(self, name: str) -> None:
         node = self.nodes[name]
-        node.process.send_signal(signal.SIGTERM)
-        assert node.process.wait(timeout=20) == 130  # stopped by a signal
+        assert node.terminate(timeout_s=20) == 130  # stopped by a signal
         node.wait_for("stopped")
 
 
 @pytest.fixture
-def cluster(reservoir_amqp_broker_url: str, tmp_path: Path) -> Iterator[Cluster]:
-    exchange = f"e2e-{uuid.uuid4().hex[:10]}"
-    separator = "&" if "?" in reservoir_amqp_broker_url else "?"
-    url = f"{reservoir_amqp_broker_url}{separator}exchange={exchange}"
-    env = {**os.environ, "RESERVOIR_BROKER_URL": url}
-    cluster = Cluster(url, tmp_path, env)
-    yield cluster
-    for node in cluster.nodes.values():
-        if node.process.poll() is None:
-            node.process.kill()
-            node.process.wait(timeout=10)
-    with connect(url) as broker:
-        broker.delete_exchanges()  # type: ignore[attr-defined]
+def cluster(reservoir_amqp_url: str, tmp_path: Path) -> Iterator[Cluster]:
+    with Cluster(reservoir_amqp_url, tmp_path) as cluster:
+        yield cluster
 
 
 def audit_nodes(cluster: Cluster, placements: list[dict[str, Any]], counts: dict[str, int]) -> None:
     """The invariants, from what the nodes keep on disk: no class over capacity, no
     request holding more than it asked for, every reported placement held."""
     held: dict[str, list[str]] = defaultdict(list)
-    for name, node in cluster.nodes.items():
+    for name in cluster.nodes:
+        node_vcpus, node_memory_mb = cluster.sizes[name]
         allocations = cluster.allocations(name)
         vcpus = sum(a["resources"].get("VCPU", 0) for a in allocations)
         memory = sum(a["resources"].get("MEMORY_MB", 0) for a in allocations)
-        assert vcpus <= node.vcpus, f"{name} overcommitted: {vcpus} VCPU > {node.vcpus}"
-        assert memory <= node.memory_mb, f"{name} overcommitted: {memory} MB"
+        assert vcpus <= node_vcpus, f"{name} overcommitted: {vcpus} VCPU > {node_vcpus}"
+        assert memory <= node_memory_mb, f"{name} overcommitted: {memory} MB"
         for allocation in allocations:
             held[allocation["request_id"]].append(allocation["allocation_id"])
     for request_id, ids in held.items():
@@ -198,11 +139,13 @@ def test_a_node_killed_and_restarted_holds_the_same_allocations(cluster: Cluster
     cluster.nodes["a"].process.send_signal(signal.SIGKILL)
     cluster.nodes["a"].process.wait(timeout=10)
     restarted = cluster.start_node("a", vcpus=8, memory_mb=16384)
-    assert "3 allocation(s) held, utilisation 75%, tier 75%" in restarted.first_line
+    ready = next(line for line in restarted.said if NODE_READY in line)
+    assert "3 allocation(s) held, utilisation 75%, tier 75%" in ready
     assert cluster.allocations("a") == before
     # and it still answers for them: the same request id gives the same placement
-    status, again = cluster.request("--vcpus", "2", "--memory-mb", "1024",
-                                    "--request-id", placed[0]["request_id"])  # fmt: skip
+    status, again = cluster.request(
+        "--vcpus", "2", "--memory-mb", "1024", "--request-id", placed[0]["request_id"]
+    )
     assert status == 0
     assert again["allocations"] == placed[0]["allocations"]
     cluster.stop("a")
@@ -248,7 +191,7 @@ def test_reservoir_audit_reads_every_node_over_the_broker_and_lists_orphans_to_f
     record = cluster.state_dir / "record.jsonl"
     record.write_text("".join(json.dumps(p) + "\n" for p in placed[:2]))
     audit_args = ("audit", "--json", "--expect-nodes", "2", "--placements", str(record))
-    done = reservoir(*audit_args, env=cluster.env)
+    done = cluster.run(*audit_args)
     found = json.loads(done.stdout)
     assert done.returncode == 0, done.stdout + done.stderr
     assert (found["nodes"], found["allocations"], found["ok"]) == (2, 3, True)
@@ -257,13 +200,13 @@ def test_reservoir_audit_reads_every_node_over_the_broker_and_lists_orphans_to_f
     # the command the audit names frees the orphan, and the next audit is clean
     command = orphan.split(": ", 2)[2].split()
     assert command[:2] == ["reservoir", "free"]
-    freed = reservoir(*command[1:], env=cluster.env)
+    freed = cluster.run(*command[1:])
     assert freed.returncode == 0, freed.stderr
-    again = json.loads(reservoir(*audit_args, env=cluster.env).stdout)
+    again = json.loads(cluster.run(*audit_args).stdout)
     assert (again["allocations"], again["orphans"], again["ok"]) == (2, [], True)
     # told of a placement the nodes do not hold, the audit fails with status 2
     record.write_text("".join(json.dumps(p) + "\n" for p in placed))
-    broken = reservoir(*audit_args, env=cluster.env)
+    broken = cluster.run(*audit_args)
     assert broken.returncode == 2
     assert placed[2]["request_id"] in " ".join(json.loads(broken.stdout)["duplicate_placements"])
     for name in list(cluster.nodes):
@@ -275,15 +218,13 @@ def test_a_demo_pointed_at_a_live_exchange_refuses_it_and_the_node_on_it_keeps_p
     cluster: Cluster,
 ) -> None:
     cluster.start_node("live", vcpus=8, memory_mb=16384)
-    demo = reservoir("demo", "--broker", cluster.url, "--nodes", "2", "--requests", "5",
-                     "--json", env=cluster.env)  # fmt: skip
+    demo = cluster.run("demo", "--broker", cluster.url, "--nodes", "2", "--requests", "5", "--json")
     assert demo.returncode == 2, demo.stdout + demo.stderr
     assert "already exists" in demo.stderr
     assert "Traceback" not in demo.stderr
     # a demo with no exchange named runs on one of its own, and removes it after
     plain = cluster.url.split("?", 1)[0]
-    done = reservoir("demo", "--broker", plain, "--nodes", "2", "--requests", "5", "--json",
-                     env=cluster.env)  # fmt: skip
+    done = cluster.run("demo", "--broker", plain, "--nodes", "2", "--requests", "5", "--json")
     assert done.returncode == 0, done.stderr
     status, placed = cluster.request("--vcpus", "1", "--memory-mb", "512")
     assert status == 0, placed
@@ -297,7 +238,7 @@ def test_reservoir_nodes_lists_every_live_node_with_its_usage_and_tier(cluster: 
     cluster.start_node("b", vcpus=4, memory_mb=8192)
     status, placed = cluster.request("--vcpus", "2", "--memory-mb", "1024")
     assert status == 0, placed
-    done = reservoir("nodes", "-f", "json", "--expect-nodes", "2", env=cluster.env)
+    done = cluster.run("nodes", "-f", "json", "--expect-nodes", "2")
     assert done.returncode == 0, done.stderr
     # a row per node and resource class, in the field names of GET /v1/nodes
     listed = {(row["name"], row["class"]): row for row in json.loads(done.stdout)}
@@ -310,12 +251,12 @@ def test_reservoir_nodes_lists_every_live_node_with_its_usage_and_tier(cluster: 
     assert listed[holder, "VCPU"]["free"] == listed[holder, "VCPU"]["capacity"] - 2
     assert listed[holder, "VCPU"]["allocations"] == 1
     assert {n["tier"] for n in listed.values()} <= {10, 25, 50}
-    table = reservoir("nodes", "--expect-nodes", "2", env=cluster.env)
+    table = cluster.run("nodes", "--expect-nodes", "2")
     assert table.returncode == 0 and "VCPU" in table.stdout
     assert table.stdout.split("\n")[0].split()[:5] == ["node", "release", "class", "unit", "total"]
     assert {n["release"] for n in listed.values()} == {__version__}
-    picked = reservoir("nodes", "--expect-nodes", "2", "-f", "value", "-c", "name", "-c", "class",
-                       "-c", "used", "-c", "total", env=cluster.env)  # fmt: skip
+    picked = cluster.run("nodes", "--expect-nodes", "2", "-f", "value", "-c", "name", "-c",
+                         "class", "-c", "used", "-c", "total")  # fmt: skip
     assert f"{holder} VCPU 2 {8 if holder == 'a' else 4}" in picked.stdout.splitlines()
     for name in list(cluster.nodes):
         cluster.stop(name)
@@ -323,8 +264,8 @@ def test_reservoir_nodes_lists_every_live_node_with_its_usage_and_tier(cluster: 
 
 
 def test_a_mistyped_broker_url_is_one_line_and_status_2(cluster: Cluster) -> None:
-    done = reservoir("request", "--broker", "amqp://guest:guest@127.0.0.1:5672/?exchnge=x",
-                     "--vcpus", "1", "--memory-mb", "1", env=cluster.env)  # fmt: skip
+    done = cluster.run("request", "--broker", "amqp://guest:guest@127.0.0.1:5672/?exchnge=x",
+                       "--vcpus", "1", "--memory-mb", "1")  # fmt: skip
     assert done.returncode == 2
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert "did you mean 'exchange'" in done.stderr
@@ -332,16 +273,22 @@ def test_a_mistyped_broker_url_is_one_line_and_status_2(cluster: Cluster) -> Non
 
 
 def test_python_dash_m_reservoir_is_the_reservoir_command(cluster: Cluster) -> None:
-    done = subprocess.run([sys.executable, "-m", "reservoir", "--version"],
-                          capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "reservoir", "--version"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert done.returncode == 0
     assert done.stdout.startswith("reservoir, version ")
 
 
 def test_a_second_node_of_the_same_name_is_told_one_is_connected(cluster: Cluster) -> None:
     cluster.start_node("twin", vcpus=2, memory_mb=1024)
-    done = reservoir("node", "--name", "twin", "--vcpus", "2", "--memory-mb", "1024",
-                     "--connect-attempts", "1", env=cluster.env)  # fmt: skip
+    done = cluster.run(
+        "node", "--name", "twin", "--vcpus", "2", "--memory-mb", "1024", "--connect-attempts", "1"
+    )
     assert done.returncode == 3
     assert "a node named twin is already connected to this broker" in done.stderr
     assert "Traceback" not in done.stderr
@@ -353,13 +300,23 @@ def test_free_without_a_node_frees_wherever_the_request_holds_allocations(
 ) -> None:
     cluster.start_node("a", vcpus=4, memory_mb=8192)
     cluster.start_node("b", vcpus=4, memory_mb=8192)
-    status, pair = cluster.request("--vcpus", "1", "--memory-mb", "512", "--count", "2",
-                                   "--group", "g", "--policy", "anti-affinity")  # fmt: skip
+    status, pair = cluster.request(
+        "--vcpus",
+        "1",
+        "--memory-mb",
+        "512",
+        "--count",
+        "2",
+        "--group",
+        "g",
+        "--policy",
+        "anti-affinity",
+    )
     assert status == 0, pair
-    freed = reservoir("free", "--request-id", pair["request_id"], env=cluster.env)
+    freed = cluster.run("free", "--request-id", pair["request_id"])
     assert freed.returncode == 0, freed.stderr
     assert sorted(line.split()[-1] for line in freed.stdout.splitlines()) == ["a", "b"]
-    again = reservoir("free", "--request-id", pair["request_id"], env=cluster.env)
+    again = cluster.run("free", "--request-id", pair["request_id"])
     assert again.returncode == 1
     assert "no node answering holds anything" in again.stderr
     for name in list(cluster.nodes):
@@ -368,35 +325,28 @@ def test_free_without_a_node_frees_wherever_the_request_holds_allocations(
 
 
 def test_requestors_take_their_roster_from_a_keeper_process(cluster: Cluster) -> None:
-    keeper = subprocess.Popen(
-        [sys.executable, "-m", "reservoir.cli", "keeper", "--name", "k1"],
-        env=cluster.env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-    )  # fmt: skip
+    keeper = cluster.start("keeper k1", "keeper", "--name", "k1")
     try:
-        assert keeper.stderr is not None
-        assert "keeper k1: ready" in keeper.stderr.readline()
+        keeper.wait_for("keeper k1: ready")
         cluster.start_node("a", vcpus=4, memory_mb=8192)
         cluster.start_node("b", vcpus=4, memory_mb=8192)
         keeping = {**cluster.env, "RESERVOIR_ROSTER_FROM": "keeper"}
         placed = []
         for _ in range(3):
-            done = reservoir("request", "--json", "--timeout", "20", "--vcpus", "2",
-                             "--memory-mb", "1024", env=keeping)  # fmt: skip
+            done = cluster.run("request", "--json", "--timeout", "20", "--vcpus", "2",
+                               "--memory-mb", "1024", env=keeping)  # fmt: skip
             assert done.returncode == 0, done.stderr
             placed.append(json.loads(done.stdout))
         assert sorted(a["node"] for p in placed for a in p["allocations"])[-1] in ("a", "b")
-        keeper.send_signal(signal.SIGTERM)
-        assert keeper.wait(timeout=20) == 130  # stopped by a signal
-        assert "keeper k1: stopped, 2 node(s) known" in keeper.stderr.read()
+        assert keeper.terminate(timeout_s=20) == 130  # stopped by a signal
+        keeper.wait_for("keeper k1: stopped, 2 node(s) known")
         # with no keeper, a requestor follows the announcements itself: it still places
-        done = reservoir("request", "--json", "--timeout", "20", "--vcpus", "1",
-                         "--memory-mb", "512", env=keeping)  # fmt: skip
+        done = cluster.run("request", "--json", "--timeout", "20", "--vcpus", "1",
+                           "--memory-mb", "512", env=keeping)  # fmt: skip
         assert done.returncode == 0, done.stderr
         placed.append(json.loads(done.stdout))
         for name in list(cluster.nodes):
             cluster.stop(name)
         audit_nodes(cluster, placed, {p["request_id"]: 1 for p in placed})
     finally:
-        if keeper.poll() is None:
-            keeper.kill()
-            keeper.wait(timeout=10)
+        keeper.kill()

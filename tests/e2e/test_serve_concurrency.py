@@ -21,8 +21,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from reservoir.brokers import admin
-from tests.e2e.test_serve_processes import Process, free_port, node_args, wait_until_ready
+from reservoir.testing.processes import NODE_READY, ProcessCluster, ReservoirProcess, free_port
+from tests.e2e.serving import node_args, wait_until_ready
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.e2e]
 
@@ -41,38 +41,25 @@ class Service:
     #: the two replicas' base URLs
     bases: list[str]
     #: the node processes by name
-    nodes: dict[str, Process]
+    nodes: dict[str, ReservoirProcess]
 
 
 @pytest.fixture
-def service(reservoir_amqp_broker_url: str, tmp_path: Path) -> Iterator[Service]:
+def service(reservoir_amqp_url: str, tmp_path: Path) -> Iterator[Service]:
     """Four node processes and two replicas of ``reservoir serve``."""
-    exchange = f"e2e-concurrent-{uuid.uuid4().hex[:10]}"
-    separator = "&" if "?" in reservoir_amqp_broker_url else "?"
-    url = f"{reservoir_amqp_broker_url}{separator}exchange={exchange}"
     path = os.pathsep.join(p for p in (TREE, os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "RESERVOIR_BROKER_URL": url, "PYTHONPATH": path}
-    nodes = {name: Process.start(name, node_args(name, tmp_path), env) for name in NODES}
-    children = list(nodes.values())
-    try:
-        for node in children:
-            node.wait_for("ready")
+    env = {**os.environ, "RESERVOIR_BROKER_URL": reservoir_amqp_url, "PYTHONPATH": path}
+    with ProcessCluster(reservoir_amqp_url, tmp_path, env) as cluster:
+        nodes = {name: cluster.start(name, *node_args(name, tmp_path)) for name in NODES}
+        for node in nodes.values():
+            node.wait_for(NODE_READY)
         bases = []
         for name in ("a", "b"):
             port = free_port()
-            serve = Process.start(f"serve {name}", ["serve", "--port", str(port)], env)
-            children.append(serve)
+            serve = cluster.start(f"serve {name}", "serve", "--port", str(port))
             bases.append(f"http://127.0.0.1:{port}")
             wait_until_ready(bases[-1], serve)
-        yield Service(url, bases, nodes)
-    finally:
-        for child in children:
-            if child.process.poll() is None:
-                child.process.kill()
-                child.process.wait(timeout=10)
-        topology = admin(url)
-        assert topology is not None
-        topology.delete_reservoir_exchanges()
+        yield Service(reservoir_amqp_url, bases, nodes)
 
 
 async def cycle_at_once(bases: list[str], keyed: bool) -> Counter[str]:

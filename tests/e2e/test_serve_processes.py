@@ -8,31 +8,24 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import queue
 import signal
-import socket
 import subprocess
 import sys
-import threading
-import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from reservoir.brokers import admin
 from reservoir.runtime.auditor import audit_cluster, read_placements
+from reservoir.testing.processes import NODE_READY, ProcessCluster, ReservoirProcess, free_port
+from tests.e2e.serving import NODE_VCPUS, node_args, wait_until_ready
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.e2e]
 
-READY_TIMEOUT_S = 30.0
-NODE_VCPUS = 8
-NODE_MEMORY_MB = 16384
 #: node names are queue names on the whole vhost: unique per run, so that nothing else
 #: on the same RabbitMQ holds them
 RUN = uuid.uuid4().hex[:6]
@@ -41,69 +34,14 @@ PROBLEM_JSON = "application/problem+json"
 
 
 @dataclass
-class Process:
-    """A child process and its stderr, line by line."""
-
-    name: str
-    process: subprocess.Popen[str]
-    lines: queue.Queue[str] = field(default_factory=queue.Queue)
-    seen: list[str] = field(default_factory=list)
-
-    @classmethod
-    def start(cls, name: str, args: list[str], env: dict[str, str]) -> Process:
-        popen = subprocess.Popen(
-            [sys.executable, "-m", "reservoir.cli", *args],
-            env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-        )  # fmt: skip
-        started = cls(name, popen)
-
-        def pump() -> None:
-            assert popen.stderr is not None
-            for line in popen.stderr:
-                started.seen.append(line)
-                started.lines.put(line)
-
-        threading.Thread(target=pump, daemon=True).start()
-        return started
-
-    def wait_for(self, text: str, timeout_s: float = READY_TIMEOUT_S) -> str:
-        deadline = time.monotonic() + timeout_s
-        while (remaining := deadline - time.monotonic()) > 0:
-            try:
-                line = self.lines.get(timeout=remaining)
-            except queue.Empty:
-                break
-            if text in line:
-                return line
-        raise AssertionError(f"{self.name} never said {text!r}: {''.join(self.seen)}")
-
-    def terminate(self, timeout_s: float = 30.0) -> int:
-        self.process.send_signal(signal.SIGTERM)
-        return self.process.wait(timeout=timeout_s)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
-@dataclass
 class Deployment:
     url: str
     base_url: str
-    serve: Process
-    nodes: list[Process]
+    serve: ReservoirProcess
+    nodes: list[ReservoirProcess]
     #: the first node serves its metrics here
     node_metrics_port: int
     env: dict[str, str]
-
-
-def node_args(name: str, state_dir: Path, metrics_port: int | None = None) -> list[str]:
-    args = ["node", "--name", name, "--vcpus", str(NODE_VCPUS),
-            "--memory-mb", str(NODE_MEMORY_MB), "--state-dir", str(state_dir)]  # fmt: skip
-    return args if metrics_port is None else [*args, "--metrics-port", str(metrics_port)]
 
 
 def sample(text: str, name: str, **labels: str) -> float:
@@ -118,47 +56,21 @@ def sample(text: str, name: str, **labels: str) -> float:
 
 
 @pytest.fixture
-def deployment(reservoir_amqp_broker_url: str, tmp_path: Path) -> Iterator[Deployment]:
-    exchange = f"e2e-serve-{uuid.uuid4().hex[:10]}"
-    separator = "&" if "?" in reservoir_amqp_broker_url else "?"
-    url = f"{reservoir_amqp_broker_url}{separator}exchange={exchange}"
+def deployment(reservoir_amqp_url: str, tmp_path: Path) -> Iterator[Deployment]:
     # PYTHONPATH passes through, so the children run this tree's reservoir
-    env = {**os.environ, "RESERVOIR_BROKER_URL": url}
-    metrics_port = free_port()
-    nodes = [
-        Process.start(name, node_args(name, tmp_path, metrics_port if i == 0 else None), env)
-        for i, name in enumerate(NODES)
-    ]
-    port = free_port()
-    serve = Process.start("serve", ["serve", "--port", str(port)], env)
-    try:
+    with ProcessCluster(reservoir_amqp_url, tmp_path) as cluster:
+        metrics_port = free_port()
+        nodes = [
+            cluster.start(name, *node_args(name, tmp_path, metrics_port if i == 0 else None))
+            for i, name in enumerate(NODES)
+        ]
+        port = free_port()
+        serve = cluster.start("serve", "serve", "--port", str(port))
         for node in nodes:
-            node.wait_for("ready")
+            node.wait_for(NODE_READY)
         base_url = f"http://127.0.0.1:{port}"
         wait_until_ready(base_url, serve)
-        yield Deployment(url, base_url, serve, nodes, metrics_port, env)
-    finally:
-        for child in (serve, *nodes):
-            if child.process.poll() is None:
-                child.process.kill()
-                child.process.wait(timeout=10)
-        topology = admin(url)
-        assert topology is not None
-        topology.delete_reservoir_exchanges()
-
-
-def wait_until_ready(base_url: str, serve: Process) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    with httpx.Client(base_url=base_url, timeout=2.0) as client:
-        while time.monotonic() < deadline:
-            assert serve.process.poll() is None, "".join(serve.seen)
-            try:
-                if client.get("/readyz").status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)  # a real process starting: nothing to wait on but its port
-    raise AssertionError(f"reservoir serve never became ready: {''.join(serve.seen)}")
+        yield Deployment(reservoir_amqp_url, base_url, serve, nodes, metrics_port, cluster.env)
 
 
 def test_the_service_places_reads_lists_releases_and_explains_over_http(
@@ -284,8 +196,8 @@ def test_the_service_places_reads_lists_releases_and_explains_over_http(
     assert vcpus == allocations
 
     # SIGTERM: the service closes its requestor and exits cleanly
-    assert deployment.serve.terminate() == 0, "".join(deployment.serve.seen)
-    assert any("Application shutdown complete" in line for line in deployment.serve.seen)
+    assert deployment.serve.terminate() == 0, "".join(deployment.serve.said)
+    assert any("Application shutdown complete" in line for line in deployment.serve.said)
 
     placements = read_placements(json.dumps(p) for p in held)
     report = audit_cluster(deployment.url, placements=placements, expect_nodes=3, wait_s=10)
@@ -320,7 +232,7 @@ def test_sigterm_with_requests_in_flight_lets_them_finish_or_fail_clearly(
             return [first, *answers]
 
     answers = asyncio.run(scenario())
-    assert deployment.serve.process.wait(timeout=30) == 0, "".join(deployment.serve.seen)
+    assert deployment.serve.process.wait(timeout=30) == 0, "".join(deployment.serve.said)
     placed: list[dict[str, Any]] = []
     for answer in answers:
         if isinstance(answer, httpx.Response):
@@ -349,7 +261,7 @@ def test_the_service_holds_its_ground_under_bad_queries_and_long_node_listings(
     enough to overflow (or to build a 60 MB body) is a 422 problem, logged and counted;
     eight listings of the nodes waiting 8 s each hold up no reservation's GET."""
     port = free_port()
-    replica = Process.start(
+    replica = ReservoirProcess(
         "serve-ground", ["serve", "--port", str(port), "--access-log"], deployment.env
     )
     try:
@@ -388,9 +300,9 @@ def test_the_service_holds_its_ground_under_bad_queries_and_long_node_listings(
             assert len(answer.content) < 1000
         counted = 'method="GET",route="/v1/activity",status="422"} 4.0'
         assert f"reservoir_service_http_requests_total{{{counted}" in metrics
-        assert replica.terminate() == 0, "".join(replica.seen)
-        access = [line for line in replica.seen if "GET /v1/activity 422" in line]
-        assert len(access) == 4, "".join(replica.seen)
+        assert replica.terminate() == 0, "".join(replica.said)
+        access = [line for line in replica.said if "GET /v1/activity 422" in line]
+        assert len(access) == 4, "".join(replica.said)
     finally:
         if replica.process.poll() is None:
             replica.process.kill()

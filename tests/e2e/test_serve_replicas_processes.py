@@ -20,7 +20,8 @@ import pytest
 from reservoir.brokers import BrokerUrl, admin
 from reservoir.protocol.addresses import node_address, requestor_address
 from reservoir.runtime.auditor import audit_cluster, read_placements
-from tests.e2e.test_serve_processes import Process, free_port, node_args, wait_until_ready
+from reservoir.testing.processes import NODE_READY, ProcessCluster, ReservoirProcess, free_port
+from tests.e2e.serving import node_args, wait_until_ready
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.e2e]
 
@@ -36,7 +37,7 @@ TREE = str(Path(__file__).resolve().parents[2])
 class Replica:
     name: str
     port: int
-    process: Process
+    process: ReservoirProcess
 
     @property
     def base_url(self) -> str:
@@ -45,45 +46,45 @@ class Replica:
 
 @dataclass
 class Cluster:
-    url: str
-    env: dict[str, str]
-    nodes: list[Process]
+    processes: ProcessCluster
+    nodes: list[ReservoirProcess]
     replicas: dict[str, Replica]
     #: the requestors the replicas ran (from their /metrics), whose inboxes must be gone
     requestors: set[str]
 
+    @property
+    def url(self) -> str:
+        return self.processes.url
+
+    @property
+    def env(self) -> dict[str, str]:
+        return self.processes.env
+
     def start(self, name: str, port: int) -> Replica:
-        process = Process.start(f"serve {name}", ["serve", "--port", str(port)], self.env)
+        process = self.processes.start(f"serve {name}", "serve", "--port", str(port))
         replica = self.replicas[name] = Replica(name, port, process)
         wait_until_ready(replica.base_url, process)
         return replica
 
 
 @pytest.fixture
-def cluster(reservoir_amqp_broker_url: str, tmp_path: Path) -> Iterator[Cluster]:
-    exchange = f"e2e-replicas-{uuid.uuid4().hex[:10]}"
-    separator = "&" if "?" in reservoir_amqp_broker_url else "?"
-    url = f"{reservoir_amqp_broker_url}{separator}exchange={exchange}"
+def cluster(reservoir_amqp_url: str, tmp_path: Path) -> Iterator[Cluster]:
+    url = reservoir_amqp_url
     path = os.pathsep.join(p for p in (TREE, os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "RESERVOIR_BROKER_URL": url, "PYTHONPATH": path}
-    nodes = [Process.start(name, node_args(name, tmp_path), env) for name in NODES]
-    cluster = Cluster(url, env, nodes, {}, set())
-    try:
+    with ProcessCluster(url, tmp_path, env) as processes:
+        nodes = [processes.start(name, *node_args(name, tmp_path)) for name in NODES]
+        cluster = Cluster(processes, nodes, {}, set())
         for node in nodes:
-            node.wait_for("ready")
+            node.wait_for(NODE_READY)
         cluster.start("a", free_port())
         cluster.start("b", free_port())
         yield cluster
-    finally:
-        children = [r.process for r in cluster.replicas.values()] + nodes
-        for child in children:
-            if child.process.poll() is None:
-                child.process.kill()
-                child.process.wait(timeout=10)
-        topology = admin(url)
-        assert topology is not None
-        topology.delete_reservoir_exchanges()
-    # the broker as it was found: the run's exchanges and every inbox of the run gone
+    # the broker as it was found: the run's exchanges (deleted here, before the plugin's
+    # own fixture would) and every inbox of the run gone
+    topology = admin(url)
+    assert topology is not None
+    topology.delete_reservoir_exchanges()
     assert not topology.exchange_exists(BrokerUrl.parse(url).exchange)
     assert not topology.exchange_exists(BrokerUrl.parse(url).inbox_exchange)
     inboxes = [node_address(n) for n in NODES]
@@ -240,10 +241,10 @@ def test_any_replica_answers_for_what_the_nodes_hold_also_after_a_restart(
         assert b.get(f"/v1/reservations/k-{RUN}").status_code == 404
 
     for replica in cluster.replicas.values():
-        assert replica.process.terminate() == 0, "".join(replica.process.seen)
+        assert replica.process.terminate() == 0, "".join(replica.process.said)
     report = audit_cluster(cluster.url, placements=[], expect_nodes=2, wait_s=10)
     assert report.ok, report.as_json()
     assert (len(report.nodes), report.allocations, report.reservations) == (2, 0, 0)
     for node in cluster.nodes:
         # a node stopped by a signal exits 130 (one interruption path); serve drains, 0
-        assert node.terminate() == 130, "".join(node.seen)
+        assert node.terminate() == 130, "".join(node.said)

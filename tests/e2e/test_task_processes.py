@@ -9,33 +9,22 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import queue
 import signal
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from reservoir.brokers import connect
+from reservoir.testing import ProcessCluster
+from reservoir.testing.processes import NODE_READY
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.e2e]
-
-
-def cli(
-    *args: str, env: dict[str, str], timeout_s: float = 60.0
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "reservoir.cli", *args],
-        env=env, capture_output=True, text=True, timeout=timeout_s, check=False,
-    )  # fmt: skip
 
 
 def processes_with(token: str) -> list[int]:
@@ -54,77 +43,47 @@ def processes_with(token: str) -> list[int]:
     return found
 
 
-@dataclass
-class TaskCluster:
-    url: str
-    state_dir: Path
-    env: dict[str, str]
-    token: str
-    nodes: dict[str, subprocess.Popen[str]] = field(default_factory=dict)
+class TaskCluster(ProcessCluster):
+    """Node processes offering the exec driver; ``token`` marks the tasks the test starts."""
 
-    def start_node(self, name: str, vcpus: int = 2) -> str:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "reservoir.cli", "node", "--name", name, "--vcpus",
-             str(vcpus), "--memory-mb", "4096", "--state-dir", str(self.state_dir),
-             "--driver", "exec"],
-            env=self.env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-        )  # fmt: skip
-        lines: queue.Queue[str] = queue.Queue()
+    def __init__(self, url: str, state_dir: Path, token: str) -> None:
+        super().__init__(url, state_dir)
+        self.token = token
 
-        def pump() -> None:
-            assert process.stderr is not None
-            for line in process.stderr:
-                lines.put(line)
+    def start_node(self, name: str, vcpus: int = 2) -> str:  # type: ignore[override]
+        """The node's ready line."""
+        node = super().start_node(name, "--driver", "exec", vcpus=vcpus, memory_mb=4096)
+        return next(line for line in node.said if NODE_READY in line)
 
-        threading.Thread(target=pump, daemon=True).start()
-        self.nodes[name] = process
-        while True:
-            line = lines.get(timeout=20)
-            if "ready" in line:
-                return line
-
-    def run(self, *args: str) -> subprocess.CompletedProcess[str]:
-        return cli("run", "--timeout", "20", *args, env=self.env)
+    def run_task(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return self.run("run", "--timeout", "20", *args)
 
     def stop_node(self, name: str) -> None:
-        process = self.nodes[name]
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=30)
+        self.nodes[name].terminate()
 
     def tasks(self, request_id: str) -> list[dict[str, Any]]:
-        done = cli("tasks", "--request-id", request_id, "--json", env=self.env)
+        done = self.run("tasks", "--request-id", request_id, "--json")
         assert done.returncode == 0, done.stderr
         return [json.loads(line) for line in done.stdout.splitlines()]
 
     def allocations(self, name: str) -> list[dict[str, Any]]:
-        done = cli("inspect", "--state-dir", str(self.state_dir), "--name", name, "--json",
-                   env=self.env)  # fmt: skip
+        done = self.run("inspect", "--state-dir", str(self.state_dir), "--name", name, "--json")
         assert done.returncode == 0, done.stderr
         held: list[dict[str, Any]] = json.loads(done.stdout)["allocations"]
         return held
 
     def audit(self) -> None:
-        done = cli("audit", "--expect-nodes", str(len(self.nodes)), env=self.env)
+        done = self.run("audit", "--expect-nodes", str(len(self.nodes)))
         assert done.returncode == 0, done.stdout + done.stderr
 
 
 @pytest.fixture
-def cluster(reservoir_amqp_broker_url: str, tmp_path: Path) -> Iterator[TaskCluster]:
-    exchange = f"e2e-tasks-{uuid.uuid4().hex[:10]}"
-    separator = "&" if "?" in reservoir_amqp_broker_url else "?"
-    url = f"{reservoir_amqp_broker_url}{separator}exchange={exchange}"
-    cluster = TaskCluster(url, tmp_path, {**os.environ, "RESERVOIR_BROKER_URL": url},
-                          token=f"tok{uuid.uuid4().hex[:8]}")  # fmt: skip
-    yield cluster
-    for process in cluster.nodes.values():
-        if process.poll() is None:
-            process.kill()
-            process.wait(timeout=10)
+def cluster(reservoir_amqp_url: str, tmp_path: Path) -> Iterator[TaskCluster]:
+    with TaskCluster(reservoir_amqp_url, tmp_path, token=f"tok{uuid.uuid4().hex[:8]}") as cluster:
+        yield cluster
     for pid in processes_with(cluster.token):  # a task a failing test left behind
         with contextlib.suppress(ProcessLookupError):
             os.killpg(os.getpgid(pid), signal.SIGKILL)  # its session: wrapper and all
-    with connect(url) as broker:
-        broker.delete_exchanges()  # type: ignore[attr-defined]
 
 
 def eventually(check: Any, timeout_s: float = 15.0) -> None:
@@ -138,12 +97,12 @@ def test_run_exits_with_the_tasks_code_and_its_room_is_placed_again_on_that_node
     cluster: TaskCluster,
 ) -> None:
     cluster.start_node("a", vcpus=2)
-    done = cluster.run("--vcpus", "2", "--memory-mb", "256", "--", "sh", "-c", "exit 3")
+    done = cluster.run_task("--vcpus", "2", "--memory-mb", "256", "--", "sh", "-c", "exit 3")
     assert done.returncode == 3, done.stderr
     assert "task started on a" in done.stderr and "task exited with 3 on a" in done.stderr
     assert cluster.allocations("a") == []
     # all of a's VCPUs: placed only because the ended task freed them
-    placed = cli("request", "--vcpus", "2", "--json", env=cluster.env)
+    placed = cluster.run("request", "--vcpus", "2", "--json")
     assert placed.returncode == 0, placed.stderr
     assert [a["node"] for a in json.loads(placed.stdout)["allocations"]] == ["a"]
     cluster.audit()
@@ -151,12 +110,13 @@ def test_run_exits_with_the_tasks_code_and_its_room_is_placed_again_on_that_node
 
 def test_a_released_task_is_stopped(cluster: TaskCluster) -> None:
     cluster.start_node("a", vcpus=2)
-    done = cluster.run("--detach", "--vcpus", "1", "--grace", "1", "--",
-                       "sh", "-c", f"sleep 60; : {cluster.token}")  # fmt: skip
+    done = cluster.run_task(
+        "--detach", "--vcpus", "1", "--grace", "1", "--", "sh", "-c", f"sleep 60; : {cluster.token}"
+    )
     assert done.returncode == 0, done.stderr
     request_id = done.stdout.strip()
     assert len(processes_with(cluster.token)) == 1
-    freed = cli("free", "--node", "a", "--request-id", request_id, env=cluster.env)
+    freed = cluster.run("free", "--node", "a", "--request-id", request_id)
     assert freed.returncode == 0, freed.stderr
     eventually(lambda: processes_with(cluster.token) == [])
     eventually(lambda: [t["state"] for t in cluster.tasks(request_id)] == ["stopped"])
@@ -169,13 +129,15 @@ def test_a_node_killed_while_its_tasks_run_reports_them_once_restarted_and_leaks
 ) -> None:
     cluster.start_node("a", vcpus=2)
     token = cluster.token
-    early = cluster.run("--detach", "--vcpus", "1", "--",
-                        "sh", "-c", f"sleep 3; exit 5; : {token}")  # fmt: skip
-    late = cluster.run("--detach", "--vcpus", "1", "--",
-                       "sh", "-c", f"sleep 6; exit 6; : {token}")  # fmt: skip
+    early = cluster.run_task(
+        "--detach", "--vcpus", "1", "--", "sh", "-c", f"sleep 3; exit 5; : {token}"
+    )
+    late = cluster.run_task(
+        "--detach", "--vcpus", "1", "--", "sh", "-c", f"sleep 6; exit 6; : {token}"
+    )
     assert early.returncode == late.returncode == 0, early.stderr + late.stderr
-    cluster.nodes["a"].send_signal(signal.SIGKILL)
-    cluster.nodes["a"].wait(timeout=10)
+    cluster.nodes["a"].process.send_signal(signal.SIGKILL)
+    cluster.nodes["a"].process.wait(timeout=10)
     assert len(processes_with(token)) == 2  # the tasks outlive their agent
     eventually(lambda: len(processes_with(token)) == 1)  # the early one ends meanwhile
     ready = cluster.start_node("a", vcpus=2)
@@ -226,7 +188,7 @@ def test_run_prints_the_tasks_stdout_and_stderr_and_exits_with_its_code(
     cluster: TaskCluster,
 ) -> None:
     cluster.start_node("a")
-    done = cluster.run("--", "sh", "-c", "echo out; echo err >&2; exit 3")
+    done = cluster.run_task("--", "sh", "-c", "echo out; echo err >&2; exit 3")
     assert done.returncode == 3, done.stderr
     assert done.stdout == "out\n"
     assert "err\n" in done.stderr.splitlines(keepends=True)
@@ -241,22 +203,25 @@ def test_logs_follows_a_running_task_and_ends_when_it_does(
     # bounded: a test that fails leaves no task waiting for ever
     wait = f"i=0; while [ ! -e {go_on} ] && [ $i -lt 600 ]; do i=$((i+1)); sleep 0.05; done"
     script = f"echo first; {wait}; echo last"
-    started = cluster.run("--detach", "--", "sh", "-c", script)
+    started = cluster.run_task("--detach", "--", "sh", "-c", script)
     assert started.returncode == 0, started.stderr
     request_id = started.stdout.strip()
     follow = subprocess.Popen(
         [sys.executable, "-m", "reservoir.cli", "logs", "-f", request_id],
-        env=cluster.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        env=cluster.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert follow.stdout is not None
     assert follow.stdout.readline() == "first\n"  # shown while the task runs
     assert follow.poll() is None
     go_on.touch()
     rest, errors = follow.communicate(timeout=30)
     assert (follow.returncode, rest) == (0, "last\n"), errors  # it ended with the task
-    again = cli("logs", request_id, env=cluster.env)  # and after: kept by the node
+    again = cluster.run("logs", request_id)  # and after: kept by the node
     assert (again.returncode, again.stdout) == (0, "first\nlast\n")
-    unknown = cli("logs", "no-such-request-here", env=cluster.env)
+    unknown = cluster.run("logs", "no-such-request-here")
     assert unknown.returncode == 1 and "no node holds a task of" in unknown.stderr
     cluster.audit()
 
@@ -264,7 +229,7 @@ def test_logs_follows_a_running_task_and_ends_when_it_does(
 def test_exec_tasks_on_a_default_node_do_not_run_as_root(cluster: TaskCluster) -> None:
     ready = cluster.start_node("a")
     assert "ready" in ready
-    done = cluster.run("--", "id", "-u")
+    done = cluster.run_task("--", "id", "-u")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() not in ("", "0")
     cluster.audit()
@@ -285,8 +250,9 @@ def memory_is_limited_here() -> bool:
 @pytest.mark.skipif(not memory_is_limited_here(), reason="no memory cgroup on this host")
 def test_a_task_exceeding_its_memory_is_killed_and_run_says_so(cluster: TaskCluster) -> None:
     cluster.start_node("a")
-    done = cluster.run("--memory-mb", "64", "--",
-                       "python3", "-c", "x = bytearray(256 * 1024 * 1024)")  # fmt: skip
+    done = cluster.run_task(
+        "--memory-mb", "64", "--", "python3", "-c", "x = bytearray(256 * 1024 * 1024)"
+    )
     assert done.returncode == 137, done.stderr
     assert "task exited with 137 on a" in done.stderr
     assert "out of memory (limit 64 MiB)" in done.stderr
@@ -295,10 +261,10 @@ def test_a_task_exceeding_its_memory_is_killed_and_run_says_so(cluster: TaskClus
 
 def test_run_with_an_image_and_no_docker_node_names_the_reason(cluster: TaskCluster) -> None:
     cluster.start_node("a")
-    done = cluster.run("--image", "alpine", "--", "true")
+    done = cluster.run_task("--image", "alpine", "--", "true")
     assert done.returncode == 1
     assert "not placed" in done.stderr and "no docker task driver on 1 node(s)" in done.stderr
-    other = cluster.run("--driver", "nosuch", "--", "true")
+    other = cluster.run_task("--driver", "nosuch", "--", "true")
     assert "no nosuch task driver on 1 node(s)" in other.stderr
     cluster.audit()
 
@@ -310,15 +276,18 @@ def test_a_follow_up_killed_and_started_again_ends_with_the_tasks_code(
     go_on = task_files / "go-on"
     # bounded: a test that fails leaves no task waiting for ever
     wait = f"i=0; while [ ! -e {go_on} ] && [ $i -lt 600 ]; do i=$((i+1)); sleep 0.05; done"
-    started = cluster.run("--detach", "--", "sh", "-c",
-                          f"{wait}; exit 7")  # fmt: skip
+    started = cluster.run_task("--detach", "--", "sh", "-c", f"{wait}; exit 7")
     assert started.returncode == 0, started.stderr
     request_id = started.stdout.strip()
 
     def waiting() -> subprocess.Popen[str]:
-        return subprocess.Popen([sys.executable, "-m", "reservoir.cli", "wait", request_id],
-                                env=cluster.env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)  # fmt: skip
+        return subprocess.Popen(
+            [sys.executable, "-m", "reservoir.cli", "wait", request_id],
+            env=cluster.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
     first = waiting()
     time.sleep(2.0)  # attached by now, as far as the test can tell: killed, whatever it did
@@ -331,24 +300,25 @@ def test_a_follow_up_killed_and_started_again_ends_with_the_tasks_code(
     _, errors = second.communicate(timeout=30)
     assert second.returncode == 7, errors
     assert "task exited with 7 on a" in errors
-    after = cli("wait", request_id, env=cluster.env)  # once it ended: said at once
+    after = cluster.run("wait", request_id)  # once it ended: said at once
     assert after.returncode == 7, after.stderr
     cluster.audit()
 
 
 def test_ended_tasks_stay_listed_across_a_restart_of_their_node(cluster: TaskCluster) -> None:
     cluster.start_node("a")
-    done = cluster.run("--", "sh", "-c", "echo before; exit 4")
+    done = cluster.run_task("--", "sh", "-c", "echo before; exit 4")
     assert done.returncode == 4, done.stderr
-    request_id = next(line.split()[1] for line in done.stderr.splitlines()
-                      if line.startswith("placed "))  # fmt: skip
+    request_id = next(
+        line.split()[1] for line in done.stderr.splitlines() if line.startswith("placed ")
+    )
     cluster.stop_node("a")
     cluster.start_node("a")
     # reservoir tasks gathers the answers for 0.5 s: asked again, in case a busy node was late
     eventually(
         lambda: [(t["state"], t["exit_code"]) for t in cluster.tasks(request_id)] == [("exited", 4)]
     )
-    kept = cli("logs", request_id, env=cluster.env)
+    kept = cluster.run("logs", request_id)
     assert (kept.returncode, kept.stdout) == (0, "before\n")
     cluster.audit()
 

@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import re
 import subprocess
 import sys
-import threading
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +22,7 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 
 from reservoir.brokers import BrokerUrl, admin
+from reservoir.testing import ProcessCluster, run_reservoir
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.e2e]
 
@@ -53,44 +51,6 @@ def readme_example() -> str:
     return example
 
 
-def reservoir(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "reservoir.cli", *args],
-        env=env, capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
-
-
-class IdleNode:
-    """A ``reservoir node`` process of the deployment, up once it says so."""
-
-    def __init__(self, name: str, env: dict[str, str]) -> None:
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "reservoir.cli", "node", "--name", name, "--vcpus", "8",
-             "--memory-mb", "16384"],
-            env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-        )  # fmt: skip
-        threading.Thread(target=self._pump, daemon=True).start()
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            try:
-                if ": ready on " in self.lines.get(timeout=0.5):
-                    return
-            except queue.Empty:
-                assert self.process.poll() is None, f"node {name} exited"
-        raise AssertionError(f"node {name} never said ready")
-
-    def _pump(self) -> None:
-        assert self.process.stderr is not None
-        for line in self.process.stderr:
-            self.lines.put(line)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            self.process.wait(timeout=20)
-
-
 @pytest.fixture
 def deployment(reservoir_amqp_broker_url: str) -> Iterator[dict[str, str]]:
     """Two idle nodes, unrelated to the user's test, on an exchange of the same broker."""
@@ -99,12 +59,12 @@ def deployment(reservoir_amqp_broker_url: str) -> Iterator[dict[str, str]]:
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("RESERVOIR_")}
     env.update(PYTHONPATH=str(ROOT), RESERVOIR_BROKER_URL=url.given)
-    nodes = [IdleNode(f"idle-{n}-{uuid.uuid4().hex[:6]}", env) for n in (1, 2)]
     try:
-        yield env
+        with ProcessCluster(url.given, env=env) as nodes:
+            for n in (1, 2):
+                nodes.start_node(f"idle-{n}-{uuid.uuid4().hex[:6]}")
+            yield env
     finally:
-        for node in nodes:
-            node.stop()
         topology = admin(url)
         assert topology is not None
         topology.delete_reservoir_exchanges()
@@ -136,7 +96,9 @@ def test_the_readme_example_passes_three_runs_of_three_beside_a_deployment_and_l
     assert passed == RUNS, "\n".join(outputs)
 
     # nothing placed on, or left held by, the deployment's nodes
-    audited = reservoir("audit", "--json", "--expect-nodes", "2", "--wait", "10", env=deployment)
+    audited = run_reservoir(
+        "audit", "--json", "--expect-nodes", "2", "--wait", "10", env=deployment
+    )
     assert audited.returncode == 0, audited.stdout + audited.stderr
     found = json.loads(audited.stdout)
     assert (found["nodes"], found["allocations"], found["reservations"]) == (2, 0, 0), found

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import httpx
 import pytest
@@ -16,6 +16,7 @@ from examples.asgi_service import PlacementOut, create_app
 from reservoir import NodeAgent, Placement, Requestor, RequestorClosed, Settings, audit
 from reservoir.brokers.inprocess import Faults, InProcessBroker
 from reservoir.service import ReservoirService
+from reservoir.testing import InProcessCluster
 from reservoir.testing.asgi import serving
 
 NODE_VCPUS = 16
@@ -23,21 +24,8 @@ NODE_MEMORY_MB = 32768
 
 
 @pytest.fixture
-def broker() -> Iterator[InProcessBroker]:
-    broker = InProcessBroker()
-    yield broker
-    broker.close()
-
-
-@pytest.fixture
-def nodes(broker: InProcessBroker) -> Iterator[list[NodeAgent]]:
-    nodes = [
-        NodeAgent(broker, name=f"api-{i}", vcpus=NODE_VCPUS, memory_mb=NODE_MEMORY_MB)
-        for i in range(4)
-    ]
-    yield nodes
-    for node in nodes:
-        node.close()
+def nodes(reservoir_cluster: InProcessCluster) -> list[NodeAgent]:
+    return reservoir_cluster.add_nodes(4, "api", vcpus=NODE_VCPUS, memory_mb=NODE_MEMORY_MB)
 
 
 def service_of(app: FastAPI) -> ReservoirService:

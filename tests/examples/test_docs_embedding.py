@@ -14,14 +14,13 @@ import re
 import runpy
 import textwrap
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from reservoir import NodeAgent, audit
-from reservoir.brokers import admin, connect
+from reservoir.brokers import connect
 from reservoir.service import ReservoirService, reservoir_lifespan
 from reservoir.testing.asgi import serving
 
@@ -58,16 +57,9 @@ SNIPPETS = {
 
 
 @pytest.fixture
-def run_url(reservoir_amqp_broker_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    separator = "&" if "?" in reservoir_amqp_broker_url else "?"
-    url = f"{reservoir_amqp_broker_url}{separator}exchange=docs-embed-{uuid.uuid4().hex[:10]}"
-    monkeypatch.setenv("RESERVOIR_BROKER_URL", url)
-    try:
-        yield url
-    finally:
-        topology = admin(url)
-        assert topology is not None
-        topology.delete_reservoir_exchanges()
+def run_url(reservoir_amqp_url: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setenv("RESERVOIR_BROKER_URL", reservoir_amqp_url)
+    return reservoir_amqp_url
 
 
 @pytest.mark.rabbitmq

@@ -32,13 +32,10 @@ pytestmark = pytest.mark.rabbitmq
 
 
 @pytest.fixture(params=["pika", "kombu"])
-def broker(request: pytest.FixtureRequest, reservoir_amqp_broker_url: str) -> Iterator[Broker]:
-    separator = "&" if "?" in reservoir_amqp_broker_url else "?"
-    url = f"{reservoir_amqp_broker_url}{separator}exchange=fidelity-{uuid.uuid4().hex[:10]}"
-    opened = connect(url if request.param == "pika" else "kombu+" + url)
-    yield opened
-    opened.delete_exchanges()  # type: ignore[attr-defined]
-    opened.close()
+def broker(request: pytest.FixtureRequest, reservoir_amqp_url: str) -> Iterator[Broker]:
+    url = reservoir_amqp_url
+    with connect(url if request.param == "pika" else "kombu+" + url) as opened:
+        yield opened
 
 
 class Cloud:

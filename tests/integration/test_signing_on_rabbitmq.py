@@ -38,26 +38,17 @@ REQUESTOR_KEYS = "r1:requestor-secret-0123456789abcdef"
 PER_ROLE = Settings(node_keys=NODE_KEYS, requestor_keys=REQUESTOR_KEYS)
 
 
-def _url(base: str) -> str:
-    separator = "&" if "?" in base else "?"
-    return f"{base}{separator}exchange=signing-{uuid.uuid4().hex[:10]}"
-
-
 @pytest.fixture(params=["pika", "kombu"])
-def any_broker(request: pytest.FixtureRequest, reservoir_amqp_broker_url: str) -> Iterator[Broker]:
-    url = _url(reservoir_amqp_broker_url)
-    opened = connect(url if request.param == "pika" else "kombu+" + url)
-    yield opened
-    opened.delete_exchanges()  # type: ignore[attr-defined]
-    opened.close()
+def any_broker(request: pytest.FixtureRequest, reservoir_amqp_url: str) -> Iterator[Broker]:
+    url = reservoir_amqp_url
+    with connect(url if request.param == "pika" else "kombu+" + url) as opened:
+        yield opened
 
 
 @pytest.fixture
-def broker(reservoir_amqp_broker_url: str) -> Iterator[Broker]:
-    opened = connect(_url(reservoir_amqp_broker_url))
-    yield opened
-    opened.delete_exchanges()  # type: ignore[attr-defined]
-    opened.close()
+def broker(reservoir_amqp_url: str) -> Iterator[Broker]:
+    with connect(reservoir_amqp_url) as opened:
+        yield opened
 
 
 def wait_for(condition: Callable[[], bool], *, timeout_s: float = 10.0) -> None:

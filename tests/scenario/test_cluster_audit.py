@@ -4,7 +4,6 @@ the broker, reads their ledgers from their own reports and judges the invariants
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import msgspec.structs
 import pytest
@@ -15,12 +14,6 @@ from reservoir.protocol.ledger import Allocation, Inventory
 from reservoir.protocol.messages import LedgerQuery
 from reservoir.protocol.node import LEDGER_REPORT_ENTRIES, NodeConfig, NodeMachine
 from reservoir.runtime.auditor import LedgerCollector, audit_cluster, read_placements, snapshot_of
-
-
-@pytest.fixture
-def broker() -> Iterator[InProcessBroker]:
-    with InProcessBroker() as broker:
-        yield broker
 
 
 def allocation(i: int, request_id: str | None = None, vcpus: int = 1) -> Allocation:

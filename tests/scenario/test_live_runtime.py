@@ -5,22 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
 
 import pytest
 
 from reservoir import NodeAgent, Placement, PlacementError, Requestor, audit
 from reservoir.brokers.inprocess import Faults, InProcessBroker
+from reservoir.testing import InProcessCluster
 
 
 @pytest.fixture
-def cluster() -> Iterator[tuple[InProcessBroker, list[NodeAgent]]]:
-    broker = InProcessBroker()
-    nodes = [NodeAgent(broker, name=f"live-{i}", vcpus=16, memory_mb=32768) for i in range(6)]
-    yield broker, nodes
-    for node in nodes:
-        node.close()
-    broker.close()
+def cluster(reservoir_cluster: InProcessCluster) -> tuple[InProcessBroker, list[NodeAgent]]:
+    nodes = reservoir_cluster.add_nodes(6, "live", vcpus=16, memory_mb=32768)
+    return reservoir_cluster.broker, nodes
 
 
 def audited(nodes: list[NodeAgent], placements: list[Placement]) -> None:

@@ -6,8 +6,6 @@ node runs rather than waiting out an answer that cannot come (docs/design.md,
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 from reservoir import NodeAgent, Requestor, audit
@@ -21,13 +19,6 @@ from reservoir.protocol.messages import (
     encode_message,
 )
 from reservoir.runtime.output_reader import OutputNotKnown
-
-
-@pytest.fixture
-def broker() -> Iterator[InProcessBroker]:
-    broker = InProcessBroker()
-    yield broker
-    broker.close()
 
 
 class NodeOfTheFirstRelease:

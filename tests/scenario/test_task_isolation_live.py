@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,13 +23,6 @@ from reservoir.runtime.settings import Settings
 from reservoir.runtime.tasks import TaskConfig, TaskConfigError
 
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="switching users takes a root agent")
-
-
-@pytest.fixture
-def broker() -> Iterator[InProcessBroker]:
-    broker = InProcessBroker()
-    yield broker
-    broker.close()
 
 
 def a_node(broker: InProcessBroker, driver: ExecDriver) -> NodeAgent:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,13 +19,6 @@ from reservoir.runtime import node_agent
 from reservoir.runtime.requestor import NoSuchTask
 from reservoir.runtime.settings import Settings
 from reservoir.runtime.tasks import TaskConfig
-
-
-@pytest.fixture
-def broker() -> Iterator[InProcessBroker]:
-    broker = InProcessBroker()
-    yield broker
-    broker.close()
 
 
 def a_node(broker: InProcessBroker, state_dir: Path, config: TaskConfig | None = None) -> NodeAgent:

@@ -5,7 +5,6 @@ agent), and a driver object handed to an embedded agent. Every test ends with th
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,13 +20,6 @@ from reservoir.runtime.settings import Settings
 from reservoir.runtime.store import SqliteStore
 from reservoir.runtime.task_run import TaskRunTimeout
 from reservoir.runtime.tasks import TaskHandle, TaskStatus
-
-
-@pytest.fixture
-def broker() -> Iterator[InProcessBroker]:
-    broker = InProcessBroker()
-    yield broker
-    broker.close()
 
 
 def a_node(broker: InProcessBroker, state_dir: Path, vcpus: int = 2) -> NodeAgent:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -75,13 +74,6 @@ def test_percentile_is_nearest_rank() -> None:
     assert percentile([], 0.5) is None
     assert percentile([1.0], 0.99) == 1.0
     assert percentile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.0
-
-
-@pytest.fixture
-def broker() -> Iterator[InProcessBroker]:
-    broker = InProcessBroker()
-    yield broker
-    broker.close()
 
 
 def test_the_app_serves_the_page_its_assets_and_this_replicas_activity(

@@ -32,24 +32,15 @@ from reservoir.protocol.messages import (
 from reservoir.protocol.placement import Holdings
 from reservoir.runtime.requestor import FindIncomplete
 from reservoir.runtime.store import MemoryStore
+from reservoir.testing import InProcessCluster
 
 #: long enough that a find ending sooner shows it did not wait it out
 LONG_WAIT_S = 5.0
 
 
 @pytest.fixture
-def broker() -> Iterator[InProcessBroker]:
-    broker = InProcessBroker()
-    yield broker
-    broker.close()
-
-
-@pytest.fixture
-def nodes(broker: InProcessBroker) -> Iterator[list[NodeAgent]]:
-    nodes = [NodeAgent(broker, name=f"find-{i}", vcpus=8, memory_mb=8192) for i in range(3)]
-    yield nodes
-    for node in nodes:
-        node.close()
+def nodes(reservoir_cluster: InProcessCluster) -> list[NodeAgent]:
+    return reservoir_cluster.add_nodes(3, "find", vcpus=8, memory_mb=8192)
 
 
 def audited(nodes: list[NodeAgent], placements: list[Placement]) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -20,24 +20,15 @@ from reservoir import NodeAgent, audit
 from reservoir.brokers.inprocess import InProcessBroker
 from reservoir.observe.logs import JsonFormatter
 from reservoir.service import ReservoirService, create_app
+from reservoir.testing import InProcessCluster
 from reservoir.testing.asgi import serving
 
 PROBLEM_JSON = "application/problem+json"
 
 
 @pytest.fixture
-def broker() -> Iterator[InProcessBroker]:
-    broker = InProcessBroker()
-    yield broker
-    broker.close()
-
-
-@pytest.fixture
-def nodes(broker: InProcessBroker) -> Iterator[list[NodeAgent]]:
-    nodes = [NodeAgent(broker, name=f"http-{i}", vcpus=16, memory_mb=32768) for i in range(2)]
-    yield nodes
-    for node in nodes:
-        node.close()
+def nodes(reservoir_cluster: InProcessCluster) -> list[NodeAgent]:
+    return reservoir_cluster.add_nodes(2, "http", vcpus=16, memory_mb=32768)
 
 
 def against(

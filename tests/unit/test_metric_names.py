@@ -8,10 +8,8 @@ from __future__ import annotations
 import asyncio
 import platform
 import socket
-from collections.abc import Iterator
 
 import prometheus_client
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from reservoir import NodeAgent, Requestor
@@ -21,13 +19,6 @@ from reservoir.service import create_app
 from reservoir.testing import Simulation
 from reservoir.testing.asgi import serving
 from reservoir.version import __version__
-
-
-@pytest.fixture
-def broker() -> Iterator[InProcessBroker]:
-    broker = InProcessBroker()
-    yield broker
-    broker.close()
 
 
 def families(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:

@@ -32,7 +32,7 @@ WALL_S = 1_700_000_000.0
 REQUESTOR_PRIVATE, REQUESTOR_PUBLIC = generate("requestor-1", ed25519=True)
 
 
-class Cluster:
+class NodeKeys:
     """A keyring directory and a key file per node, as `reservoir keys add-node` makes them."""
 
     def __init__(self, root: Path) -> None:
@@ -55,8 +55,8 @@ class Cluster:
 
 
 @pytest.fixture
-def cluster(tmp_path: Path) -> Cluster:
-    return Cluster(tmp_path)
+def node_keys(tmp_path: Path) -> NodeKeys:
+    return NodeKeys(tmp_path)
 
 
 def node_codec(key_file: Path) -> Codec:
@@ -105,11 +105,11 @@ def refusal(codec: Codec, body: bytes, wall_s: float = WALL_S) -> DecodeError:
 
 
 def test_an_offer_accepted_or_freed_signed_with_another_nodes_key_is_impersonation(
-    cluster: Cluster,
+    node_keys: NodeKeys,
 ) -> None:
-    cluster.add_key("victim", "victim-1")
-    mallory = node_codec(cluster.add_key("mallory", "mallory-1"))
-    requestor = cluster.requestor_settings().codec("requestor")
+    node_keys.add_key("victim", "victim-1")
+    mallory = node_codec(node_keys.add_key("mallory", "mallory-1"))
+    requestor = node_keys.requestor_settings().codec("requestor")
     freed = Freed(request_id="r1", sender="victim", reply_to="reservoir.node.victim")
     for forged in (offer_from("victim"), accepted_from("victim"), freed):
         body = mallory.encode(forged, WALL_S, destination="reservoir.requestor.web")
@@ -141,11 +141,11 @@ def test_with_one_key_for_every_node_the_same_forgery_was_believed() -> None:
     assert decoded.sender == "victim"
 
 
-def test_a_node_missing_from_the_keyring_is_an_unknown_key(cluster: Cluster) -> None:
-    stranger = node_codec(cluster.add_key("stranger", "stranger-1"))
-    (cluster.keyring / "stranger.pub").unlink()
-    cluster.add_key("someone", "someone-1")  # the keyring itself is not empty
-    requestor = cluster.requestor_settings().codec("requestor")
+def test_a_node_missing_from_the_keyring_is_an_unknown_key(node_keys: NodeKeys) -> None:
+    stranger = node_codec(node_keys.add_key("stranger", "stranger-1"))
+    (node_keys.keyring / "stranger.pub").unlink()
+    node_keys.add_key("someone", "someone-1")  # the keyring itself is not empty
+    requestor = node_keys.requestor_settings().codec("requestor")
     body = stranger.encode(offer_from("stranger"), WALL_S, destination="reservoir.requestor.web")
     error = refusal(requestor, body)
     assert error.reason == "unknown_key"
@@ -153,12 +153,12 @@ def test_a_node_missing_from_the_keyring_is_an_unknown_key(cluster: Cluster) -> 
 
 
 def test_a_key_id_another_node_also_uses_but_a_wrong_signature_is_no_impersonation(
-    cluster: Cluster,
+    node_keys: NodeKeys,
 ) -> None:
     # Key ids are chosen per node; a forger naming another node's id without its private
     # key has forged nothing that verifies, and is told apart from a real node's key.
-    cluster.add_key("victim", "shared-id")
-    cluster.add_key("other", "other-1")
+    node_keys.add_key("victim", "shared-id")
+    node_keys.add_key("other", "other-1")
     impostor_private, _ = generate("shared-id", ed25519=True)
     impostor = Codec(
         keys=Keyring(
@@ -167,7 +167,7 @@ def test_a_key_id_another_node_also_uses_but_a_wrong_signature_is_no_impersonati
         ),
         role="node",
     )
-    requestor = cluster.requestor_settings().codec("requestor")
+    requestor = node_keys.requestor_settings().codec("requestor")
     body = impostor.encode(offer_from("victim"), WALL_S, destination="reservoir.requestor.web")
     assert refusal(requestor, body).reason == "bad_signature"
     body = impostor.encode(offer_from("other"), WALL_S, destination="reservoir.requestor.web")
@@ -175,14 +175,18 @@ def test_a_key_id_another_node_also_uses_but_a_wrong_signature_is_no_impersonati
 
 
 def test_a_node_forging_another_nodes_offer_and_accepted_is_dropped_and_counted_and_the_placement_is_real(  # noqa: E501
-    cluster: Cluster, caplog: pytest.LogCaptureFixture
+    node_keys: NodeKeys, caplog: pytest.LogCaptureFixture
 ) -> None:
-    sim = Simulation(settings=cluster.requestor_settings())
+    sim = Simulation(settings=node_keys.requestor_settings())
     # the victim cannot take the request; a believed forgery would place it there anyway
-    sim.add_node("victim", vcpus=1, settings=cluster.node_settings(cluster.add_key("victim", "v1")))
-    mallory_key = cluster.add_key("mallory", "m1")
-    sim.add_node("mallory", vcpus=8, settings=cluster.node_settings(mallory_key))
-    sim.add_node("honest", vcpus=8, settings=cluster.node_settings(cluster.add_key("honest", "h1")))
+    sim.add_node(
+        "victim", vcpus=1, settings=node_keys.node_settings(node_keys.add_key("victim", "v1"))
+    )
+    mallory_key = node_keys.add_key("mallory", "m1")
+    sim.add_node("mallory", vcpus=8, settings=node_keys.node_settings(mallory_key))
+    sim.add_node(
+        "honest", vcpus=8, settings=node_keys.node_settings(node_keys.add_key("honest", "h1"))
+    )
     requestor = sim.add_requestor("web")
     forger = node_codec(mallory_key)  # mallory's own valid key, another node's name
     peer = sim.broker.open_endpoint(lambda delivery: None, name="reservoir.node.mallory-peer")
@@ -220,14 +224,14 @@ def test_a_node_forging_another_nodes_offer_and_accepted_is_dropped_and_counted_
 
 
 def test_a_roster_keeper_and_its_requestors_place_on_nodes_with_keys_of_their_own(
-    cluster: Cluster,
+    node_keys: NodeKeys,
 ) -> None:
     settings = Settings(
-        node_keyring=cluster.keyring, requestor_keys=REQUESTOR_PRIVATE, roster_from="keeper"
+        node_keyring=node_keys.keyring, requestor_keys=REQUESTOR_PRIVATE, roster_from="keeper"
     )
     sim = Simulation(settings=settings)
     for name in ("n1", "n2"):
-        sim.add_node(name, vcpus=4, settings=cluster.node_settings(cluster.add_key(name, name)))
+        sim.add_node(name, vcpus=4, settings=node_keys.node_settings(node_keys.add_key(name, name)))
     keeper = sim.add_keeper()
     placements = [sim.place(sim.add_requestor(), vcpus=2) for _ in range(3)]
     assert all(p.nodes for p in placements)
@@ -251,25 +255,25 @@ def test_unsigned_clusters_place_as_before() -> None:
 # -- rolling a node's key over -------------------------------------------------------------
 
 
-def test_a_nodes_key_rolls_over_with_no_restart_of_any_requestor(cluster: Cluster) -> None:
-    old_key = cluster.add_key("n1", "n1-old")
-    sim = Simulation(settings=cluster.requestor_settings())
-    sim.add_node("n1", vcpus=8, settings=cluster.node_settings(old_key))
+def test_a_nodes_key_rolls_over_with_no_restart_of_any_requestor(node_keys: NodeKeys) -> None:
+    old_key = node_keys.add_key("n1", "n1-old")
+    sim = Simulation(settings=node_keys.requestor_settings())
+    sim.add_node("n1", vcpus=8, settings=node_keys.node_settings(old_key))
     requestor = sim.add_requestor("web")
     first = sim.place(requestor, vcpus=1)
     assert first.nodes == ("n1",)
 
     # 1. the new public key joins the old one in the keyring; requestors look again
-    new_key = cluster.add_key("n1", "n1-new")
-    sim.advance(NodeKeyring(cluster.keyring).recheck_s)
+    new_key = node_keys.add_key("n1", "n1-new")
+    sim.advance(NodeKeyring(node_keys.keyring).recheck_s)
     # 2. the node alone restarts with its new key (its allocations stay in its store)
     store = sim.nodes["n1"].store
-    sim.restart_node("n1", vcpus=8, settings=cluster.node_settings(new_key), store=store)
+    sim.restart_node("n1", vcpus=8, settings=node_keys.node_settings(new_key), store=store)
     second = sim.place(requestor, vcpus=1)
     assert second.nodes == ("n1",)
     # 3. the old key is retired: what it signs is no longer believed, within the recheck
-    retire_node_key(cluster.keyring, "n1", "n1-old")
-    sim.advance(NodeKeyring(cluster.keyring).recheck_s)
+    retire_node_key(node_keys.keyring, "n1", "n1-old")
+    sim.advance(NodeKeyring(node_keys.keyring).recheck_s)
     stale = node_codec(old_key).encode(
         offer_from("n1"), sim.scheduler.clock.wall(), destination=requestor.address
     )
@@ -284,18 +288,18 @@ def test_a_nodes_key_rolls_over_with_no_restart_of_any_requestor(cluster: Cluste
 
 
 def test_a_nodes_key_file_replaced_in_place_is_signed_with_and_nobody_restarts(
-    cluster: Cluster, caplog: pytest.LogCaptureFixture
+    node_keys: NodeKeys, caplog: pytest.LogCaptureFixture
 ) -> None:
-    key_file = cluster.add_key("n1", "n1-old")
-    sim = Simulation(settings=cluster.requestor_settings())
-    node = sim.add_node("n1", vcpus=8, settings=cluster.node_settings(key_file))
+    key_file = node_keys.add_key("n1", "n1-old")
+    sim = Simulation(settings=node_keys.requestor_settings())
+    node = sim.add_node("n1", vcpus=8, settings=node_keys.node_settings(key_file))
     requestor = sim.add_requestor("web")
     first = sim.place(requestor, vcpus=1)
 
-    new_file = cluster.add_key("n1", "n1-new")  # the keyring lists both
+    new_file = node_keys.add_key("n1", "n1-new")  # the keyring lists both
     sim.advance(2.0)  # every requestor has looked again
     os.replace(new_file, key_file)  # the node's key file, replaced whole
-    retire_node_key(cluster.keyring, "n1", "n1-old")
+    retire_node_key(node_keys.keyring, "n1", "n1-old")
     sim.advance(2.0)
     with caplog.at_level(logging.INFO, logger="reservoir.keys"):
         second = sim.place(requestor, vcpus=1)
@@ -326,24 +330,24 @@ def test_a_node_key_file_gone_bad_keeps_the_key_in_use(
     assert [k.key_id for k in own.in_use()] == ["n1-a"]
 
 
-def test_the_keyring_is_read_again_only_after_its_recheck_interval(cluster: Cluster) -> None:
-    cluster.add_key("n1", "n1-a")
-    keyring = NodeKeyring(cluster.keyring, recheck_s=2.0)
+def test_the_keyring_is_read_again_only_after_its_recheck_interval(node_keys: NodeKeys) -> None:
+    node_keys.add_key("n1", "n1-a")
+    keyring = NodeKeyring(node_keys.keyring, recheck_s=2.0)
     assert keyring.find("n1", "n1-a", 0.0) is not None
-    cluster.add_key("n2", "n2-a")
+    node_keys.add_key("n2", "n2-a")
     assert keyring.find("n2", "n2-a", 1.0) is None  # not looked at again yet
     assert keyring.find("n2", "n2-a", 2.0) is not None
-    (cluster.keyring / "n2.pub").unlink()
+    (node_keys.keyring / "n2.pub").unlink()
     assert keyring.find("n2", "n2-a", 4.0) is None  # removing the file retires the node
 
 
 def test_a_keyring_file_gone_bad_keeps_the_keys_it_had_and_says_so(
-    cluster: Cluster, caplog: pytest.LogCaptureFixture
+    node_keys: NodeKeys, caplog: pytest.LogCaptureFixture
 ) -> None:
-    cluster.add_key("n1", "n1-a")
-    keyring = NodeKeyring(cluster.keyring, recheck_s=1.0)
-    (cluster.keyring / "n1.pub").write_text("n1-a:ed25519-public:not-base64!\n")
-    (cluster.keyring / "n2.pub").write_text("n2-a:ed25519-public:not-base64!\n")  # new, bad
+    node_keys.add_key("n1", "n1-a")
+    keyring = NodeKeyring(node_keys.keyring, recheck_s=1.0)
+    (node_keys.keyring / "n1.pub").write_text("n1-a:ed25519-public:not-base64!\n")
+    (node_keys.keyring / "n2.pub").write_text("n2-a:ed25519-public:not-base64!\n")  # new, bad
     with caplog.at_level(logging.WARNING, logger="reservoir.keys"):
         assert keyring.find("n1", "n1-a", 5.0) is not None
         assert keyring.find("n1", "n1-a", 10.0) is not None
@@ -357,16 +361,16 @@ def test_a_keyring_file_gone_bad_keeps_the_keys_it_had_and_says_so(
 # -- settings ------------------------------------------------------------------------------
 
 
-def test_per_node_keys_and_keys_every_node_shares_are_not_mixed(cluster: Cluster) -> None:
-    key_file = cluster.add_key("n1", "n1-a")
+def test_per_node_keys_and_keys_every_node_shares_are_not_mixed(node_keys: NodeKeys) -> None:
+    key_file = node_keys.add_key("n1", "n1-a")
     private, _ = generate("nodes", ed25519=True)
     with pytest.raises(ValueError, match=r"RESERVOIR_NODE_KEYS .* both set"):
         Settings(node_key=key_file, node_keys=private, requestor_keys=REQUESTOR_PUBLIC)
     with pytest.raises(ValueError, match="RESERVOIR_REQUESTOR_KEYS is not set"):
-        Settings(node_keyring=cluster.keyring)
+        Settings(node_keyring=node_keys.keyring)
 
 
-def test_a_node_key_must_be_one_ed25519_private_key(cluster: Cluster, tmp_path: Path) -> None:
+def test_a_node_key_must_be_one_ed25519_private_key(node_keys: NodeKeys, tmp_path: Path) -> None:
     hmac_file = tmp_path / "hmac.key"
     hmac_file.write_text("n1:" + "s" * 32 + "\n")
     os.chmod(hmac_file, 0o600)
@@ -379,15 +383,15 @@ def test_a_node_key_must_be_one_ed25519_private_key(cluster: Cluster, tmp_path: 
         load_node_key(two)
 
 
-def test_a_keyring_holding_a_private_key_is_refused_at_start(cluster: Cluster) -> None:
-    (cluster.keyring / "n1.pub").write_text(generate("n1-a", ed25519=True)[0] + "\n")
+def test_a_keyring_holding_a_private_key_is_refused_at_start(node_keys: NodeKeys) -> None:
+    (node_keys.keyring / "n1.pub").write_text(generate("n1-a", ed25519=True)[0] + "\n")
     with pytest.raises(ValueError, match=r"RESERVOIR_NODE_KEYRING .*n1\.pub.*public keys only"):
-        cluster.requestor_settings()
+        node_keys.requestor_settings()
 
 
 def test_a_node_with_only_the_keyring_is_told_it_needs_a_key_of_its_own(
-    cluster: Cluster,
+    node_keys: NodeKeys,
 ) -> None:
-    cluster.add_key("n1", "n1-a")
+    node_keys.add_key("n1", "n1-a")
     with pytest.raises(ValueError, match="a node needs a key of its own"):
-        cluster.requestor_settings().codec("node")
+        node_keys.requestor_settings().codec("node")

@@ -47,13 +47,6 @@ class Shared:
 
 
 @pytest.fixture
-def broker() -> Iterator[InProcessBroker]:
-    broker = InProcessBroker()
-    yield broker
-    broker.close()
-
-
-@pytest.fixture
 def heard(broker: InProcessBroker) -> Iterator[dict[str, ReservationRequest]]:
     """Every ReservationRequest published on a tier topic, the first of each id."""
     codec = Settings().codec()

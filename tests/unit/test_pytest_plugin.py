@@ -26,6 +26,16 @@ def test_users_own_slow_test_runs():
 
 def test_the_simulation_fixture_is_there(reservoir_simulation):
     reservoir_simulation.add_nodes(1, vcpus=2, memory_mb=1024)
+
+def test_the_in_process_cluster_fixture_places_on_its_nodes(reservoir_cluster):
+    from reservoir import Requestor
+
+    reservoir_cluster.add_nodes(2, "users", vcpus=4, memory_mb=4096)
+    with Requestor(reservoir_cluster.broker) as requestor:
+        placement = requestor.reserve(vcpus=2, memory_mb=1024)
+    assert placement.nodes[0] in ("users-0", "users-1")
+    assert reservoir_cluster.held() == 1
+    reservoir_cluster.audit([placement])
 """
 
 
@@ -38,7 +48,7 @@ def test_a_users_own_run_slow_option_and_slow_tests_are_left_alone(tmp_path: Pat
         cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "2 passed" in done.stdout
+    assert "3 passed" in done.stdout
     assert "skipped" not in done.stdout
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -20,6 +20,7 @@ from reservoir import NodeAgent, Placement, PlacementRequest, RequestorClosed, a
 from reservoir.brokers.inprocess import Faults, InProcessBroker
 from reservoir.cli import main
 from reservoir.service import ReservoirService, create_app, reservoir_lifespan
+from reservoir.testing import InProcessCluster
 from reservoir.testing.asgi import running, serving
 from reservoir.version import __version__
 
@@ -29,21 +30,8 @@ PROBLEM_JSON = "application/problem+json"
 
 
 @pytest.fixture
-def broker() -> Iterator[InProcessBroker]:
-    broker = InProcessBroker()
-    yield broker
-    broker.close()
-
-
-@pytest.fixture
-def nodes(broker: InProcessBroker) -> Iterator[list[NodeAgent]]:
-    nodes = [
-        NodeAgent(broker, name=f"serve-{i}", vcpus=NODE_VCPUS, memory_mb=NODE_MEMORY_MB)
-        for i in range(3)
-    ]
-    yield nodes
-    for node in nodes:
-        node.close()
+def nodes(reservoir_cluster: InProcessCluster) -> list[NodeAgent]:
+    return reservoir_cluster.add_nodes(3, "serve", vcpus=NODE_VCPUS, memory_mb=NODE_MEMORY_MB)
 
 
 def run_against(

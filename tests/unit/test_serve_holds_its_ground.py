@@ -24,24 +24,15 @@ from reservoir import NodeAgent, audit
 from reservoir.brokers.inprocess import InProcessBroker
 from reservoir.service import ReservoirService, create_app
 from reservoir.service.shapes import MAX_HINT_DEPTH
+from reservoir.testing import InProcessCluster
 from reservoir.testing.asgi import running, serving
 
 PROBLEM_JSON = "application/problem+json"
 
 
 @pytest.fixture
-def broker() -> Iterator[InProcessBroker]:
-    broker = InProcessBroker()
-    yield broker
-    broker.close()
-
-
-@pytest.fixture
-def nodes(broker: InProcessBroker) -> Iterator[list[NodeAgent]]:
-    nodes = [NodeAgent(broker, name=f"ground-{i}", vcpus=16, memory_mb=32768) for i in range(2)]
-    yield nodes
-    for node in nodes:
-        node.close()
+def nodes(reservoir_cluster: InProcessCluster) -> list[NodeAgent]:
+    return reservoir_cluster.add_nodes(2, "ground", vcpus=16, memory_mb=32768)
 
 
 def is_problem(response: httpx.Response, status: int) -> dict[str, Any]:

@@ -7,7 +7,7 @@ ends with the invariant audit over the nodes' ledgers."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -17,6 +17,7 @@ from reservoir import NodeAgent, audit
 from reservoir.brokers.inprocess import InProcessBroker
 from reservoir.runtime.auditor import read_placements
 from reservoir.service import ReservoirService, create_app
+from reservoir.testing import InProcessCluster
 from reservoir.testing.asgi import serving
 
 PROBLEM_JSON = "application/problem+json"
@@ -26,18 +27,8 @@ Client = httpx.AsyncClient
 
 
 @pytest.fixture
-def broker() -> Iterator[InProcessBroker]:
-    broker = InProcessBroker()
-    yield broker
-    broker.close()
-
-
-@pytest.fixture
-def nodes(broker: InProcessBroker) -> Iterator[list[NodeAgent]]:
-    nodes = [NodeAgent(broker, name=f"replica-{i}", vcpus=16, memory_mb=32768) for i in range(3)]
-    yield nodes
-    for node in nodes:
-        node.close()
+def nodes(reservoir_cluster: InProcessCluster) -> list[NodeAgent]:
+    return reservoir_cluster.add_nodes(3, "replica", vcpus=16, memory_mb=32768)
 
 
 def audited(nodes: list[NodeAgent], bodies: list[dict[str, Any]]) -> None:

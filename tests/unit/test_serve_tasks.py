@@ -4,12 +4,10 @@ in-process node that runs it with the exec driver; the audit at the end."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 
 from reservoir import NodeAgent, audit
 from reservoir.brokers.inprocess import InProcessBroker
@@ -18,13 +16,6 @@ from reservoir.runtime.exec_driver import ExecDriver
 from reservoir.runtime.settings import Settings
 from reservoir.service import ReservoirService, create_app
 from reservoir.testing.asgi import serving
-
-
-@pytest.fixture
-def broker() -> Iterator[InProcessBroker]:
-    broker = InProcessBroker()
-    yield broker
-    broker.close()
 
 
 def test_a_task_posted_runs_and_get_shows_it_ended_after_its_allocation_was_freed(

@@ -25,13 +25,6 @@ from reservoir.runtime.auditor import LedgerCollector, node_fields
 
 
 @pytest.fixture
-def broker() -> Iterator[InProcessBroker]:
-    broker = InProcessBroker()
-    yield broker
-    broker.close()
-
-
-@pytest.fixture
 def cluster(broker: InProcessBroker, monkeypatch: pytest.MonkeyPatch) -> Iterator[InProcessBroker]:
     """Two live nodes, one with host-reserved VCPUs and an allocation ratio, one
     allocation placed; the commands' broker is this one."""

@@ -37,7 +37,6 @@ from typing import Any
 
 import pytest
 
-from reservoir.brokers import connect
 from reservoir.version import __version__
 from tests.e2e.test_task_processes import processes_with
 from tests.upgrade.release_builds import ROOT, ReleaseBuild
@@ -246,12 +245,10 @@ class Upgrade:
 
 @pytest.fixture
 def upgrade(
-    previous_release: ReleaseBuild, reservoir_amqp_broker_url: str, tmp_path: Path
+    previous_release: ReleaseBuild, reservoir_amqp_url: str, tmp_path: Path
 ) -> Iterator[Upgrade]:
-    exchange = f"e2e-upgrade-{uuid.uuid4().hex[:10]}"
-    separator = "&" if "?" in reservoir_amqp_broker_url else "?"
-    url = f"{reservoir_amqp_broker_url}{separator}exchange={exchange}"
-    cluster = Upgrade(previous_release, url, tmp_path, f"tok{uuid.uuid4().hex[:8]}")
+    token = f"tok{uuid.uuid4().hex[:8]}"
+    cluster = Upgrade(previous_release, reservoir_amqp_url, tmp_path, token)
     yield cluster
     for process in [*(p for _, p, _ in cluster.nodes.values()), *cluster.others,
                     *(p for p, _ in cluster.requestors.values())]:  # fmt: skip
@@ -261,8 +258,6 @@ def upgrade(
     for pid in processes_with(cluster.token):  # a task a failing test left behind
         with contextlib.suppress(ProcessLookupError):
             os.killpg(os.getpgid(pid), signal.SIGKILL)
-    with connect(url) as broker:
-        broker.delete_exchanges()  # type: ignore[attr-defined]
 
 
 def p50_ms(outcomes: list[dict[str, Any]]) -> float | None:

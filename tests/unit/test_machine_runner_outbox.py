@@ -17,7 +17,7 @@ from reservoir.broker import Broker, Endpoint, Handler
 from reservoir.clock import FakeClock, VirtualScheduler
 from reservoir.protocol.effects import Bind, Effect, Send, Unbind
 from reservoir.protocol.messages import Message, Release
-from reservoir.runtime.driver import Driver
+from reservoir.runtime.machine_runner import Driver
 from reservoir.runtime.settings import Settings
 
 

@@ -58,7 +58,7 @@ INTERPRETED = {
     "reservoir/protocol/errors.py": "a subclass of a built-in exception",
     "reservoir/protocol/audit.py": "runs once per audit, never per message",
     "reservoir/protocol/addresses.py": "called when a participant starts and per free",
-    "reservoir/protocol/tasks.py": "once per change of a task, never per probe",
+    "reservoir/protocol/task_book.py": "once per change of a task, never per probe",
     "reservoir/protocol/compatibility.py": "its write plans are closures made once per kind; "
     "what it does per message is a dict lookup",
     "reservoir/protocol/task_policy.py": "once per request carrying a task, where the node "

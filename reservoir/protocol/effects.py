@@ -22,7 +22,7 @@ import msgspec
 from reservoir.protocol.ledger import Allocation
 from reservoir.protocol.messages import Message
 from reservoir.protocol.placement import Holdings, Placement, PlacementError
-from reservoir.protocol.tasks import EndedTask
+from reservoir.protocol.task_book import EndedTask
 
 __all__ = [
     "Bind",

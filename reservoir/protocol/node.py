@@ -110,8 +110,8 @@ from reservoir.protocol.messages import (
 )
 from reservoir.protocol.numa import NumaTopology
 from reservoir.protocol.room import NOTHING_FREE
+from reservoir.protocol.task_book import ENDED_STATES, EndedTask, TaskBook
 from reservoir.protocol.task_policy import TASK_NOT_ALLOWED, TaskPolicy
-from reservoir.protocol.tasks import ENDED_STATES, EndedTask, TaskBook
 from reservoir.protocol.tiers import DEFAULT_LADDER, TierLadder
 
 __all__ = [

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from reservoir.protocol.messages import TaskOutput, TaskOutputQuery, TaskReport
-from reservoir.protocol.tasks import ENDED_STATES
+from reservoir.protocol.task_book import ENDED_STATES
 from reservoir.runtime.tasks import OutputChunk
 
 __all__ = ["MAX_WAITING", "OutputDesk"]

@@ -64,7 +64,7 @@ from reservoir.protocol.placement import (
 from reservoir.protocol.policies import Policy, policy_named
 from reservoir.protocol.requestor import RequestorMachine
 from reservoir.protocol.requestor_state import RequestorConfig
-from reservoir.protocol.tasks import ENDED_STATES
+from reservoir.protocol.task_book import ENDED_STATES
 from reservoir.protocol.timers import ConversationTimer, FreeTimer
 from reservoir.runtime.checked_request import CheckedRequest
 from reservoir.runtime.finding import Finder

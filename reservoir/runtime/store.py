@@ -29,7 +29,7 @@ import msgspec
 
 from reservoir.protocol.ledger import Allocation
 from reservoir.protocol.messages import NumaPlacement, TaskSpec
-from reservoir.protocol.tasks import EndedTask
+from reservoir.protocol.task_book import EndedTask
 from reservoir.runtime.tasks import TaskHandle
 from reservoir.version import __version__
 

@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 from reservoir.protocol.messages import TaskState
 from reservoir.protocol.placement import Placement
-from reservoir.protocol.tasks import ENDED_STATES
+from reservoir.protocol.task_book import ENDED_STATES
 
 __all__ = ["TaskRun", "TaskRunTimeout"]
 

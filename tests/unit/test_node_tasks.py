@@ -36,8 +36,8 @@ from reservoir.protocol.messages import (
     lookup_topic,
 )
 from reservoir.protocol.node import EXPIRY_TIMER, TASK_DRIVER_MISSING, NodeConfig, NodeMachine
+from reservoir.protocol.task_book import EndedTask
 from reservoir.protocol.task_policy import TASK_NOT_ALLOWED, TaskPolicy
-from reservoir.protocol.tasks import EndedTask
 
 T0 = 1000.0
 REQUESTOR = "req-1"

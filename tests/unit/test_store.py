@@ -10,7 +10,7 @@ import pytest
 from reservoir import SqliteStore, StateError
 from reservoir.protocol.ledger import Allocation
 from reservoir.protocol.messages import NumaPlacement
-from reservoir.protocol.tasks import EndedTask
+from reservoir.protocol.task_book import EndedTask
 from reservoir.testing import Simulation
 
 

@@ -60,7 +60,7 @@ def stopped_by(process: subprocess.Popen[str], signum: int) -> tuple[int, str, s
 def test_a_request_waiting_for_nodes_stops_with_one_line_and_status_130(signum: int) -> None:
     # nobody answers on an empty in-process broker: the request waits its whole timeout
     process = started("request", "--broker", "memory://", "--vcpus", "1", "--timeout", "30")
-    time.sleep(2.5)
+    time.sleep(1.5)  # started (0.4 s) and waiting for an answer
     status, out, err = stopped_by(process, signum)
     assert status == INTERRUPTED
     assert err.splitlines() == ["reservoir request: interrupted"], err
@@ -99,7 +99,7 @@ def test_ctrl_c_while_the_command_is_still_loading_is_one_line_not_a_traceback(
 
 def test_ctrl_c_in_the_demo_stops_its_threads_without_a_traceback() -> None:
     process = started("demo", "--nodes", "20", "--requests", "1000000", "--json")
-    time.sleep(3.0)
+    time.sleep(2.0)  # started, and its threads placing
     status, out, err = stopped_by(process, signal.SIGINT)
     assert status == INTERRUPTED
     assert err.splitlines() == ["reservoir demo: interrupted"], err

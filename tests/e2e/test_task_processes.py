@@ -151,7 +151,7 @@ def test_a_node_killed_while_its_tasks_run_reports_them_once_restarted_and_leaks
     cluster.audit()
 
 
-def test_200_short_tasks_from_8_concurrent_callers_each_run_once_with_their_own_code(
+def test_96_short_tasks_from_8_concurrent_callers_each_run_once_with_their_own_code(
     cluster: TaskCluster, task_files: Path
 ) -> None:
     from reservoir import Requestor
@@ -163,7 +163,7 @@ def test_200_short_tasks_from_8_concurrent_callers_each_run_once_with_their_own_
     def caller(first: int) -> list[tuple[int, int | None]]:
         codes = []
         with Requestor(cluster.url) as requestor:
-            for number in range(first, first + 25):
+            for number in range(first, first + 12):
                 task = requestor.run(
                     ["sh", "-c", f'echo ran >> {runs}/{number}; exit "$0"', str(number)],
                     vcpus=1,
@@ -175,9 +175,9 @@ def test_200_short_tasks_from_8_concurrent_callers_each_run_once_with_their_own_
         return codes
 
     with ThreadPoolExecutor(max_workers=8) as pool:
-        results = [code for codes in pool.map(caller, range(0, 200, 25)) for code in codes]
-    assert sorted(results) == [(number, number) for number in range(200)]
-    assert sorted(int(p.name) for p in runs.iterdir()) == list(range(200))
+        results = [code for codes in pool.map(caller, range(0, 96, 12)) for code in codes]
+    assert sorted(results) == [(number, number) for number in range(96)]
+    assert sorted(int(p.name) for p in runs.iterdir()) == list(range(96))
     assert all(p.read_text() == "ran\n" for p in runs.iterdir())  # exactly once each
     for name in cluster.nodes:
         assert cluster.allocations(name) == []
